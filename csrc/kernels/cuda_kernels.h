@@ -1,0 +1,37 @@
+// Launchers for the CUDA kernels. Plain pointers, sizes and a stream: no torch
+// and no CUDA headers, so the op layer includes this in any build. Launchers
+// enqueue work on `stream` and never synchronize with the host; a failed launch
+// throws std::runtime_error.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dtype.h"
+
+namespace ampfuse::kernels::cuda {
+
+// g *= *inv_scale for every tensor of `grads`; *found_inf = 1 if any element is inf/nan.
+void unscale(const std::vector<TensorRef>& grads, float* found_inf, const float* inv_scale,
+             StreamHandle stream);
+
+// dst[i] = src[i] * *scale cast to dst's type; *found_inf = 1 if any src element is inf/nan.
+void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
+           const float* scale, float* found_inf, StreamHandle stream);
+
+// Scratch the l2norm launcher needs: one float and one int32 per 64K-element chunk.
+std::int64_t l2norm_scratch_chunks(const std::vector<TensorRef>& tensors);
+
+// *global_norm = ||all tensors||_2 and, when per_tensor_norms is not null,
+// per_tensor_norms[i] = ||tensors[i]||_2. `chunk_sums` and `chunk_owner` hold
+// l2norm_scratch_chunks(tensors) elements each. Deterministic: no atomics.
+void l2norm(const std::vector<TensorRef>& tensors, float* chunk_sums, std::int32_t* chunk_owner,
+            float* global_norm, float* per_tensor_norms, StreamHandle stream);
+
+// One step of apply_scale_rule (scale_rule.h) on device scalars.
+void update_scale(float* scale, std::int32_t* growth_tracker, std::int32_t* hysteresis_tracker,
+                  const float* found_inf, double growth_factor, double backoff_factor,
+                  std::int64_t growth_interval, std::int64_t hysteresis, double min_scale,
+                  double max_scale, StreamHandle stream);
+
+}  // namespace ampfuse::kernels::cuda

@@ -1,0 +1,135 @@
+// The multi-tensor launch machinery shared by every list kernel: element
+// load/store as fp32, 16-byte packs, per-block chunk lookup, the generic kernel
+// and the launcher that walks a launch plan.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "launch_plan.h"
+
+namespace ampfuse::kernels::cuda {
+
+constexpr int kThreadsPerBlock = 512;
+
+template <typename T>
+struct DeviceElement;
+
+template <>
+struct DeviceElement<float> {
+  __device__ static float load(float x) { return x; }
+  __device__ static float store(float x) { return x; }
+};
+
+template <>
+struct DeviceElement<__half> {
+  __device__ static float load(__half x) { return __half2float(x); }
+  __device__ static __half store(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct DeviceElement<__nv_bfloat16> {
+  __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+
+// Calls f with a null pointer of the storage type for `dtype`. A block's tensor
+// has one dtype, so the branch is uniform across the block.
+template <typename F>
+__device__ void with_element_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat16:
+      f(static_cast<__half*>(nullptr));
+      break;
+    case DType::kBFloat16:
+      f(static_cast<__nv_bfloat16*>(nullptr));
+      break;
+    case DType::kFloat32:
+      f(static_cast<float*>(nullptr));
+      break;
+  }
+}
+
+// N elements moved as one unit; for N*sizeof(T) >= 16 that is one or more
+// 16-byte accesses, the widest a thread can issue.
+template <typename T, int N>
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
+  T v[N];
+};
+
+__device__ inline bool is_aligned_16(const void* p) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+}
+
+// The chunk this block owns: its slot in the table, and the element range.
+struct BlockChunk {
+  int slot;
+  std::int64_t start;
+  int size;
+};
+
+template <int Depth>
+__device__ BlockChunk block_chunk(const ChunkTable<Depth>& table) {
+  const int slot = table.block_tensor[blockIdx.x];
+  const std::int64_t start = static_cast<std::int64_t>(table.block_chunk[blockIdx.x]) * kChunkSize;
+  const std::int64_t left = table.numel[slot] - start;
+  return {slot, start, static_cast<int>(left < kChunkSize ? left : kChunkSize)};
+}
+
+// Visits elements [0, n) of a chunk: full packs of N at offsets that are
+// multiples of N when `aligned`, the rest one element at a time.
+template <int N, typename PackOp, typename ElementOp>
+__device__ void visit_chunk(int n, bool aligned, PackOp&& pack_op, ElementOp&& element_op) {
+  const int packed_end = aligned ? n - n % N : 0;
+  for (int i = threadIdx.x * N; i < packed_end; i += blockDim.x * N) pack_op(i);
+  for (int i = packed_end + threadIdx.x; i < n; i += blockDim.x) element_op(i);
+}
+
+// Sum over the block; the result is valid in thread 0.
+template <typename T>
+__device__ T block_sum(T value) {
+  __shared__ T warp_sums[kThreadsPerBlock / 32];
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) warp_sums[warp] = value;
+  __syncthreads();
+  value = threadIdx.x < blockDim.x / 32 ? warp_sums[threadIdx.x] : T(0);
+  if (warp == 0) {
+    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+// The table travels as a __grid_constant__ kernel parameter, so blocks read it
+// straight from constant parameter space without a per-thread copy.
+template <int Depth, typename Functor, typename... Args>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    multi_tensor_kernel(const __grid_constant__ ChunkTable<Depth> table, Functor functor,
+                        Args... args) {
+  functor(table, args...);
+}
+
+inline void throw_on_launch_error(const char* what) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("ampfuse: CUDA launch of ") + what +
+                             " failed: " + cudaGetErrorString(status));
+  }
+}
+
+// Runs functor over every chunk of `lists` (Depth parallel lists) on `stream`.
+template <int Depth, typename Functor, typename... Args>
+void launch_multi_tensor(const char* what, const std::vector<TensorRef>* const lists[Depth],
+                         StreamHandle stream, Functor functor, Args... args) {
+  plan_launches<Depth>(lists, [&](const ChunkTable<Depth>& table, int blocks) {
+    multi_tensor_kernel<Depth><<<blocks, kThreadsPerBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        table, functor, args...);
+    throw_on_launch_error(what);
+  });
+}
+
+}  // namespace ampfuse::kernels::cuda

@@ -1,0 +1,85 @@
+// multi_tensor_scale_ and multi_tensor_unscale_: one element body, dst = src * factor
+// in fp32 with a non-finite check on src, used in place (unscale) or between two
+// lists of any fp32/fp16/bf16 pairing (scale).
+#include "cuda_kernels.h"
+#include "multi_tensor_apply.cuh"
+
+namespace ampfuse::kernels::cuda {
+namespace {
+
+// Returns true if this thread saw a non-finite source element.
+template <typename Src, typename Dst>
+__device__ bool scale_chunk(const Src* src, Dst* dst, int n, float factor) {
+  constexpr int kPack = 16 / (sizeof(Src) < sizeof(Dst) ? sizeof(Src) : sizeof(Dst));
+  bool nonfinite = false;
+  const auto element = [&](int i) {
+    const float x = DeviceElement<Src>::load(src[i]);
+    nonfinite |= !isfinite(x);
+    dst[i] = DeviceElement<Dst>::store(x * factor);
+  };
+  const auto pack = [&](int i) {
+    const Pack<Src, kPack> in = *reinterpret_cast<const Pack<Src, kPack>*>(src + i);
+    Pack<Dst, kPack> out;
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) {
+      const float x = DeviceElement<Src>::load(in.v[k]);
+      nonfinite |= !isfinite(x);
+      out.v[k] = DeviceElement<Dst>::store(x * factor);
+    }
+    *reinterpret_cast<Pack<Dst, kPack>*>(dst + i) = out;
+  };
+  visit_chunk<kPack>(n, is_aligned_16(src) && is_aligned_16(dst), pack, element);
+  return nonfinite;
+}
+
+// Every thread that saw a non-finite value writes the same 1.0f: the race is benign.
+__device__ void flag_nonfinite(bool nonfinite, float* found_inf) {
+  if (nonfinite) *found_inf = 1.0f;
+}
+
+struct UnscaleFunctor {
+  __device__ void operator()(const ChunkTable<1>& table, float* found_inf,
+                             const float* inv_scale) const {
+    const BlockChunk chunk = block_chunk(table);
+    const float factor = *inv_scale;
+    with_element_type(table.dtypes[0][chunk.slot], [&](auto* type_tag) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      T* data = static_cast<T*>(table.addresses[0][chunk.slot]) + chunk.start;
+      flag_nonfinite(scale_chunk(data, data, chunk.size, factor), found_inf);
+    });
+  }
+};
+
+struct ScaleFunctor {
+  __device__ void operator()(const ChunkTable<2>& table, float* found_inf,
+                             const float* scale) const {
+    const BlockChunk chunk = block_chunk(table);
+    const float factor = *scale;
+    with_element_type(table.dtypes[0][chunk.slot], [&](auto* src_tag) {
+      using Src = std::remove_pointer_t<decltype(src_tag)>;
+      with_element_type(table.dtypes[1][chunk.slot], [&](auto* dst_tag) {
+        using Dst = std::remove_pointer_t<decltype(dst_tag)>;
+        const Src* src = static_cast<const Src*>(table.addresses[0][chunk.slot]) + chunk.start;
+        Dst* dst = static_cast<Dst*>(table.addresses[1][chunk.slot]) + chunk.start;
+        flag_nonfinite(scale_chunk(src, dst, chunk.size, factor), found_inf);
+      });
+    });
+  }
+};
+
+}  // namespace
+
+void unscale(const std::vector<TensorRef>& grads, float* found_inf, const float* inv_scale,
+             StreamHandle stream) {
+  const std::vector<TensorRef>* lists[1] = {&grads};
+  launch_multi_tensor<1>("multi_tensor_unscale_", lists, stream, UnscaleFunctor{}, found_inf,
+                         inv_scale);
+}
+
+void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
+           const float* scale, float* found_inf, StreamHandle stream) {
+  const std::vector<TensorRef>* lists[2] = {&src, &dst};
+  launch_multi_tensor<2>("multi_tensor_scale_", lists, stream, ScaleFunctor{}, found_inf, scale);
+}
+
+}  // namespace ampfuse::kernels::cuda

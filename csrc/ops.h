@@ -1,0 +1,36 @@
+// Every op implementation, one declaration each; registration.cpp binds them to
+// the schemas of torch.ops.ampfuse.*.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace ampfuse::ops {
+
+void multi_tensor_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale);
+void multi_tensor_scale_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
+                            const at::Tensor& found_inf);
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors, bool per_tensor);
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_fallback(at::TensorList tensors,
+                                                                bool per_tensor);
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                      double growth_factor, double backoff_factor, std::int64_t growth_interval,
+                      std::int64_t hysteresis, double min_scale, double max_scale);
+
+#ifdef AMPFUSE_WITH_CUDA
+void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
+                               const at::Tensor& inv_scale);
+void multi_tensor_scale_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
+                             const at::Tensor& found_inf);
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,
+                                                            bool per_tensor);
+void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                       double growth_factor, double backoff_factor, std::int64_t growth_interval,
+                       std::int64_t hysteresis, double min_scale, double max_scale);
+#endif
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,85 @@
+#include "checks.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+namespace ampfuse::ops {
+
+std::string arg_label(const char* name, std::int64_t index) {
+  return index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
+}
+
+namespace {
+
+std::string dtype_name(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
+
+}  // namespace
+
+kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::string& label) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return kernels::DType::kFloat32;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "ampfuse.", op, ": ", label, " has dtype ", dtype_name(t.scalar_type()),
+                  "; ampfuse ops take torch.float32, torch.float16 or torch.bfloat16 tensors. "
+                  "Convert it first, or leave this tensor out of the call.");
+  }
+}
+
+void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
+                         at::ScalarType dtype, c10::optional<at::Device> device) {
+  TORCH_CHECK(t.scalar_type() == dtype, "ampfuse.", op, ": ", name, " must be a ",
+              dtype_name(dtype), " tensor, got ", dtype_name(t.scalar_type()),
+              ". Create it with torch.ones(1, dtype=", dtype_name(dtype), ", device=...).");
+  TORCH_CHECK(t.numel() == 1, "ampfuse.", op, ": ", name,
+              " must hold exactly one element, got shape ", t.sizes(), ".");
+  if (device.has_value()) {
+    TORCH_CHECK(t.device() == *device, "ampfuse.", op, ": ", name, " is on ", t.device(),
+                " but the tensors are on ", *device, "; move ", name, " to ", *device, ".");
+  }
+}
+
+c10::optional<at::Device> list_device(const char* op, at::TensorList list, const char* name) {
+  if (list.empty()) return c10::nullopt;
+  const at::Device device = list[0].device();
+  for (std::size_t i = 1; i < list.size(); ++i) {
+    TORCH_CHECK(list[i].device() == device, "ampfuse.", op, ": ", arg_label(name, i), " is on ",
+                list[i].device(), " but ", arg_label(name, 0), " is on ", device,
+                "; all tensors of one call must be on the same device (call once per device).");
+  }
+  return device;
+}
+
+std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list, const char* name,
+                                            bool mutated, std::vector<at::Tensor>& keep_alive) {
+  std::vector<kernels::TensorRef> refs;
+  refs.reserve(list.size());
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const std::string label = arg_label(name, i);
+    const at::Tensor& t = list[i];
+    TORCH_CHECK(t.defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
+    TORCH_CHECK(t.layout() == at::kStrided, "ampfuse.", op, ": ", label, " has layout ",
+                t.layout(), "; only dense (strided) tensors are supported.");
+    const kernels::DType dtype = kernel_dtype(op, t, label);
+    // Dense means the elements fill one block of memory in some dimension order
+    // (contiguous, channels_last, a transpose): element-wise kernels can then walk
+    // that block flat.
+    const bool dense = t.is_non_overlapping_and_dense();
+    if (!dense) {
+      TORCH_CHECK(!mutated, "ampfuse.", op, ": ", label,
+                  " is not contiguous (its elements do not fill one block of memory, e.g. a "
+                  "strided slice), and it is written in place. Pass a contiguous tensor "
+                  "(.contiguous()) and copy the result back if you need the view updated.");
+      keep_alive.push_back(t.contiguous());
+    }
+    const at::Tensor& dense_t = dense ? t : keep_alive.back();
+    refs.push_back({dense_t.numel() == 0 ? nullptr : dense_t.data_ptr(), dense_t.numel(), dtype});
+  }
+  return refs;
+}
+
+}  // namespace ampfuse::ops

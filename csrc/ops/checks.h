@@ -1,0 +1,35 @@
+// Argument validation shared by every op: each check names the op, the argument
+// and (for lists) the index, and says how to fix the call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+#include "../kernels/dtype.h"
+
+namespace ampfuse::ops {
+
+// "grads[3]" for a list element, "found_inf" for a single argument (index < 0).
+std::string arg_label(const char* name, std::int64_t index = -1);
+
+// The kernel dtype of a float32/float16/bfloat16 tensor; any other dtype is an error.
+kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::string& label);
+
+// A one-element float32 (or `dtype`) tensor on `device`, such as found_inf or a scale.
+void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
+                         at::ScalarType dtype, c10::optional<at::Device> device);
+
+// Validates a list of floating tensors (dtype, one device) and returns kernel
+// views of them. Tensors that are written (`mutated`) must already be dense
+// (contiguous in some dimension order); read-only tensors that are not dense are
+// copied to a contiguous temporary kept alive in `keep_alive`.
+std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list, const char* name,
+                                            bool mutated, std::vector<at::Tensor>& keep_alive);
+
+// The device shared by every tensor of `list`, or nullopt for an empty list.
+c10::optional<at::Device> list_device(const char* op, at::TensorList list, const char* name);
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,50 @@
+// CPU work splitting: lists become spans of at most one 64K-element chunk, run on
+// torch's intra-op thread pool (so torch.set_num_threads applies).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <vector>
+
+#include "../kernels/launch_plan.h"
+
+namespace ampfuse::ops {
+
+struct Span {
+  std::size_t tensor;      // index in the list
+  std::int64_t offset;     // first element
+  std::int64_t size;       // elements
+};
+
+inline std::vector<Span> split_into_spans(const std::vector<kernels::TensorRef>& list) {
+  std::vector<Span> spans;
+  spans.reserve(static_cast<std::size_t>(kernels::total_chunks(list)));
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    for (std::int64_t offset = 0; offset < list[i].numel; offset += kernels::kChunkSize) {
+      spans.push_back({i, offset, std::min(kernels::kChunkSize, list[i].numel - offset)});
+    }
+  }
+  return spans;
+}
+
+// Pointer to element `offset` of a tensor given as a TensorRef.
+inline void* element_ptr(const kernels::TensorRef& t, std::int64_t offset) {
+  return static_cast<char*>(t.data) + offset * kernels::element_size(t.dtype);
+}
+
+// Runs visit(span_index) for every span in parallel and returns true if any call
+// returned true. Fewer than two spans' worth of work runs on the calling thread:
+// waking the pool costs more than it saves there.
+template <typename Visit>
+bool any_span(const std::vector<Span>& spans, Visit&& visit) {
+  std::atomic<bool> any{false};
+  at::parallel_for(0, static_cast<std::int64_t>(spans.size()), 2, [&](std::int64_t b, std::int64_t e) {
+    bool local = false;
+    for (std::int64_t s = b; s < e; ++s) local |= visit(static_cast<std::size_t>(s));
+    if (local) any.store(true, std::memory_order_relaxed);
+  });
+  return any.load();
+}
+
+}  // namespace ampfuse::ops

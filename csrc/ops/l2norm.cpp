@@ -1,0 +1,89 @@
+// multi_tensor_l2norm: global and per-tensor L2 norms in fp32 for gradient clipping.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+
+#include <cmath>
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kL2norm = "multi_tensor_l2norm";
+
+// Outputs: a 0-dim global norm and, when asked for, one norm per tensor (else an
+// empty vector), on the tensors' device (CPU for an empty list).
+std::tuple<at::Tensor, at::Tensor> empty_outputs(const c10::optional<at::Device>& device,
+                                                 std::int64_t tensors, bool per_tensor) {
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device.value_or(at::kCPU));
+  return {at::empty({}, options), at::empty({per_tensor ? tensors : 0}, options)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors,
+                                                           bool per_tensor) {
+  const auto device = list_device(kL2norm, tensors, "tensors");
+  std::vector<at::Tensor> keep_alive;
+  const auto refs = tensor_refs(kL2norm, tensors, "tensors", /*mutated=*/false, keep_alive);
+  auto [global, per_tensor_norms] = empty_outputs(device, tensors.size(), per_tensor);
+
+  const std::vector<Span> spans = split_into_spans(refs);
+  std::vector<double> span_sums(spans.size());
+  at::parallel_for(0, static_cast<std::int64_t>(spans.size()), 2, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t s = b; s < e; ++s) {
+      const Span& span = spans[s];
+      const kernels::TensorRef& t = refs[span.tensor];
+      span_sums[s] = kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype,
+                                                       span.size);
+    }
+  });
+  // Sums are combined in a fixed order, so the result does not depend on the
+  // number of threads.
+  std::vector<double> tensor_sums(refs.size(), 0.0);
+  for (std::size_t s = 0; s < spans.size(); ++s) tensor_sums[spans[s].tensor] += span_sums[s];
+  double total = 0.0;
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    total += tensor_sums[i];
+    if (per_tensor) per_tensor_norms.data_ptr<float>()[i] = static_cast<float>(std::sqrt(tensor_sums[i]));
+  }
+  *global.data_ptr<float>() = static_cast<float>(std::sqrt(total));
+  return {global, per_tensor_norms};
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_fallback(at::TensorList tensors,
+                                                                bool per_tensor) {
+  TORCH_CHECK(tensors.empty(), "ampfuse.", kL2norm, ": tensors are on ", tensors[0].device(),
+              ", which ampfuse has no kernels for; use CPU or CUDA tensors.");
+  auto [global, per_tensor_norms] = empty_outputs(c10::nullopt, 0, per_tensor);
+  return {global.zero_(), per_tensor_norms};
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,
+                                                            bool per_tensor) {
+  const auto device = list_device(kL2norm, tensors, "tensors");
+  std::vector<at::Tensor> keep_alive;
+  const auto refs = tensor_refs(kL2norm, tensors, "tensors", /*mutated=*/false, keep_alive);
+  auto [global, per_tensor_norms] = empty_outputs(device, tensors.size(), per_tensor);
+  if (refs.empty()) return {global.zero_(), per_tensor_norms};
+
+  const c10::cuda::CUDAGuard guard(*device);
+  const std::int64_t chunks = kernels::cuda::l2norm_scratch_chunks(refs);
+  const auto scratch = at::TensorOptions().device(*device);
+  at::Tensor chunk_sums = at::empty({chunks}, scratch.dtype(at::kFloat));
+  at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
+  kernels::cuda::l2norm(refs, chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
+                        global.data_ptr<float>(),
+                        per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
+                        current_stream(*device));
+  return {global, per_tensor_norms};
+}
+#endif
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,130 @@
+// multi_tensor_unscale_ and multi_tensor_scale_: validation, then the CPU span
+// kernels or the CUDA launchers (csrc/kernels/scale.cu).
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty_like.h>
+
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kUnscale = "multi_tensor_unscale_";
+constexpr const char* kScale = "multi_tensor_scale_";
+
+struct UnscaleArgs {
+  std::vector<kernels::TensorRef> grads;
+  std::vector<at::Tensor> keep_alive;
+};
+
+UnscaleArgs check_unscale(at::TensorList grads, const at::Tensor& found_inf,
+                          const at::Tensor& inv_scale) {
+  const auto device = list_device(kUnscale, grads, "grads");
+  check_scalar_tensor(kUnscale, found_inf, "found_inf", at::kFloat, device);
+  check_scalar_tensor(kUnscale, inv_scale, "inv_scale", at::kFloat, device);
+  UnscaleArgs args;
+  args.grads = tensor_refs(kUnscale, grads, "grads", /*mutated=*/true, args.keep_alive);
+  return args;
+}
+
+struct ScaleArgs {
+  std::vector<kernels::TensorRef> src;
+  std::vector<kernels::TensorRef> dst;
+  std::vector<at::Tensor> keep_alive;
+};
+
+ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
+                      const at::Tensor& found_inf) {
+  TORCH_CHECK(src.size() == dst.size(), "ampfuse.", kScale, ": src has ", src.size(),
+              " tensors but dst has ", dst.size(), "; pass one destination per source.");
+  const auto device = list_device(kScale, src, "src");
+  const auto dst_device = list_device(kScale, dst, "dst");
+  TORCH_CHECK(device == dst_device, "ampfuse.", kScale, ": src is on ", *device,
+              " but dst is on ", *dst_device, "; both lists must be on one device.");
+  check_scalar_tensor(kScale, scale, "scale", at::kFloat, device);
+  check_scalar_tensor(kScale, found_inf, "found_inf", at::kFloat, device);
+  ScaleArgs args;
+  // Each source is read in the flat element order of its destination; a source
+  // laid out differently (or not dense) is first copied into the destination's layout.
+  std::vector<at::Tensor> sources;
+  sources.reserve(src.size());
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    TORCH_CHECK(src[i].sizes() == dst[i].sizes(), "ampfuse.", kScale, ": ", arg_label("src", i),
+                " has shape ", src[i].sizes(), " but ", arg_label("dst", i), " has shape ",
+                dst[i].sizes(), "; each destination must match its source's shape.");
+    const auto overlap = at::get_overlap_status(src[i], dst[i]);
+    TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
+                    (overlap == at::MemOverlapStatus::Full &&
+                     src[i].scalar_type() == dst[i].scalar_type()),
+                "ampfuse.", kScale, ": ", arg_label("src", i), " and ", arg_label("dst", i),
+                " share memory without being the same tensor; use separate storage, or the "
+                "very same tensor for an in-place scale.");
+    const bool same_layout = src[i].is_non_overlapping_and_dense() &&
+                             (src[i].numel() <= 1 || src[i].strides() == dst[i].strides());
+    if (same_layout || !dst[i].is_non_overlapping_and_dense()) {
+      sources.push_back(src[i]);  // a non-dense dst is refused by tensor_refs below
+    } else {
+      sources.push_back(at::empty_like(dst[i], src[i].options()).copy_(src[i]));
+    }
+  }
+  args.dst = tensor_refs(kScale, dst, "dst", /*mutated=*/true, args.keep_alive);
+  args.src = tensor_refs(kScale, sources, "src", /*mutated=*/false, args.keep_alive);
+  args.keep_alive.insert(args.keep_alive.end(), sources.begin(), sources.end());
+  return args;
+}
+
+}  // namespace
+
+void multi_tensor_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale) {
+  const UnscaleArgs args = check_unscale(grads, found_inf, inv_scale);
+  const float factor = *inv_scale.data_ptr<float>();
+  const std::vector<Span> spans = split_into_spans(args.grads);
+  const bool nonfinite = any_span(spans, [&](std::size_t s) {
+    const kernels::TensorRef& t = args.grads[spans[s].tensor];
+    return kernels::cpu::unscale_span(element_ptr(t, spans[s].offset), t.dtype, spans[s].size,
+                                      factor);
+  });
+  if (nonfinite) *found_inf.data_ptr<float>() = 1.0f;
+}
+
+void multi_tensor_scale_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
+                            const at::Tensor& found_inf) {
+  const ScaleArgs args = check_scale(src, dst, scale, found_inf);
+  const float factor = *scale.data_ptr<float>();
+  const std::vector<Span> spans = split_into_spans(args.dst);
+  const bool nonfinite = any_span(spans, [&](std::size_t s) {
+    const kernels::TensorRef& from = args.src[spans[s].tensor];
+    const kernels::TensorRef& to = args.dst[spans[s].tensor];
+    return kernels::cpu::scale_span(element_ptr(from, spans[s].offset), from.dtype,
+                                    element_ptr(to, spans[s].offset), to.dtype, spans[s].size,
+                                    factor);
+  });
+  if (nonfinite) *found_inf.data_ptr<float>() = 1.0f;
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
+                               const at::Tensor& inv_scale) {
+  const UnscaleArgs args = check_unscale(grads, found_inf, inv_scale);
+  if (args.grads.empty()) return;
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  kernels::cuda::unscale(args.grads, found_inf.data_ptr<float>(), inv_scale.data_ptr<float>(),
+                         current_stream(found_inf.device()));
+}
+
+void multi_tensor_scale_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
+                             const at::Tensor& found_inf) {
+  const ScaleArgs args = check_scale(src, dst, scale, found_inf);
+  if (args.dst.empty()) return;
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  kernels::cuda::scale(args.src, args.dst, scale.data_ptr<float>(), found_inf.data_ptr<float>(),
+                       current_stream(found_inf.device()));
+}
+#endif
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,44 @@
+// The one list of ampfuse's ops: every schema (torch.ops.ampfuse.*) and the CPU
+// and CUDA kernels bound to it. Fake (meta) kernels live in python/ampfuse/_ops.py.
+// In-place ops end in `_`, mark what they mutate with alias annotations and return
+// (); scales and overflow flags are device tensors so no op reads a value back to
+// the host on the training hot path.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(ampfuse, m) {
+  // grads[i] *= inv_scale in fp32 math (fp32/fp16/bf16, mixed); found_inf = 1 if any inf/nan.
+  m.def("multi_tensor_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  // dst[i] = src[i] * scale cast to dst[i]'s dtype; found_inf = 1 if any src element is inf/nan.
+  m.def("multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf) -> ()");
+  // (global L2 norm, per-tensor L2 norms or an empty tensor), in fp32.
+  m.def("multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
+  // One step of the dynamic loss-scale rule with hysteresis and [min_scale, max_scale] bounds.
+  m.def(
+      "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
+      "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
+      "int hysteresis, float min_scale, float max_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
+  m.impl("multi_tensor_unscale_", &ampfuse::ops::multi_tensor_unscale_cpu);
+  m.impl("multi_tensor_scale_", &ampfuse::ops::multi_tensor_scale_cpu);
+  m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_cpu);
+  m.impl("update_scale_", &ampfuse::ops::update_scale_cpu);
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
+  m.impl("multi_tensor_unscale_", &ampfuse::ops::multi_tensor_unscale_cuda);
+  m.impl("multi_tensor_scale_", &ampfuse::ops::multi_tensor_scale_cuda);
+  m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_cuda);
+  m.impl("update_scale_", &ampfuse::ops::update_scale_cuda);
+}
+#endif
+
+// Reached only when no tensor decides the backend: an empty list (norms of nothing
+// are 0, on the CPU) or tensors of a device ampfuse has no kernels for.
+TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
+  m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_fallback);
+}

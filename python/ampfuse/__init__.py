@@ -1,0 +1,25 @@
+"""ampfuse: fused mixed-precision training for PyTorch.
+
+Importing ampfuse loads its native library, which registers the fused ops as
+``torch.ops.ampfuse.*``.
+"""
+
+from ampfuse._ops import (
+    cuda_available,
+    cuda_status,
+    multi_tensor_l2norm,
+    multi_tensor_scale_,
+    multi_tensor_unscale_,
+    update_scale_,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "cuda_available",
+    "cuda_status",
+    "multi_tensor_l2norm",
+    "multi_tensor_scale_",
+    "multi_tensor_unscale_",
+    "update_scale_",
+]

@@ -1,0 +1,132 @@
+// CPU span kernels against a float64 reference, at sizes around the vector
+// block and the 64K chunk, with inf/nan placed at the first, a middle and the last element.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/half_convert.h"
+
+using namespace ampfuse::kernels;
+using namespace ampfuse::kernels::cpu;
+
+namespace {
+
+const std::int64_t kSizes[] = {0, 1, 15, 16, 17, 1000, 65535, 65536, 65537};
+
+std::vector<float> random_floats(std::int64_t n, std::uint32_t seed, float spread = 1000.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-spread, spread);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+// Storage for one dtype, with conversions to and from float.
+struct Buffer {
+  DType dtype;
+  std::vector<std::uint16_t> half;
+  std::vector<float> single;
+
+  Buffer(DType d, const std::vector<float>& values) : dtype(d) {
+    if (d == DType::kFloat32) {
+      single = values;
+    } else {
+      for (float x : values) half.push_back(d == DType::kFloat16 ? float_to_fp16(x) : float_to_bf16(x));
+    }
+  }
+  void* data() { return dtype == DType::kFloat32 ? static_cast<void*>(single.data()) : half.data(); }
+  float at(std::size_t i) const {
+    if (dtype == DType::kFloat32) return single[i];
+    return dtype == DType::kFloat16 ? fp16_to_float(half[i]) : bf16_to_float(half[i]);
+  }
+  std::uint16_t round(float x) const {
+    return dtype == DType::kFloat16 ? float_to_fp16(x) : float_to_bf16(x);
+  }
+  bool holds(std::size_t i, float x) const {
+    if (dtype == DType::kFloat32) return single[i] == x || (std::isnan(x) && std::isnan(single[i]));
+    return half[i] == round(x);
+  }
+};
+
+const DType kDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+}  // namespace
+
+TEST_CASE("unscale_span multiplies in fp32 and rounds once") {
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : kSizes) {
+      Buffer buf(dtype, random_floats(n, 1));
+      const Buffer before = buf;
+      const bool found = unscale_span(buf.data(), dtype, n, 0.125f);
+      INFO("dtype " << int(dtype) << " n " << n);
+      REQUIRE_FALSE(found);
+      for (std::int64_t i = 0; i < n; ++i) REQUIRE(buf.holds(i, before.at(i) * 0.125f));
+    }
+  }
+}
+
+TEST_CASE("unscale_span flags inf and nan at the first, a middle and the last element") {
+  const float bad_values[] = {std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN()};
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : {1, 17, 65536, 65537}) {
+      for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
+        for (float bad : bad_values) {
+          auto values = random_floats(n, 2);
+          values[static_cast<std::size_t>(where)] = bad;
+          Buffer buf(dtype, values);
+          INFO("dtype " << int(dtype) << " n " << n << " at " << where << " value " << bad);
+          REQUIRE(unscale_span(buf.data(), dtype, n, 0.5f));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("no false positive on the largest finite values") {
+  const std::vector<float> big = {65504.0f, -65504.0f, 3.0e38f, -3.0e38f,
+                                  std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min()};
+  Buffer f32(DType::kFloat32, big);
+  REQUIRE_FALSE(unscale_span(f32.data(), DType::kFloat32, 6, 1.0f));
+  Buffer f16(DType::kFloat16, {65504.0f, -65504.0f, 6.0e-8f});
+  REQUIRE_FALSE(unscale_span(f16.data(), DType::kFloat16, 3, 1.0f));
+  Buffer b16(DType::kBFloat16, {3.0e38f, -3.0e38f});
+  REQUIRE_FALSE(unscale_span(b16.data(), DType::kBFloat16, 2, 1.0f));
+}
+
+TEST_CASE("scale_span casts between every pair of dtypes") {
+  for (DType from : kDtypes) {
+    for (DType to : kDtypes) {
+      for (std::int64_t n : kSizes) {
+        const auto values = random_floats(n, 3, 100.0f);
+        Buffer src(from, values);
+        Buffer dst(to, std::vector<float>(static_cast<std::size_t>(n), 7.0f));
+        INFO("from " << int(from) << " to " << int(to) << " n " << n);
+        REQUIRE_FALSE(scale_span(src.data(), from, dst.data(), to, n, 3.0f));
+        for (std::int64_t i = 0; i < n; ++i) REQUIRE(dst.holds(i, src.at(i) * 3.0f));
+      }
+      std::vector<float> values = random_floats(100, 4);
+      values[99] = std::numeric_limits<float>::quiet_NaN();
+      Buffer src(from, values), dst(to, values);
+      REQUIRE(scale_span(src.data(), from, dst.data(), to, 100, 1.0f));
+    }
+  }
+}
+
+TEST_CASE("sum_of_squares_span matches a float64 reference") {
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : kSizes) {
+      Buffer buf(dtype, random_floats(n, 5, 3.0f));
+      double reference = 0.0;
+      for (std::int64_t i = 0; i < n; ++i) reference += double(buf.at(i)) * buf.at(i);
+      const double got = sum_of_squares_span(buf.data(), dtype, n);
+      INFO("dtype " << int(dtype) << " n " << n);
+      REQUIRE(got == Approx(reference).epsilon(5e-7).margin(1e-30));
+    }
+  }
+}

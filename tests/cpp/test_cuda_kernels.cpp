@@ -1,0 +1,194 @@
+// The CUDA launchers against the CPU kernels, on a GPU machine. Host code only
+// (the CUDA runtime API), so it builds with the C++ compiler.
+#include <catch2/catch.hpp>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/half_convert.h"
+#include "cuda_kernels.h"
+#include "launch_plan.h"
+#include "scale_rule.h"
+
+using namespace ampfuse::kernels;
+
+namespace {
+
+void check(cudaError_t status) { REQUIRE(status == cudaSuccess); }
+
+// A host buffer of raw element bits and its device copy.
+struct DeviceTensor {
+  DType dtype;
+  std::int64_t numel;
+  std::vector<unsigned char> host;
+  void* device = nullptr;
+
+  DeviceTensor(DType d, std::int64_t n, std::uint32_t seed, float spread = 100.0f)
+      : dtype(d), numel(n), host(static_cast<std::size_t>(n * element_size(d))) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> dist(-spread, spread);
+    for (std::int64_t i = 0; i < n; ++i) set(i, dist(rng));
+    check(cudaMalloc(&device, host.size() + 16));
+    upload();
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  ~DeviceTensor() { cudaFree(device); }
+
+  void set(std::int64_t i, float x) {
+    if (dtype == DType::kFloat32) {
+      std::memcpy(&host[i * 4], &x, 4);
+    } else {
+      const std::uint16_t h = dtype == DType::kFloat16 ? cpu::float_to_fp16(x) : cpu::float_to_bf16(x);
+      std::memcpy(&host[i * 2], &h, 2);
+    }
+  }
+  void upload() { check(cudaMemcpy(device, host.data(), host.size(), cudaMemcpyHostToDevice)); }
+  std::vector<unsigned char> download() const {
+    std::vector<unsigned char> out(host.size());
+    check(cudaMemcpy(out.data(), device, out.size(), cudaMemcpyDeviceToHost));
+    return out;
+  }
+  TensorRef ref() { return {device, numel, dtype}; }
+};
+
+template <typename T>
+struct DeviceScalar {
+  T* device = nullptr;
+  explicit DeviceScalar(T value) {
+    check(cudaMalloc(reinterpret_cast<void**>(&device), sizeof(T)));
+    set(value);
+  }
+  ~DeviceScalar() { cudaFree(device); }
+  void set(T value) { check(cudaMemcpy(device, &value, sizeof(T), cudaMemcpyHostToDevice)); }
+  T get() const {
+    T value;
+    check(cudaMemcpy(&value, device, sizeof(T), cudaMemcpyDeviceToHost));
+    return value;
+  }
+};
+
+const DType kDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+const std::int64_t kSizes[] = {1, 7, 65535, 65536, 65537, 3 * 65536 + 5};
+
+}  // namespace
+
+TEST_CASE("CUDA unscale is bit-identical to the CPU kernel, over many tensors") {
+  std::vector<std::unique_ptr<DeviceTensor>> tensors;
+  std::vector<TensorRef> refs;
+  for (int i = 0; i < 250; ++i) {  // past the per-launch tensor cap
+    tensors.push_back(std::make_unique<DeviceTensor>(kDtypes[i % 3], kSizes[i % 6], i));
+    refs.push_back(tensors.back()->ref());
+  }
+  DeviceScalar<float> found(0.0f), inv(0.0625f);
+  cuda::unscale(refs, found.device, inv.device, nullptr);
+  check(cudaDeviceSynchronize());
+  REQUIRE(found.get() == 0.0f);
+  for (auto& t : tensors) {
+    std::vector<unsigned char> expected = t->host;
+    cpu::unscale_span(expected.data(), t->dtype, t->numel, 0.0625f);
+    REQUIRE(t->download() == expected);
+  }
+}
+
+TEST_CASE("CUDA unscale and scale flag inf/nan at the first, middle and last element") {
+  const float bad[] = {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : {std::int64_t{1}, std::int64_t{65537}}) {
+      for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
+        for (float value : bad) {
+          DeviceTensor t(dtype, n, 3);
+          t.set(where, value);
+          t.upload();
+          std::vector<TensorRef> refs = {t.ref()};
+          DeviceScalar<float> found(0.0f), inv(1.0f);
+          cuda::unscale(refs, found.device, inv.device, nullptr);
+          REQUIRE(found.get() == 1.0f);
+          DeviceTensor out(DType::kFloat32, n, 4);
+          std::vector<TensorRef> dst = {out.ref()};
+          DeviceScalar<float> found2(0.0f);
+          cuda::scale(refs, dst, inv.device, found2.device, nullptr);
+          REQUIRE(found2.get() == 1.0f);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA scale casts between every dtype pair like the CPU kernel, aligned or not") {
+  for (DType from : kDtypes) {
+    for (DType to : kDtypes) {
+      for (std::int64_t n : kSizes) {
+        DeviceTensor src(from, n, 5), dst(to, n, 6);
+        // Offsetting by one element breaks 16-byte alignment: the scalar path runs.
+        for (std::int64_t offset : {std::int64_t{0}, std::int64_t{1}}) {
+          if (offset >= n) continue;
+          const std::int64_t len = n - offset;
+          std::vector<TensorRef> s = {{static_cast<char*>(src.device) + offset * element_size(from), len, from}};
+          std::vector<TensorRef> d = {{static_cast<char*>(dst.device) + offset * element_size(to), len, to}};
+          DeviceScalar<float> found(0.0f), factor(3.0f);
+          cuda::scale(s, d, factor.device, found.device, nullptr);
+          std::vector<unsigned char> expected = dst.download();
+          cpu::scale_span(src.host.data() + offset * element_size(from), from,
+                          expected.data() + offset * element_size(to), to, len, 3.0f);
+          REQUIRE(dst.download() == expected);
+          REQUIRE(found.get() == 0.0f);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA l2norm matches a float64 reference, globally and per tensor") {
+  std::vector<std::unique_ptr<DeviceTensor>> tensors;
+  std::vector<TensorRef> refs;
+  std::vector<double> sums;
+  for (int i = 0; i < 130; ++i) {
+    const std::int64_t n = i == 7 ? 0 : kSizes[i % 6] * (i % 4 == 0 ? 5 : 1);
+    tensors.push_back(std::make_unique<DeviceTensor>(kDtypes[i % 3], n, 100 + i, 2.0f));
+    refs.push_back(tensors.back()->ref());
+    sums.push_back(cpu::sum_of_squares_span(tensors.back()->host.data(), kDtypes[i % 3], n));
+  }
+  const std::int64_t chunks = cuda::l2norm_scratch_chunks(refs);
+  float* chunk_sums = nullptr;
+  std::int32_t* owners = nullptr;
+  float* norms = nullptr;
+  check(cudaMalloc(reinterpret_cast<void**>(&chunk_sums), chunks * sizeof(float)));
+  check(cudaMalloc(reinterpret_cast<void**>(&owners), chunks * sizeof(std::int32_t)));
+  check(cudaMalloc(reinterpret_cast<void**>(&norms), (refs.size() + 1) * sizeof(float)));
+  cuda::l2norm(refs, chunk_sums, owners, norms, norms + 1, nullptr);
+  std::vector<float> got(refs.size() + 1);
+  check(cudaMemcpy(got.data(), norms, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  double total = 0.0;
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    total += sums[i];
+    REQUIRE(got[i + 1] == Approx(std::sqrt(sums[i])).epsilon(1e-5).margin(0.0));
+  }
+  REQUIRE(got[0] == Approx(std::sqrt(total)).epsilon(1e-5));
+  cudaFree(chunk_sums);
+  cudaFree(owners);
+  cudaFree(norms);
+}
+
+TEST_CASE("CUDA update_scale follows the host rule step by step") {
+  std::mt19937 rng(9);
+  DeviceScalar<float> scale(65536.0f), found(0.0f);
+  DeviceScalar<std::int32_t> growth(0), hysteresis(2);
+  float host_scale = 65536.0f;
+  std::int32_t host_growth = 0, host_hysteresis = 2;
+  for (int step = 0; step < 1000; ++step) {
+    const float overflow = rng() % 10 == 0 ? 1.0f : 0.0f;
+    found.set(overflow);
+    cuda::update_scale(scale.device, growth.device, hysteresis.device, found.device, 2.0, 0.5, 7, 2,
+                       1.0, 1e6, nullptr);
+    apply_scale_rule(&host_scale, &host_growth, &host_hysteresis, overflow, 2.0, 0.5, 7, 2, 1.0, 1e6);
+    REQUIRE(scale.get() == host_scale);
+    REQUIRE(growth.get() == host_growth);
+    REQUIRE(hysteresis.get() == host_hysteresis);
+  }
+}
