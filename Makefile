@@ -1,0 +1,53 @@
+# The README's two commands:
+#   make demo   builds ampfuse and runs a short mixed-precision training demo
+#   make test   builds ampfuse and runs every test (C++ kernel tests, then pytest)
+# Both create the Python environment on first use and reuse it afterwards, so
+# torch (about 3 GB) is downloaded once per machine.
+
+PYTHON ?= python3
+PYVER := $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+VENV ?= $(HOME)/.cache/ampfuse/venv-torch2.11-py$(PYVER)
+VPY := $(VENV)/bin/python
+# The venv's cmake and ninja come first; nvcc is found on PATH or in /usr/local/cuda.
+export PATH := $(VENV)/bin:$(PATH):/usr/local/cuda/bin
+MAX_JOBS ?= 2
+export MAX_JOBS
+
+.PHONY: demo test build env cpp-test py-test bench clean
+
+demo: build
+	$(VPY) -m ampfuse demo
+
+test: cpp-test py-test
+
+env: $(VPY)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+
+$(VPY):
+	mkdir -p $(dir $(VENV))
+	$(PYTHON) -m venv $(VENV)
+
+build: env
+	$(VPY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+# The kernel tests build only the torch-free kernels library (no extension module).
+cpp-test: env catch2
+	cmake -S . -B build/cpp-tests -G Ninja -DAMPFUSE_BUILD_PYTHON_MODULE=OFF -DAMPFUSE_BUILD_TESTS=ON
+	cmake --build build/cpp-tests -j $(MAX_JOBS)
+	ctest --test-dir build/cpp-tests --output-on-failure
+
+py-test: build
+	$(VPY) -m pytest tests/python -q
+
+bench: build
+	$(VPY) benchmarks/run.py
+
+.PHONY: catch2
+catch2:
+	@test -f /usr/include/catch2/catch.hpp || { \
+	  echo "Installing Debian's catch2 for the C++ tests"; \
+	  apt-get update -qq && apt-get install -y -qq catch2 >/dev/null; } || { \
+	  echo "error: the C++ tests need Catch2 2.x: run 'apt-get install catch2' as root"; exit 1; }
+
+clean:
+	rm -rf build python/ampfuse/_C*.so
