@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/Optional.h>
+
 #include <tuple>
 
 namespace ampfuse::ops {
@@ -19,6 +21,18 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, std::int64_t growth_interval,
                       std::int64_t hysteresis, double min_scale, double max_scale);
+void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                    bool bias_correction, bool amsgrad, bool maximize,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf);
+void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                   at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                   double momentum, double dampening, double weight_decay, bool nesterov,
+                   bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                   const c10::optional<at::Tensor>& found_inf);
 
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
@@ -31,6 +45,18 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, std::int64_t growth_interval,
                        std::int64_t hysteresis, double min_scale, double max_scale);
+void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                     at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                     bool bias_correction, bool amsgrad, bool maximize,
+                     const c10::optional<at::Tensor>& grad_scale,
+                     const c10::optional<at::Tensor>& found_inf);
+void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                    double momentum, double dampening, double weight_decay, bool nesterov,
+                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf);
 #endif
 
 }  // namespace ampfuse::ops

@@ -19,6 +19,20 @@ TORCH_LIBRARY(ampfuse, m) {
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "int hysteresis, float min_scale, float max_scale) -> ()");
+  // Adam/AdamW step over lists: fp32 moments and optional fp32 masters, grads of any float
+  // dtype times 1/grad_scale, step advanced on the device; a set found_inf writes nothing.
+  m.def(
+      "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, "
+      "Tensor(f!) step, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adam_w_mode, bool bias_correction, bool amsgrad, bool maximize, "
+      "Tensor? grad_scale, Tensor? found_inf) -> ()");
+  // SGD step (momentum, dampening, nesterov, weight decay, maximize), same contract as Adam.
+  m.def(
+      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "Tensor(c!)[] master_params, Tensor(d!) step, Tensor lr, float momentum, float dampening, "
+      "float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
+      "Tensor? found_inf) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
@@ -26,6 +40,8 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("multi_tensor_scale_", &ampfuse::ops::multi_tensor_scale_cpu);
   m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_cpu);
   m.impl("update_scale_", &ampfuse::ops::update_scale_cpu);
+  m.impl("fused_adam_", &ampfuse::ops::fused_adam_cpu);
+  m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cpu);
 }
 
 #ifdef AMPFUSE_WITH_CUDA
@@ -34,6 +50,8 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("multi_tensor_scale_", &ampfuse::ops::multi_tensor_scale_cuda);
   m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_cuda);
   m.impl("update_scale_", &ampfuse::ops::update_scale_cuda);
+  m.impl("fused_adam_", &ampfuse::ops::fused_adam_cuda);
+  m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cuda);
 }
 #endif
 

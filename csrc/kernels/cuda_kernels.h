@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "optimizer_math.h"
 
 namespace ampfuse::kernels::cuda {
 
@@ -33,5 +34,18 @@ void update_scale(float* scale, std::int32_t* growth_tracker, std::int32_t* hyst
                   const float* found_inf, double growth_factor, double backoff_factor,
                   std::int64_t growth_interval, std::int64_t hysteresis, double min_scale,
                   double max_scale, StreamHandle stream);
+
+// Adam/AdamW over lists of equal length: params (any float dtype), grads (any),
+// exp_avgs and exp_avg_sqs (fp32); max_exp_avg_sqs (fp32) only when amsgrad and
+// masters (fp32) optional: pass empty vectors when absent.
+void adam(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+          const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
+          const std::vector<TensorRef>& max_exp_avg_sqs, const std::vector<TensorRef>& masters,
+          const AdamConfig& config, const StepScalars& scalars, StreamHandle stream);
+
+// SGD; momentum_buffers (fp32) empty when momentum is 0, masters optional.
+void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+         const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
+         const SgdConfig& config, const StepScalars& scalars, StreamHandle stream);
 
 }  // namespace ampfuse::kernels::cuda

@@ -44,6 +44,7 @@ static_assert(sizeof(ChunkTable<2>) <= 4000, "kernel argument budget");
 static_assert(sizeof(ChunkTable<3>) <= 4000, "kernel argument budget");
 static_assert(sizeof(ChunkTable<4>) <= 4000, "kernel argument budget");
 static_assert(sizeof(ChunkTable<5>) <= 4000, "kernel argument budget");
+static_assert(sizeof(ChunkTable<6>) <= 4000, "kernel argument budget");
 static_assert(max_tensors_per_launch(1) <= 255, "block_tensor is a uint8");
 
 constexpr std::int64_t chunks_of(std::int64_t numel) {

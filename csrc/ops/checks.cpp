@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include <c10/core/ScalarType.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 namespace ampfuse::ops {
@@ -31,7 +32,8 @@ kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::stri
 }
 
 void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
-                         at::ScalarType dtype, c10::optional<at::Device> device) {
+                         at::ScalarType dtype, c10::optional<at::Device> device,
+                         const char* device_owner) {
   TORCH_CHECK(t.scalar_type() == dtype, "ampfuse.", op, ": ", name, " must be a ",
               dtype_name(dtype), " tensor, got ", dtype_name(t.scalar_type()),
               ". Create it with torch.ones(1, dtype=", dtype_name(dtype), ", device=...).");
@@ -39,7 +41,7 @@ void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
               " must hold exactly one element, got shape ", t.sizes(), ".");
   if (device.has_value()) {
     TORCH_CHECK(t.device() == *device, "ampfuse.", op, ": ", name, " is on ", t.device(),
-                " but the tensors are on ", *device, "; move ", name, " to ", *device, ".");
+                " but must be on ", *device, " (the device of ", device_owner, ")", "; move ", name, " to ", *device, ".");
   }
 }
 
@@ -79,6 +81,44 @@ std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list,
     const at::Tensor& dense_t = dense ? t : keep_alive.back();
     refs.push_back({dense_t.numel() == 0 ? nullptr : dense_t.data_ptr(), dense_t.numel(), dtype});
   }
+  return refs;
+}
+
+std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList list,
+                                               const char* name, at::TensorList params,
+                                               bool mutated, bool fp32_only, bool optional,
+                                               std::vector<at::Tensor>& keep_alive) {
+  if (optional && list.empty()) return {};
+  TORCH_CHECK(list.size() == params.size(), "ampfuse.", op, ": ", name, " has ", list.size(),
+              " tensors but params has ", params.size(), "; pass one per param",
+              optional ? " (or an empty list)." : ".");
+  std::vector<at::Tensor> laid_out;
+  laid_out.reserve(list.size());
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const std::string label = arg_label(name, i);
+    TORCH_CHECK(list[i].defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
+    TORCH_CHECK(list[i].sizes() == params[i].sizes(), "ampfuse.", op, ": ", label, " has shape ",
+                list[i].sizes(), " but ", arg_label("params", i), " has shape ", params[i].sizes(),
+                ".");
+    TORCH_CHECK(list[i].device() == params[i].device(), "ampfuse.", op, ": ", label, " is on ",
+                list[i].device(), " but ", arg_label("params", i), " is on ", params[i].device(),
+                ".");
+    TORCH_CHECK(!fp32_only || list[i].scalar_type() == at::kFloat, "ampfuse.", op, ": ", label,
+                " must be torch.float32 (optimizer state and masters are kept in fp32), got ",
+                "torch.", c10::getDtypeNames(list[i].scalar_type()).first, ".");
+    const bool same_layout = list[i].numel() <= 1 || list[i].strides() == params[i].strides();
+    if (same_layout || mutated || !params[i].is_non_overlapping_and_dense()) {
+      TORCH_CHECK(!mutated || same_layout, "ampfuse.", op, ": ", label, " has strides ",
+                  list[i].strides(), " but ", arg_label("params", i), " has strides ",
+                  params[i].strides(), "; create it with torch.zeros_like(param) so both share "
+                  "one memory layout.");
+      laid_out.push_back(list[i]);
+    } else {
+      laid_out.push_back(at::empty_like(params[i], list[i].options()).copy_(list[i]));
+    }
+  }
+  auto refs = tensor_refs(op, laid_out, name, mutated, keep_alive);
+  keep_alive.insert(keep_alive.end(), laid_out.begin(), laid_out.end());
   return refs;
 }
 

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <ATen/core/TensorBody.h>
+
 #include <string>
 #include <vector>
 
@@ -18,9 +20,11 @@ std::string arg_label(const char* name, std::int64_t index = -1);
 // The kernel dtype of a float32/float16/bfloat16 tensor; any other dtype is an error.
 kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::string& label);
 
-// A one-element float32 (or `dtype`) tensor on `device`, such as found_inf or a scale.
+// A one-element `dtype` tensor on `device` (the device of `device_owner`), such as
+// found_inf or a scale.
 void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
-                         at::ScalarType dtype, c10::optional<at::Device> device);
+                         at::ScalarType dtype, c10::optional<at::Device> device,
+                         const char* device_owner = "the tensors");
 
 // Validates a list of floating tensors (dtype, one device) and returns kernel
 // views of them. Tensors that are written (`mutated`) must already be dense
@@ -31,5 +35,15 @@ std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list,
 
 // The device shared by every tensor of `list`, or nullopt for an empty list.
 c10::optional<at::Device> list_device(const char* op, at::TensorList list, const char* name);
+
+// Validates `list` as a companion of `params` (grads, moments, masters): the same
+// length (an empty list is accepted when `optional`), shapes and device. With
+// `fp32_only` every tensor must be float32. A companion that is written must share
+// its param's memory layout; one that is only read and is laid out differently
+// is copied into the param's layout.
+std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList list,
+                                               const char* name, at::TensorList params,
+                                               bool mutated, bool fp32_only, bool optional,
+                                               std::vector<at::Tensor>& keep_alive);
 
 }  // namespace ampfuse::ops

@@ -33,6 +33,11 @@ inline void* element_ptr(const kernels::TensorRef& t, std::int64_t offset) {
   return static_cast<char*>(t.data) + offset * kernels::element_size(t.dtype);
 }
 
+// The fp32 elements of `span` in an optional companion list (null when absent).
+inline float* optional_fp32_ptr(const std::vector<kernels::TensorRef>& list, const Span& span) {
+  return list.empty() ? nullptr : static_cast<float*>(element_ptr(list[span.tensor], span.offset));
+}
+
 // Runs visit(span_index) for every span in parallel and returns true if any call
 // returned true. Fewer than two spans' worth of work runs on the calling thread:
 // waking the pool costs more than it saves there.

@@ -48,6 +48,7 @@ ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& 
   check_scalar_tensor(kScale, scale, "scale", at::kFloat, device);
   check_scalar_tensor(kScale, found_inf, "found_inf", at::kFloat, device);
   ScaleArgs args;
+  args.dst = tensor_refs(kScale, dst, "dst", /*mutated=*/true, args.keep_alive);
   // Each source is read in the flat element order of its destination; a source
   // laid out differently (or not dense) is first copied into the destination's layout.
   std::vector<at::Tensor> sources;
@@ -56,22 +57,20 @@ ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& 
     TORCH_CHECK(src[i].sizes() == dst[i].sizes(), "ampfuse.", kScale, ": ", arg_label("src", i),
                 " has shape ", src[i].sizes(), " but ", arg_label("dst", i), " has shape ",
                 dst[i].sizes(), "; each destination must match its source's shape.");
-    const auto overlap = at::get_overlap_status(src[i], dst[i]);
-    TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
-                    (overlap == at::MemOverlapStatus::Full &&
-                     src[i].scalar_type() == dst[i].scalar_type()),
-                "ampfuse.", kScale, ": ", arg_label("src", i), " and ", arg_label("dst", i),
-                " share memory without being the same tensor; use separate storage, or the "
-                "very same tensor for an in-place scale.");
+    if (src[i].numel() > 0 && src[i].storage().is_alias_of(dst[i].storage())) {
+      const auto overlap = at::get_overlap_status(src[i], dst[i]);
+      TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
+                      (overlap == at::MemOverlapStatus::Full &&
+                       src[i].scalar_type() == dst[i].scalar_type()),
+                  "ampfuse.", kScale, ": ", arg_label("src", i), " and ", arg_label("dst", i),
+                  " share memory without being the same tensor; use separate storage, or the "
+                  "very same tensor for an in-place scale.");
+    }
     const bool same_layout = src[i].is_non_overlapping_and_dense() &&
                              (src[i].numel() <= 1 || src[i].strides() == dst[i].strides());
-    if (same_layout || !dst[i].is_non_overlapping_and_dense()) {
-      sources.push_back(src[i]);  // a non-dense dst is refused by tensor_refs below
-    } else {
-      sources.push_back(at::empty_like(dst[i], src[i].options()).copy_(src[i]));
-    }
+    sources.push_back(same_layout ? src[i]
+                                  : at::empty_like(dst[i], src[i].options()).copy_(src[i]));
   }
-  args.dst = tensor_refs(kScale, dst, "dst", /*mutated=*/true, args.keep_alive);
   args.src = tensor_refs(kScale, sources, "src", /*mutated=*/false, args.keep_alive);
   args.keep_alive.insert(args.keep_alive.end(), sources.begin(), sources.end());
   return args;

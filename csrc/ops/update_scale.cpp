@@ -21,9 +21,9 @@ void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracke
                         std::int64_t hysteresis, double min_scale, double max_scale) {
   const at::Device device = scale.device();
   check_scalar_tensor(kUpdate, scale, "scale", at::kFloat, device);
-  check_scalar_tensor(kUpdate, growth_tracker, "growth_tracker", at::kInt, device);
-  check_scalar_tensor(kUpdate, hysteresis_tracker, "hysteresis_tracker", at::kInt, device);
-  check_scalar_tensor(kUpdate, found_inf, "found_inf", at::kFloat, device);
+  check_scalar_tensor(kUpdate, growth_tracker, "growth_tracker", at::kInt, device, "scale");
+  check_scalar_tensor(kUpdate, hysteresis_tracker, "hysteresis_tracker", at::kInt, device, "scale");
+  check_scalar_tensor(kUpdate, found_inf, "found_inf", at::kFloat, device, "scale");
   TORCH_CHECK(std::isfinite(growth_factor) && growth_factor >= 1.0, "ampfuse.", kUpdate,
               ": growth_factor must be a finite number >= 1, got ", growth_factor,
               " (1 keeps the scale from growing).");

@@ -7,6 +7,8 @@ Importing ampfuse loads its native library, which registers the fused ops as
 from ampfuse._ops import (
     cuda_available,
     cuda_status,
+    fused_adam_,
+    fused_sgd_,
     multi_tensor_l2norm,
     multi_tensor_scale_,
     multi_tensor_unscale_,
@@ -18,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "cuda_available",
     "cuda_status",
+    "fused_adam_",
+    "fused_sgd_",
     "multi_tensor_l2norm",
     "multi_tensor_scale_",
     "multi_tensor_unscale_",

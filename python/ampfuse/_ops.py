@@ -19,7 +19,14 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
         "it must be rebuilt whenever torch is upgraded."
     ) from error
 
-_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_")
+_OPS = (
+    "multi_tensor_unscale_",
+    "multi_tensor_scale_",
+    "multi_tensor_l2norm",
+    "update_scale_",
+    "fused_adam_",
+    "fused_sgd_",
+)
 
 
 def _has_cuda_kernels() -> bool:
@@ -88,29 +95,89 @@ def update_scale_(
     )
 
 
+def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
+                beta1, beta2, eps, weight_decay, adam_w_mode=True, bias_correction=True,
+                amsgrad=False, maximize=False, grad_scale=None, found_inf=None) -> None:
+    """One Adam/AdamW step over lists (see the op's schema in csrc/registration.cpp)."""
+    torch.ops.ampfuse.fused_adam_(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
+        list(master_params), step, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
+        bias_correction, amsgrad, maximize, grad_scale, found_inf,
+    )
+
+
+def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentum=0.0,
+               dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
+               found_inf=None) -> None:
+    """One SGD step over lists (see the op's schema in csrc/registration.cpp)."""
+    torch.ops.ampfuse.fused_sgd_(
+        list(params), list(grads), list(momentum_buffers), list(master_params), step, lr,
+        momentum, dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
+    )
+
+
 # ---- fake kernels --------------------------------------------------------------------
-# In-place ops write into existing tensors and return nothing, so their fake kernels
-# have nothing to allocate; the real kernels' argument checks run on real tensors.
+# A fake kernel runs instead of the real one under FakeTensor/torch.compile tracing and
+# whenever a meta tensor is among the inputs, so it repeats the checks that do not need
+# data (devices, dtypes, list lengths) with the real kernels' wording.
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_list(op, name, tensors, device=None):
+    """Checks dtypes and a shared device; returns that device (None for an empty list)."""
+    for i, t in enumerate(tensors):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise RuntimeError(
+                f"ampfuse.{op}: {name}[{i}] has dtype {t.dtype}; ampfuse ops take torch.float32, "
+                "torch.float16 or torch.bfloat16 tensors."
+            )
+        device = device or t.device
+        if t.device != device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {name}[{i}] is on {t.device} but the other tensors are on "
+                f"{device}; all tensors of one call must be on the same device."
+            )
+    return device
+
+
+def _check_scalar(op, name, t, dtype, device, device_owner="the tensors"):
+    if t.dtype != dtype or t.numel() != 1 or (device is not None and t.device != device):
+        raise RuntimeError(
+            f"ampfuse.{op}: {name} must be a one-element {dtype} tensor on {device} (where "
+            f"{device_owner} live), got shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}."
+        )
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale):
-    return None
+    device = _check_list("multi_tensor_unscale_", "grads", grads)
+    _check_scalar("multi_tensor_unscale_", "found_inf", found_inf, torch.float32, device)
+    _check_scalar("multi_tensor_unscale_", "inv_scale", inv_scale, torch.float32, device)
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_scale_")
 def _scale_fake(src, dst, scale, found_inf):
+    op = "multi_tensor_scale_"
     if len(src) != len(dst):
         raise RuntimeError(
-            f"ampfuse.multi_tensor_scale_: src has {len(src)} tensors but dst has {len(dst)}; "
+            f"ampfuse.{op}: src has {len(src)} tensors but dst has {len(dst)}; "
             "pass one destination per source."
         )
-    return None
+    device = _check_list(op, "dst", dst, _check_list(op, "src", src))
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.shape != d.shape:
+            raise RuntimeError(
+                f"ampfuse.{op}: src[{i}] has shape {tuple(s.shape)} but dst[{i}] has shape "
+                f"{tuple(d.shape)}; each destination must match its source's shape."
+            )
+    _check_scalar(op, "scale", scale, torch.float32, device)
+    _check_scalar(op, "found_inf", found_inf, torch.float32, device)
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_l2norm")
 def _l2norm_fake(tensors, per_tensor):
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device = _check_list("multi_tensor_l2norm", "tensors", tensors) or torch.device("cpu")
     global_norm = torch.empty((), dtype=torch.float32, device=device)
     per_tensor_norms = torch.empty(
         (len(tensors) if per_tensor else 0,), dtype=torch.float32, device=device
@@ -121,4 +188,59 @@ def _l2norm_fake(tensors, per_tensor):
 @torch.library.register_fake("ampfuse::update_scale_")
 def _update_scale_fake(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                        backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
-    return None
+    op = "update_scale_"
+    _check_scalar(op, "scale", scale, torch.float32, scale.device)
+    for name, t, dtype in (("growth_tracker", growth_tracker, torch.int32),
+                           ("hysteresis_tracker", hysteresis_tracker, torch.int32),
+                           ("found_inf", found_inf, torch.float32)):
+        _check_scalar(op, name, t, dtype, scale.device, device_owner="scale")
+
+
+def _check_companions(op, params, name, tensors, fp32_only, optional):
+    if optional and len(tensors) == 0:
+        return
+    if len(tensors) != len(params):
+        raise RuntimeError(
+            f"ampfuse.{op}: {name} has {len(tensors)} tensors but params has {len(params)}; "
+            "pass one per param."
+        )
+    for i, (t, p) in enumerate(zip(tensors, params)):
+        if t.shape != p.shape or t.device != p.device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {name}[{i}] has shape {tuple(t.shape)} on {t.device} but "
+                f"params[{i}] has shape {tuple(p.shape)} on {p.device}."
+            )
+        if fp32_only and t.dtype != torch.float32:
+            raise RuntimeError(f"ampfuse.{op}: {name}[{i}] must be torch.float32, got {t.dtype}.")
+
+
+def _check_step_scalars(op, device, step, lr, grad_scale, found_inf):
+    for name, t in (("step", step), ("lr", lr), ("grad_scale", grad_scale),
+                    ("found_inf", found_inf)):
+        if t is not None:
+            _check_scalar(op, name, t, torch.float32, device, device_owner="params")
+
+
+@torch.library.register_fake("ampfuse::fused_adam_")
+def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
+               beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize,
+               grad_scale, found_inf):
+    op = "fused_adam_"
+    device = _check_list(op, "params", params)
+    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
+    _check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
+    _check_companions(op, params, "max_exp_avg_sqs", max_exp_avg_sqs, True, not amsgrad)
+    _check_companions(op, params, "master_params", master_params, True, True)
+    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+
+
+@torch.library.register_fake("ampfuse::fused_sgd_")
+def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum, dampening,
+              weight_decay, nesterov, maximize, grad_scale, found_inf):
+    op = "fused_sgd_"
+    device = _check_list(op, "params", params)
+    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    _check_companions(op, params, "momentum_buffers", momentum_buffers, True, True)
+    _check_companions(op, params, "master_params", master_params, True, True)
+    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)

@@ -4,15 +4,10 @@
 #include "cpu_kernels.h"
 
 #include "half_convert.h"
+#include "storage_dispatch.h"
 
 namespace ampfuse::kernels::cpu {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define AMPFUSE_CPU_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define AMPFUSE_CPU_CLONES
-#endif
 
 // Elements per inner block: one AVX2 register of floats, twice, so the flag and
 // accumulator reductions stay out of the per-element work.
@@ -65,20 +60,6 @@ AMPFUSE_CPU_CLONES double sum_of_squares_typed(const Storage* data, std::int64_t
     total += x * x;
   }
   return total;
-}
-
-// Calls f with a typed pointer for the runtime dtype.
-template <typename F>
-auto with_storage(DType dtype, void* data, F&& f) {
-  switch (dtype) {
-    case DType::kFloat16:
-      return f(static_cast<Fp16Bits*>(data));
-    case DType::kBFloat16:
-      return f(static_cast<Bf16Bits*>(data));
-    case DType::kFloat32:
-    default:
-      return f(static_cast<float*>(data));
-  }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "../dtype.h"
+#include "../optimizer_math.h"
 
 namespace ampfuse::kernels::cpu {
 
@@ -18,5 +19,17 @@ bool scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, st
 
 // Sum of squares of the span, accumulated in fp32 lanes and returned as double.
 double sum_of_squares_span(const void* data, DType dtype, std::int64_t n);
+
+// One Adam/AdamW step over a span. exp_avg, exp_avg_sq, max_exp_avg_sq (null
+// unless amsgrad) and master (null when the param is updated directly) are fp32.
+// With a master, the update is applied to it and param receives it rounded.
+void adam_span(void* param, DType param_dtype, const void* grad, DType grad_dtype, float* exp_avg,
+               float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
+               const AdamStep& step);
+
+// One SGD step over a span; momentum_buffer (fp32) is null when momentum is 0.
+void sgd_span(void* param, DType param_dtype, const void* grad, DType grad_dtype,
+              float* momentum_buffer, float* master, std::int64_t n, const SgdConfig& config,
+              float lr, float grad_factor, bool first_step);
 
 }  // namespace ampfuse::kernels::cpu

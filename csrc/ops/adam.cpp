@@ -1,0 +1,103 @@
+// fused_adam_: validation, then the CPU span kernel or the CUDA launcher
+// (csrc/kernels/adam.cu).
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+#include "optimizer_args.h"
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kAdam = "fused_adam_";
+
+struct AdamArgs {
+  std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters;
+  kernels::AdamConfig config;
+  kernels::StepScalars scalars;
+  c10::optional<at::Device> device;
+  std::vector<at::Tensor> keep_alive;
+};
+
+AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                    bool bias_correction, bool amsgrad, bool maximize,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf) {
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kAdam, ": beta1 must be in [0, 1), got ",
+              beta1, ".");
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kAdam, ": beta2 must be in [0, 1), got ",
+              beta2, ".");
+  TORCH_CHECK(eps >= 0.0, "ampfuse.", kAdam, ": eps must be >= 0, got ", eps, ".");
+  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), "ampfuse.", kAdam,
+              ": max_exp_avg_sqs must be empty when amsgrad is False.");
+  AdamArgs a;
+  a.device = list_device(kAdam, params, "params");
+  a.params = tensor_refs(kAdam, params, "params", /*mutated=*/true, a.keep_alive);
+  a.grads = companion_refs(kAdam, grads, "grads", params, false, false, false, a.keep_alive);
+  a.exp_avgs = companion_refs(kAdam, exp_avgs, "exp_avgs", params, true, true, false, a.keep_alive);
+  a.exp_avg_sqs =
+      companion_refs(kAdam, exp_avg_sqs, "exp_avg_sqs", params, true, true, false, a.keep_alive);
+  a.max_exp_avg_sqs = companion_refs(kAdam, max_exp_avg_sqs, "max_exp_avg_sqs", params, true,
+                                     true, /*optional=*/!amsgrad, a.keep_alive);
+  a.masters =
+      companion_refs(kAdam, master_params, "master_params", params, true, true, true, a.keep_alive);
+  a.scalars = step_scalars(kAdam, step, lr, grad_scale, found_inf, a.device);
+  a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
+  return a;
+}
+
+}  // namespace
+
+void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                    bool bias_correction, bool amsgrad, bool maximize,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf) {
+  const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                master_params, step, lr, beta1, beta2, eps, weight_decay,
+                                adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
+                                found_inf);
+  if (cpu_step_skipped(a.scalars)) return;
+  const kernels::AdamStep adam_step =
+      kernels::make_adam_step(a.config, *a.scalars.step, *a.scalars.lr, cpu_grad_factor(a.scalars));
+  const std::vector<Span> spans = split_into_spans(a.params);
+  any_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    const kernels::TensorRef& param = a.params[span.tensor];
+    const kernels::TensorRef& grad = a.grads[span.tensor];
+    kernels::cpu::adam_span(element_ptr(param, span.offset), param.dtype,
+                            element_ptr(grad, span.offset), grad.dtype, optional_fp32_ptr(a.exp_avgs, span),
+                            optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.max_exp_avg_sqs, span),
+                            optional_fp32_ptr(a.masters, span), span.size, adam_step);
+    return false;
+  });
+  *a.scalars.step += 1.0f;
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                     at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                     bool bias_correction, bool amsgrad, bool maximize,
+                     const c10::optional<at::Tensor>& grad_scale,
+                     const c10::optional<at::Tensor>& found_inf) {
+  const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                master_params, step, lr, beta1, beta2, eps, weight_decay,
+                                adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
+                                found_inf);
+  // An empty list still advances the step count, as on the CPU.
+  const c10::cuda::CUDAGuard guard(step.device());
+  kernels::cuda::adam(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs, a.masters,
+                      a.config, a.scalars, current_stream(step.device()));
+}
+#endif
+
+}  // namespace ampfuse::ops

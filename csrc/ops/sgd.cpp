@@ -1,0 +1,89 @@
+// fused_sgd_: validation, then the CPU span kernel or the CUDA launcher
+// (csrc/kernels/sgd.cu).
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+#include "optimizer_args.h"
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kSgd = "fused_sgd_";
+
+struct SgdArgs {
+  std::vector<kernels::TensorRef> params, grads, momentum_buffers, masters;
+  kernels::SgdConfig config;
+  kernels::StepScalars scalars;
+  c10::optional<at::Device> device;
+  std::vector<at::Tensor> keep_alive;
+};
+
+SgdArgs check_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                  const c10::optional<at::Tensor>& found_inf) {
+  TORCH_CHECK(momentum >= 0.0, "ampfuse.", kSgd, ": momentum must be >= 0, got ", momentum, ".");
+  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), "ampfuse.", kSgd,
+              ": nesterov needs momentum > 0 and dampening == 0.");
+  TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), "ampfuse.", kSgd,
+              ": pass one momentum buffer per param when momentum != 0, and none when it is 0.");
+  SgdArgs a;
+  a.device = list_device(kSgd, params, "params");
+  a.params = tensor_refs(kSgd, params, "params", /*mutated=*/true, a.keep_alive);
+  a.grads = companion_refs(kSgd, grads, "grads", params, false, false, false, a.keep_alive);
+  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", params, true,
+                                      true, /*optional=*/true, a.keep_alive);
+  a.masters =
+      companion_refs(kSgd, master_params, "master_params", params, true, true, true, a.keep_alive);
+  a.scalars = step_scalars(kSgd, step, lr, grad_scale, found_inf, a.device);
+  a.config = {momentum, dampening, weight_decay, nesterov, maximize};
+  return a;
+}
+
+}  // namespace
+
+void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                   at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                   double momentum, double dampening, double weight_decay, bool nesterov,
+                   bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                   const c10::optional<at::Tensor>& found_inf) {
+  const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
+                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf);
+  if (cpu_step_skipped(a.scalars)) return;
+  const float learning_rate = *a.scalars.lr;
+  const float factor = cpu_grad_factor(a.scalars);
+  const bool first_step = *a.scalars.step == 0.0f;
+  const std::vector<Span> spans = split_into_spans(a.params);
+  any_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    const kernels::TensorRef& param = a.params[span.tensor];
+    const kernels::TensorRef& grad = a.grads[span.tensor];
+    kernels::cpu::sgd_span(element_ptr(param, span.offset), param.dtype,
+                           element_ptr(grad, span.offset), grad.dtype,
+                           optional_fp32_ptr(a.momentum_buffers, span), optional_fp32_ptr(a.masters, span), span.size,
+                           a.config, learning_rate, factor, first_step);
+    return false;
+  });
+  *a.scalars.step += 1.0f;
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                    double momentum, double dampening, double weight_decay, bool nesterov,
+                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf) {
+  const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
+                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf);
+  // An empty list still advances the step count, as on the CPU.
+  const c10::cuda::CUDAGuard guard(step.device());
+  kernels::cuda::sgd(a.params, a.grads, a.momentum_buffers, a.masters, a.config, a.scalars,
+                     current_stream(step.device()));
+}
+#endif
+
+}  // namespace ampfuse::ops
