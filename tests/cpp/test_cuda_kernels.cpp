@@ -192,3 +192,46 @@ TEST_CASE("CUDA update_scale follows the host rule step by step") {
     REQUIRE(hysteresis.get() == host_hysteresis);
   }
 }
+
+TEST_CASE("CUDA Adam and SGD are bit-identical to the CPU kernels, and skip on overflow") {
+  const AdamConfig adam_config{0.9, 0.999, 1e-8, 0.01, true, true, true, false};
+  const SgdConfig sgd_config{0.9, 0.0, 0.01, true, false};
+  for (DType param_dtype : kDtypes) {
+    for (DType grad_dtype : kDtypes) {
+      for (std::int64_t n : {std::int64_t{5}, std::int64_t{65537}}) {
+        DeviceTensor param(param_dtype, n, 1, 1.0f), grad(grad_dtype, n, 2, 1.0f);
+        DeviceTensor m(DType::kFloat32, n, 3, 0.1f), v(DType::kFloat32, n, 4, 0.0f);
+        DeviceTensor vmax(DType::kFloat32, n, 5, 0.0f), master(DType::kFloat32, n, 6, 1.0f);
+        DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f);
+        const StepScalars scalars{step.device, lr.device, scale.device, found.device};
+        std::vector<unsigned char> p = param.host, mm = m.host, vv = v.host, xx = vmax.host,
+                                   ww = master.host;
+        cpu::adam_span(p.data(), param_dtype, grad.host.data(), grad_dtype,
+                       reinterpret_cast<float*>(mm.data()), reinterpret_cast<float*>(vv.data()),
+                       reinterpret_cast<float*>(xx.data()), reinterpret_cast<float*>(ww.data()), n,
+                       make_adam_step(adam_config, 3.0f, 1e-3f, 1.0f / 512.0f));
+        std::vector<TensorRef> P{param.ref()}, G{grad.ref()}, M{m.ref()}, V{v.ref()},
+            X{vmax.ref()}, W{master.ref()};
+        cuda::adam(P, G, M, V, X, W, adam_config, scalars, nullptr);
+        REQUIRE(param.download() == p);
+        REQUIRE(master.download() == ww);
+        REQUIRE(m.download() == mm);
+        REQUIRE(vmax.download() == xx);
+        REQUIRE(step.get() == 4.0f);
+        found.set(1.0f);
+        cuda::adam(P, G, M, V, X, W, adam_config, scalars, nullptr);
+        cuda::sgd(P, G, M, W, sgd_config, scalars, nullptr);
+        REQUIRE(param.download() == p);
+        REQUIRE(master.download() == ww);
+        REQUIRE(step.get() == 4.0f);
+        found.set(0.0f);
+        cpu::sgd_span(p.data(), param_dtype, grad.host.data(), grad_dtype,
+                      reinterpret_cast<float*>(mm.data()), reinterpret_cast<float*>(ww.data()), n,
+                      sgd_config, 1e-3f, 1.0f / 512.0f, false);
+        cuda::sgd(P, G, M, W, sgd_config, scalars, nullptr);
+        REQUIRE(param.download() == p);
+        REQUIRE(m.download() == mm);
+      }
+    }
+  }
+}
