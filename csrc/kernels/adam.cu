@@ -10,14 +10,15 @@ namespace {
 constexpr int kAdamDepth = 6;
 constexpr int kPack = 4;
 
-template <typename Param, typename Grad>
+template <bool kAmsgrad, typename Param, typename Grad>
 __device__ void adam_chunk(Param* param, const Grad* grad, float* m, float* v, float* max_v,
                            float* master, int n, const AdamStep& step) {
   const bool has_master = master != nullptr;
   const auto element = [&](int i) {
     float p = has_master ? master[i] : DeviceElement<Param>::load(param[i]);
     float unused = 0.0f;
-    adam_update(p, DeviceElement<Grad>::load(grad[i]), m[i], v[i], max_v ? max_v[i] : unused, step);
+    adam_update<kAmsgrad>(p, DeviceElement<Grad>::load(grad[i]), m[i], v[i],
+                          kAmsgrad ? max_v[i] : unused, step);
     if (has_master) master[i] = p;
     param[i] = DeviceElement<Param>::store(p);
   };
@@ -27,19 +28,19 @@ __device__ void adam_chunk(Param* param, const Grad* grad, float* m, float* v, f
     Pack<Param, kPack> pp = *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
     F4 mm = *reinterpret_cast<const F4*>(m + i);
     F4 vv = *reinterpret_cast<const F4*>(v + i);
-    F4 xx = max_v ? *reinterpret_cast<const F4*>(max_v + i) : F4{};
+    F4 xx = kAmsgrad ? *reinterpret_cast<const F4*>(max_v + i) : F4{};
     F4 ww = has_master ? *reinterpret_cast<const F4*>(master + i) : F4{};
 #pragma unroll
     for (int k = 0; k < kPack; ++k) {
       float p = has_master ? ww.v[k] : DeviceElement<Param>::load(pp.v[k]);
-      adam_update(p, DeviceElement<Grad>::load(g.v[k]), mm.v[k], vv.v[k], xx.v[k], step);
+      adam_update<kAmsgrad>(p, DeviceElement<Grad>::load(g.v[k]), mm.v[k], vv.v[k], xx.v[k], step);
       ww.v[k] = p;
       pp.v[k] = DeviceElement<Param>::store(p);
     }
     *reinterpret_cast<Pack<Param, kPack>*>(param + i) = pp;
     *reinterpret_cast<F4*>(m + i) = mm;
     *reinterpret_cast<F4*>(v + i) = vv;
-    if (max_v) *reinterpret_cast<F4*>(max_v + i) = xx;
+    if (kAmsgrad) *reinterpret_cast<F4*>(max_v + i) = xx;
     if (has_master) *reinterpret_cast<F4*>(master + i) = ww;
   };
   const bool aligned = is_aligned_16(param) && is_aligned_16(grad) && is_aligned_16(m) &&
@@ -65,7 +66,11 @@ struct AdamFunctor {
         using Grad = std::remove_pointer_t<decltype(grad_tag)>;
         Param* param = static_cast<Param*>(table.addresses[0][chunk.slot]) + chunk.start;
         const Grad* grad = static_cast<const Grad*>(table.addresses[1][chunk.slot]) + chunk.start;
-        adam_chunk(param, grad, list(2), list(3), max_v, master, chunk.size, step);
+        if (config.amsgrad) {
+          adam_chunk<true>(param, grad, list(2), list(3), max_v, master, chunk.size, step);
+        } else {
+          adam_chunk<false>(param, grad, list(2), list(3), max_v, master, chunk.size, step);
+        }
       });
     });
   }

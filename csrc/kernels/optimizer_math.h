@@ -11,6 +11,18 @@
 
 namespace ampfuse::kernels {
 
+// cond ? a : b. On the host it is written with bit masks because GCC 12 keeps a
+// float ternary as a branch and then refuses to vectorize the loop around it.
+AMPFUSE_HOST_DEVICE inline float select_float(bool cond, float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return cond ? a : b;
+#else
+  const std::uint32_t mask = 0u - static_cast<std::uint32_t>(cond);
+  return __builtin_bit_cast(float, (__builtin_bit_cast(std::uint32_t, a) & mask) |
+                                       (__builtin_bit_cast(std::uint32_t, b) & ~mask));
+#endif
+}
+
 // Inputs of an optimizer step that live in device memory. step counts the steps taken so far and
 // is advanced after the update unless *found_inf != 0, in which case nothing at
 // all is written. grad_scale and found_inf may be null.
@@ -24,20 +36,21 @@ struct StepScalars {
 // Per-step constants of an Adam update, derived once per call (CPU) or per block
 // (CUDA) from the device-side step count and learning rate.
 // Scalars that torch forms in Python (double) are formed in double here too and
-// rounded once, so both round the same way.
+// rounded once, so both round the same way. Options become multipliers that are
+// exact no-ops when off (x * 1, x + 0 * p for finite p), which keeps the update
+// branch-free so CPU loops over it vectorize.
 struct AdamStep {
   float one_minus_beta1;
   float beta2;
   float one_minus_beta2;
   float eps;
-  float weight_decay;           // Adam's L2 term
-  float decoupled_decay;        // AdamW's 1 - lr * weight_decay
+  float l2_decay;               // Adam's weight decay added to the gradient (0 for AdamW)
+  float decoupled_decay;        // AdamW's 1 - lr * weight_decay (1 for Adam)
   float step_size;              // lr / (1 - beta1^t)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-  float grad_factor;            // 1 / grad_scale (1 when there is none)
-  bool adam_w_mode;
+  float grad_factor;            // +-1 / grad_scale: the sign carries `maximize`
+  bool lerp_from_start;         // which of torch's two lerp formulas applies
   bool amsgrad;
-  bool maximize;
 };
 
 struct AdamConfig {
@@ -63,37 +76,34 @@ AMPFUSE_HOST_DEVICE inline AdamStep make_adam_step(const AdamConfig& c, float st
   s.beta2 = static_cast<float>(c.beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
   s.eps = static_cast<float>(c.eps);
-  s.weight_decay = static_cast<float>(c.weight_decay);
-  s.decoupled_decay = static_cast<float>(1.0 - static_cast<double>(lr) * c.weight_decay);
+  s.l2_decay = c.adam_w_mode ? 0.0f : static_cast<float>(c.weight_decay);
+  s.decoupled_decay =
+      c.adam_w_mode ? static_cast<float>(1.0 - static_cast<double>(lr) * c.weight_decay) : 1.0f;
   s.step_size = static_cast<float>(static_cast<double>(lr) / bias_correction1);
   s.bias_correction2_sqrt = static_cast<float>(sqrt(bias_correction2));
-  s.grad_factor = grad_factor;
-  s.adam_w_mode = c.adam_w_mode;
+  s.grad_factor = c.maximize ? -grad_factor : grad_factor;
+  s.lerp_from_start = s.one_minus_beta1 < 0.5f;
   s.amsgrad = c.amsgrad;
-  s.maximize = c.maximize;
   return s;
 }
 
 // One element: p is the fp32 parameter (the master when there is one), g the
-// gradient as read, m/v the moments, max_v the AMSGrad maximum (ignored unless amsgrad).
+// gradient as read, m/v the moments, max_v the AMSGrad maximum (used when kAmsgrad).
+template <bool kAmsgrad>
 AMPFUSE_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v, float& max_v,
                                             const AdamStep& s) {
-  g *= s.grad_factor;
-  if (s.maximize) g = -g;
-  if (s.weight_decay != 0.0f) {
-    if (s.adam_w_mode) {
-      p *= s.decoupled_decay;
-    } else {
-      g += s.weight_decay * p;
-    }
-  }
-  // torch's lerp: the formula is chosen by the weight to stay exact at both ends.
+  g = g * s.grad_factor + s.l2_decay * p;
+  p *= s.decoupled_decay;
+  // torch's lerp picks one of two formulas by the weight, to stay exact at both ends.
   const float w = s.one_minus_beta1;
-  m = w < 0.5f ? m + w * (g - m) : g - (g - m) * (1.0f - w);
+  const float from_start = m + w * (g - m);
+  const float from_end = g - (g - m) * (1.0f - w);
+  m = select_float(s.lerp_from_start, from_start, from_end);
   v = v * s.beta2 + s.one_minus_beta2 * g * g;
   float second = v;
-  if (s.amsgrad) {
-    max_v = max_v > v ? max_v : v;
+  if (kAmsgrad) {
+    // NaN in v propagates, as with torch.maximum.
+    max_v = select_float(max_v > v, max_v, v);
     second = max_v;
   }
   const float denom = sqrtf(second) / s.bias_correction2_sqrt + s.eps;
@@ -110,19 +120,18 @@ struct SgdConfig {
 
 // One element of SGD. `first_step` seeds the momentum buffer with the gradient,
 // as torch does when the buffer does not exist yet.
-AMPFUSE_HOST_DEVICE inline void sgd_update(float& p, float g, float* momentum_buffer,
+// The signs and factors are uniform over a call; kMomentum selects the buffer update.
+template <bool kMomentum>
+AMPFUSE_HOST_DEVICE inline void sgd_update(float& p, float g, float& momentum_buffer,
                                            const SgdConfig& c, float lr, float grad_factor,
                                            bool first_step) {
-  g *= grad_factor;
-  if (c.maximize) g = -g;
-  const auto weight_decay = static_cast<float>(c.weight_decay);
-  if (weight_decay != 0.0f) g += weight_decay * p;
-  if (momentum_buffer != nullptr) {
+  g = g * (c.maximize ? -grad_factor : grad_factor) + static_cast<float>(c.weight_decay) * p;
+  if (kMomentum) {
     const auto momentum = static_cast<float>(c.momentum);
-    float buf = *momentum_buffer;
-    buf = first_step ? g : buf * momentum + static_cast<float>(1.0 - c.dampening) * g;
-    *momentum_buffer = buf;
-    g = c.nesterov ? g + momentum * buf : buf;
+    const float continued = momentum_buffer * momentum + static_cast<float>(1.0 - c.dampening) * g;
+    const float buf = select_float(first_step, g, continued);
+    momentum_buffer = buf;
+    g = select_float(c.nesterov, g + momentum * buf, buf);
   }
   p += -lr * g;
 }

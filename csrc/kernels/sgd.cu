@@ -30,12 +30,21 @@ struct SgdFunctor {
         const Grad* grad = static_cast<const Grad*>(table.addresses[1][chunk.slot]) + chunk.start;
         // SGD moves few bytes per element; the loop is simple enough for the compiler
         // to keep loads coalesced without explicit packs.
-        for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
-          float p = master ? master[i] : DeviceElement<Param>::load(param[i]);
-          sgd_update(p, DeviceElement<Grad>::load(grad[i]), momentum ? momentum + i : nullptr,
-                     config, lr, factor, first_step);
-          if (master) master[i] = p;
-          param[i] = DeviceElement<Param>::store(p);
+        const auto update_all = [&](auto has_momentum) {
+          for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
+            float p = master ? master[i] : DeviceElement<Param>::load(param[i]);
+            float unused = 0.0f;
+            sgd_update<decltype(has_momentum)::value>(p, DeviceElement<Grad>::load(grad[i]),
+                                                      momentum ? momentum[i] : unused, config, lr,
+                                                      factor, first_step);
+            if (master) master[i] = p;
+            param[i] = DeviceElement<Param>::store(p);
+          }
+        };
+        if (momentum) {
+          update_all(std::true_type{});
+        } else {
+          update_all(std::false_type{});
         }
       });
     });
