@@ -15,6 +15,8 @@ from ampfuse._ops import (
     update_scale_,
 )
 
+from ampfuse import optimizers  # noqa: E402  (needs the ops registered above)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -25,5 +27,6 @@ __all__ = [
     "multi_tensor_l2norm",
     "multi_tensor_scale_",
     "multi_tensor_unscale_",
+    "optimizers",
     "update_scale_",
 ]

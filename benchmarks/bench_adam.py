@@ -1,0 +1,293 @@
+"""Times one mixed-precision Adam step of ampfuse against torch's best equivalents on
+transformer-shaped parameter sets, side by side in one run.
+
+    PYTHONPATH=python python benchmarks/bench_adam.py [--device cpu|cuda] [--dtype bf16 fp16]
+        [--total-elements 1.25e8 3.5e8] [--json PATH]
+
+Defaults: about 10M parameters in 291 tensors on the CPU; GPT-2 small (125M, 12 layers) and
+medium (350M, 24 layers) shapes on CUDA; bf16 and fp16 models. Rows, for a model dtype of h
+bytes:
+
+  ampfuse FusedAdam         the optimizer step alone: FusedAdamW(master_weights=True) on the
+                            half-precision model, grad_scale and found_inf given as tensors (as
+                            torch.amp.GradScaler hands them over). Floor 24 + 2h bytes/param:
+                            grad read, master, exp_avg, exp_avg_sq read and written, param written.
+  ampfuse unscale+FusedAdam the whole AMP step: multi_tensor_unscale_ of the half grads (which
+                            also finds inf/nan), then FusedAdamW with found_inf. Floor 24 + 4h.
+  torch masters pipeline    what torch offers for fp32 masters of a half model: copy the grads
+                            up to fp32 master grads, unscale them with
+                            torch._amp_foreach_non_finite_check_and_unscale_, AdamW(fused=True)
+                            on the masters, skipping on found_inf without a host sync, copy the
+                            masters down to the model. Floor 44 + 2h.
+  torch fused fp32          AdamW(fused=True) on a plain fp32 model (no masters needed), grad_scale
+                            and found_inf given as GradScaler does. Floor 28.
+
+Each torch row's ratio is its time over the matching ampfuse row's (full AMP step for the masters
+pipeline, optimizer step alone for fused fp32); above 1 means ampfuse is faster. ms are medians;
+noise% is the gap between ampfuse's timings before and after torch's; GB/s is the byte floor over
+the median, and %copy compares it with a device copy of the same bytes. A benchmark reports; it
+never asserts a time.
+"""
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+import ampfuse
+from ampfuse.optimizers import FusedAdamW
+from _timing import (
+    DTYPES,
+    add_common_args,
+    budget_s,
+    copy_bandwidth,
+    element_count,
+    environment,
+    finish_args,
+    generator,
+    model_like_shapes,
+    random_tensors,
+    rotation_count,
+    summarize,
+    synchronize,
+    time_calls,
+    write_json,
+)
+
+CUDA_DEFAULT_TOTALS = (125_000_000, 350_000_000)
+LR = 1e-4
+SCALE = 1024.0
+
+
+def layers_for(total):
+    """GPT-2 small's 12 layers near its 125M size; 24 otherwise (GPT-2 medium at 350M, and the
+    291-tensor sets the other benchmarks use at other sizes)."""
+    return 12 if 100_000_000 <= total < 200_000_000 else 24
+
+
+@dataclasses.dataclass
+class Pipeline:
+    label: str
+    floor_per_param: int  # bytes moved per parameter at the least
+    make: object  # (shapes, gen) -> one argument set
+    call: object  # (argument set) -> None: one optimizer step
+    baseline: str = None  # label of the ampfuse row a torch row is compared with
+
+
+def scalars(device):
+    return torch.full((), SCALE, device=device), torch.zeros((), device=device)
+
+
+def half_model(shapes, dtype, device, gen):
+    """Params of `dtype` with grads of the same dtype."""
+    params = [p.requires_grad_() for p in random_tensors(shapes, dtype, device, gen)]
+    for p, g in zip(params, random_tensors(shapes, dtype, device, gen)):
+        p.grad = g
+    return params
+
+
+def ampfuse_adam(dtype, device, unscale_first):
+    def make(shapes, gen):
+        params = half_model(shapes, dtype, device, gen)
+        opt = FusedAdamW(params, lr=LR, weight_decay=0.01, master_weights=True)
+        return opt, [p.grad for p in params], *scalars(device), torch.full((), 1.0, device=device)
+
+    def call(s):
+        opt, grads, scale, found_inf, one = s
+        if unscale_first:
+            # Multiplying by 1 keeps the data unchanged across calls; the pass is the same.
+            ampfuse.multi_tensor_unscale_(grads, found_inf, one)
+            opt.step(found_inf=found_inf)
+        else:
+            opt.step(grad_scale=scale, found_inf=found_inf)
+
+    h = dtype.itemsize
+    label = "ampfuse unscale+FusedAdam" if unscale_first else "ampfuse FusedAdam"
+    return Pipeline(label, 24 + (4 if unscale_first else 2) * h, make, call)
+
+
+def torch_optimizer(params, cls=torch.optim.AdamW, **kwargs):
+    """cls(fused=True), or foreach where this torch has no fused kernel for the device (the
+    foreach path cannot skip on the device, so it is then given no found_inf)."""
+    if params[0].device.type in _get_fused_kernels_supported_devices():
+        return cls(params, fused=True, **kwargs), True
+    return cls(params, foreach=True, **kwargs), False
+
+
+def torch_masters(dtype, device, baseline, floor_per_param=None, **optimizer):
+    """copy up + unscale + fused step on the fp32 masters + copy down; `optimizer` picks the torch
+    class and its hyperparameters (AdamW by default)."""
+    optimizer = optimizer or dict(lr=LR, weight_decay=0.01)
+
+    def make(shapes, gen):
+        model = half_model(shapes, dtype, device, gen)
+        masters = [p.detach().float() for p in model]
+        for m in masters:
+            m.grad = torch.empty_like(m)
+        opt, fused = torch_optimizer(masters, **optimizer)
+        grad_scale, found_inf = scalars(device)
+        return opt, fused, model, [p.grad for p in model], masters, [m.grad for m in masters], \
+            torch.reciprocal(grad_scale), found_inf
+
+    @torch.no_grad()
+    def call(s):
+        opt, fused, model, grads, masters, master_grads, inv_scale, found_inf = s
+        torch._foreach_copy_(master_grads, grads)
+        torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
+        if fused:
+            opt.found_inf = found_inf  # the fused kernel skips on the device, no host sync
+        opt.step()
+        torch._foreach_copy_(model, masters)
+
+    floor = 44 + 2 * dtype.itemsize if floor_per_param is None else floor_per_param
+    return Pipeline("torch masters pipeline", floor, make, call, baseline)
+
+
+def torch_fp32(device, baseline, floor_per_param=28, **optimizer):
+    optimizer = optimizer or dict(lr=LR, weight_decay=0.01)
+
+    def make(shapes, gen):
+        params = half_model(shapes, torch.float32, device, gen)
+        opt, fused = torch_optimizer(params, **optimizer)
+        if fused:
+            opt.grad_scale, opt.found_inf = scalars(device)
+        return opt
+
+    def call(opt):
+        opt.step()
+
+    return Pipeline("torch fused fp32", floor_per_param, make, call, baseline)
+
+
+def time_pipeline(pipeline, shapes, device, args):
+    """Median-ready timings of `pipeline` on rotated argument sets (see _timing)."""
+    floor = pipeline.floor_per_param * element_count(shapes)
+    sets_n = rotation_count(floor, device, max_sets=4)
+    gen = generator(device, args.seed)
+    sets = [pipeline.make(shapes, gen) for _ in range(sets_n)]
+    synchronize(device)
+    times = time_calls(lambda i: pipeline.call(sets[i % sets_n]), device, max(args.warmup, sets_n),
+                       args.repeats, budget_s(device))
+    del sets
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return times, sets_n
+
+
+def compare_pipelines(op, pipelines, shapes, dtype_name, args):
+    """Times the ampfuse pipelines, then the torch ones, then the ampfuse ones again. Returns
+    one row per pipeline."""
+    device = args.device
+    elements = element_count(shapes)
+    ampfuse_rows = [p for p in pipelines if p.baseline is None]
+    torch_rows = [p for p in pipelines if p.baseline is not None]
+    first = {p.label: time_pipeline(p, shapes, device, args) for p in ampfuse_rows}
+    results = {}
+    for p in torch_rows:
+        try:
+            results[p.label] = time_pipeline(p, shapes, device, args)
+        except (RuntimeError, NotImplementedError) as error:
+            results[p.label] = str(error).splitlines()[0][:120]
+    second = {p.label: time_pipeline(p, shapes, device, args) for p in ampfuse_rows}
+
+    rows = []
+    for p in pipelines:
+        floor = p.floor_per_param * elements
+        row = {"op": op, "device": device, "dtype": dtype_name, "tensors": len(shapes),
+               "elements": elements, "impl": p.label, "floor_bytes": floor,
+               "bytes_per_param": p.floor_per_param,
+               "copy_gbps": copy_bandwidth(floor, device, args.warmup, args.repeats) / 1e9}
+        if p.baseline is None:
+            (t1, sets_n), (t2, _) = first[p.label], second[p.label]
+            m1, m2 = statistics.median(t1), statistics.median(t2)
+            row.update(summarize(t1 + t2), rotation_sets=sets_n,
+                       noise_pct=100 * abs(m1 - m2) / min(m1, m2))
+        elif isinstance(results[p.label], str):
+            row["error"] = results[p.label]
+        else:
+            times, sets_n = results[p.label]
+            row.update(summarize(times), rotation_sets=sets_n, baseline=p.baseline)
+        if "median_s" in row:
+            row["gbps"] = floor / row["median_s"] / 1e9
+            row["pct_of_copy"] = 100 * row["gbps"] / row["copy_gbps"]
+        rows.append(row)
+    by_label = {r["impl"]: r for r in rows}
+    for row in rows:
+        base = by_label.get(row.get("baseline"))
+        if base is not None and "median_s" in base and "median_s" in row:
+            row["torch_over_ampfuse"] = row["median_s"] / base["median_s"]
+    return rows
+
+
+def run(args):
+    rows = []
+    half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
+    for total in args.total_elements:
+        shapes = model_like_shapes(total, layers_for(total))
+        for name in half_names:
+            dtype = DTYPES[name]
+            full = ampfuse_adam(dtype, args.device, unscale_first=True)
+            alone = ampfuse_adam(dtype, args.device, unscale_first=False)
+            pipelines = [alone, full, torch_masters(dtype, args.device, full.label),
+                         torch_fp32(args.device, alone.label)]
+            rows += compare_pipelines("adam", pipelines, shapes, name, args)
+    return rows
+
+
+# ---- command line and table (shared with bench_sgd.py) ------------------------------------------
+
+
+def parse_args(description, argv=None):
+    parser = argparse.ArgumentParser(description=description)
+    add_common_args(parser)
+    parser.set_defaults(dtype=["bf16", "fp16"])
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    if args.total_elements is None and args.device == "cuda":
+        args.total_elements = CUDA_DEFAULT_TOTALS
+    return finish_args(args)
+
+
+def format_rows(rows, env):
+    columns = [("dtype", "{}", 5), ("tensors", "{}", 7), ("elements", "{:,}", 12),
+               ("impl", "{}", 26), ("ms", "{:.3f}", 9), ("noise%", "{:.1f}", 6),
+               ("B/param", "{}", 7), ("GB/s", "{:.1f}", 7), ("%copy", "{:.0f}", 5),
+               ("torch/ampfuse", "{:.2f}", 13)]
+    keys = {"ms": "median_s", "noise%": "noise_pct", "B/param": "bytes_per_param", "GB/s": "gbps",
+            "%copy": "pct_of_copy", "torch/ampfuse": "torch_over_ampfuse"}
+    cuda = rows and rows[0]["device"] == "cuda"
+    where = env.get("gpu") if cuda else f"CPU x{env['cpu_threads']} threads"
+    op = rows[0]["op"] if rows else ""
+    lines = [f"# {op}: {where}; torch {env['torch']}; {env['date']}; {env['command']}",
+             "  ".join(name.rjust(width) for name, _, width in columns)]
+    for row in rows:
+        cells = []
+        for name, fmt, width in columns:
+            value = row.get(keys.get(name, name))
+            if name == "ms" and value is not None:
+                value *= 1e3
+            if value is None:
+                value = row["error"][:60] if name == "ms" and "error" in row else "-"
+                cells.append(str(value).rjust(width))
+            else:
+                cells.append(fmt.format(value).rjust(width))
+        lines.append("  ".join(cells))
+    lines.append("# B/param: byte floor per parameter; torch/ampfuse: a torch row's time over "
+                 "the ampfuse row it replaces (> 1: ampfuse faster)")
+    return "\n".join(lines)
+
+
+def main_for(run_fn, description, argv=None):
+    args = parse_args(description, argv)
+    rows = run_fn(args)
+    env = environment(argv)
+    print(format_rows(rows, env))
+    if args.json:
+        write_json(args.json, rows, env)
+    return rows
+
+
+if __name__ == "__main__":
+    main_for(run, __doc__.splitlines()[0])

@@ -1,0 +1,209 @@
+"""FusedAdam and FusedAdamW: Adam/AdamW over whole param lists in one op call per device, with
+optional fp32 master weights for fp16/bf16 params, on top of torch.ops.ampfuse.fused_adam_."""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse import _ops
+from ampfuse.optimizers._base import FusedOptimizer, fp32_copy, fp32_like
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam and AdamW in one fused op per param group and device.
+
+    The math and its order are torch.optim.Adam's (adam_w_mode=False: L2 weight decay added to
+    the grad) and torch.optim.AdamW's (adam_w_mode=True: decoupled decay, the default here, as in
+    apex). Moments are kept in fp32 whatever the params' dtype, and params of several dtypes and
+    devices may share a group.
+
+    Args:
+        params: params or param groups, as for any torch.optim optimizer.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as in torch.optim.Adam. lr may be a
+            one-element tensor (see capturable).
+        adam_w_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False.
+        bias_correction: divide by 1 - beta^t as Adam does; False leaves the moments uncorrected.
+        master_weights: keep an fp32 master of every fp16/bf16 param in the optimizer state
+            ('master_param'), update the master and write it back rounded to the param's dtype.
+            It changes nothing for fp32 params. Masters are made from the params at their first
+            step.
+        capturable: allow step() to be captured in a CUDA graph. Every step is free of host
+            syncs either way; for a learning rate that changes between replays, give lr as a
+            CUDA tensor and change it in place (torch's LR schedulers do so for tensor lrs).
+        set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
+
+    Arguments after weight_decay are keyword-only: torch.optim.Adam's sixth positional argument
+    is amsgrad, apex's order differs again, and a silent mix-up would change the math.
+
+    The fused step honours torch.amp.GradScaler without unscaling the grads first
+    (_step_supports_amp_scaling): the scale is divided out inside the op, and a step with
+    inf/nan grads writes nothing at all. step(grad_scale=..., found_inf=...) does the same for
+    callers that manage their own loss scale.
+    """
+
+    _TORCH_GROUP_KEYS = {
+        "decoupled_weight_decay": lambda group: bool(group["adam_w_mode"]),
+        "foreach": None,
+        "fused": None,
+        "differentiable": False,
+    }
+    _FOREIGN_GROUP_KEYS = ("momentum", "dampening", "nesterov")
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        adam_w_mode=True,
+        bias_correction=True,
+        amsgrad=False,
+        maximize=False,
+        master_weights=False,
+        capturable=False,
+        set_grad_none=True,
+    ):
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            # Tensor betas are read once here rather than at every step.
+            betas = (float(betas[0]), float(betas[1]))
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "capturable": capturable,
+            "adam_w_mode": adam_w_mode,
+            "bias_correction": bias_correction,
+            "master_weights": master_weights,
+        }
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_hyperparameters(self, index, group):
+        name = type(self).__name__
+        self._check_lr(index, group["lr"])
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(
+                f"{name}: param_groups[{index}] has betas={betas!r}; betas must be a pair "
+                "(beta1, beta2)."
+            )
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(
+                    f"{name}: param_groups[{index}] has betas[{i}]={float(beta)}; each beta "
+                    "must be in [0, 1)."
+                )
+        self._check_nonnegative(index, group, "eps")
+        self._check_nonnegative(index, group, "weight_decay")
+
+    def _prepare_state(self, group, p, state):
+        if "exp_avg" not in state:
+            state["exp_avg"] = fp32_like(p)
+            state["exp_avg_sq"] = fp32_like(p)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = fp32_like(p)
+
+    def _launch(self, group, call, lr, grad_scale, found_inf):
+        states = call.states
+        beta1, beta2 = group["betas"]
+        amsgrad = bool(group["amsgrad"])
+        _ops.fused_adam_(
+            call.params,
+            call.grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            call.masters(),
+            call.step,
+            lr,
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["adam_w_mode"]),
+            bool(group["bias_correction"]),
+            amsgrad,
+            bool(group["maximize"]),
+            grad_scale,
+            found_inf,
+        )
+
+    def _export_state(self, group, state, step_value):
+        if step_value is None:
+            # Only a master made by master_params() before any step: torch.optim.Adam would read
+            # a state without 'step' as corrupt, and the next step remakes the same master.
+            return {}
+        out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        if "max_exp_avg_sq" in state:
+            out["max_exp_avg_sq"] = state["max_exp_avg_sq"]
+        if "master_param" in state:
+            out["master_param"] = state["master_param"]
+        return out
+
+    def _import_state(self, group, p, saved, where):
+        if not saved:
+            return {}, None
+        if "step" not in saved or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state of {where} has keys "
+                f"{sorted(saved)}; an Adam state needs 'step', 'exp_avg' and 'exp_avg_sq'."
+            )
+        imported = {}
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if saved.get(key) is not None:
+                self._check_saved_shape(where, key, saved[key], p)
+                imported[key] = fp32_copy(saved[key], p)
+        self._import_master(group, p, saved, imported, where)
+        step = saved["step"]
+        return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def _import_group(self, saved, current, new):
+        # A torch.optim checkpoint says Adam or AdamW through decoupled_weight_decay.
+        if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
+            new["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
+        if isinstance(new.get("betas"), list):
+            new["betas"] = tuple(new["betas"])
+
+
+class FusedAdamW(FusedAdam):
+    """FusedAdam with decoupled weight decay, defaulting to weight_decay=1e-2 as
+    torch.optim.AdamW does. Loading any state dict keeps it AdamW."""
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        bias_correction=True,
+        amsgrad=False,
+        maximize=False,
+        master_weights=False,
+        capturable=False,
+        set_grad_none=True,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            adam_w_mode=True,
+            bias_correction=bias_correction,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            master_weights=master_weights,
+            capturable=capturable,
+            set_grad_none=set_grad_none,
+        )
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["adam_w_mode"] = True

@@ -1,0 +1,113 @@
+"""FusedSGD: SGD with momentum, dampening, Nesterov and weight decay over whole param lists in one
+op call per device, with optional fp32 master weights, on top of torch.ops.ampfuse.fused_sgd_."""
+
+from __future__ import annotations
+
+from ampfuse import _ops
+from ampfuse.optimizers._base import FusedOptimizer, fp32_copy, fp32_like
+
+
+class FusedSGD(FusedOptimizer):
+    """torch.optim.SGD's update in one fused op per param group and device.
+
+    Args:
+        params: params or param groups, as for any torch.optim optimizer.
+        lr: learning rate (required, as in apex); may be a one-element tensor.
+        momentum, dampening, weight_decay, nesterov, maximize: as in torch.optim.SGD, same order
+            of operations (weight decay is added to the grad before the momentum; the first
+            step seeds the momentum buffer with the grad, without dampening).
+        master_weights: fp32 masters for fp16/bf16 params, as in FusedAdam.
+        set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
+
+    Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
+    keeps one device-side step count per group and device (the op needs it to tell the first
+    step); state_dict() leaves it out, as torch.optim.SGD has none, and load_state_dict() infers
+    it from whether a momentum buffer exists. GradScaler and grad_scale/found_inf work as for
+    FusedAdam. Like torch.optim.SGD, step() may be captured in a CUDA graph; the learning rate
+    is then fixed unless it is a CUDA tensor changed in place.
+    """
+
+    _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
+    _FOREIGN_GROUP_KEYS = ("betas", "eps", "amsgrad", "adam_w_mode", "bias_correction")
+
+    def __init__(
+        self,
+        params,
+        lr,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        *,
+        maximize=False,
+        master_weights=False,
+        set_grad_none=True,
+    ):
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "master_weights": master_weights,
+        }
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_hyperparameters(self, index, group):
+        self._check_lr(index, group["lr"])
+        self._check_nonnegative(index, group, "momentum")
+        self._check_nonnegative(index, group, "weight_decay")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(
+                f"{type(self).__name__}: param_groups[{index}] has nesterov=True with "
+                f"momentum={group['momentum']} and dampening={group['dampening']}; Nesterov "
+                "momentum needs momentum > 0 and dampening == 0."
+            )
+
+    def _starts_over(self, group, state):
+        # A buffer made after the param's first step (momentum switched on later) is seeded
+        # from the grad like torch's, which needs the op to see step == 0.
+        return group["momentum"] != 0 and "momentum_buffer" not in state
+
+    def _prepare_state(self, group, p, state):
+        if group["momentum"] != 0 and "momentum_buffer" not in state:
+            state["momentum_buffer"] = fp32_like(p)
+
+    def _launch(self, group, call, lr, grad_scale, found_inf):
+        with_momentum = group["momentum"] != 0
+        _ops.fused_sgd_(
+            call.params,
+            call.grads,
+            [s["momentum_buffer"] for s in call.states] if with_momentum else [],
+            call.masters(),
+            call.step,
+            lr,
+            float(group["momentum"]),
+            float(group["dampening"]),
+            float(group["weight_decay"]),
+            bool(group["nesterov"]),
+            bool(group["maximize"]),
+            grad_scale,
+            found_inf,
+        )
+
+    def _export_state(self, group, state, step_value):
+        out = {}
+        if "momentum_buffer" in state:
+            out["momentum_buffer"] = state["momentum_buffer"]
+        if "master_param" in state:
+            out["master_param"] = state["master_param"]
+        return out
+
+    def _import_state(self, group, p, saved, where):
+        imported = {}
+        buffer = saved.get("momentum_buffer")
+        if buffer is not None:
+            self._check_saved_shape(where, "momentum_buffer", buffer, p)
+            imported["momentum_buffer"] = fp32_copy(buffer, p)
+        self._import_master(group, p, saved, imported, where)
+        if not imported:
+            return {}, None
+        # The op only asks whether any step was taken: a buffer exists after the first one.
+        return imported, 1.0 if buffer is not None else 0.0
