@@ -1,13 +1,13 @@
-"""A short mixed-precision training run built directly on ampfuse's ops.
+"""A short mixed-precision training run built directly on ampfuse's ops and optimizers.
 
-The model is kept in the low dtype (bf16 on CPU, fp16 on CUDA) and trained
-against fp32 master weights: the loss is scaled, gradients are unscaled into
-fp32 master gradients with one fused multi_tensor_scale_, clipped with
-multi_tensor_l2norm, the dynamic loss scale is updated on the device with
-update_scale_, and the masters are copied back to the model with another fused
-scale. The same model is also trained in plain fp32 for comparison. An
-overflow is injected at one step to show that the step is skipped and the
-scale backs off.
+The model is kept in the low dtype (bf16 on CPU, fp16 on CUDA) and trained by
+FusedAdamW with fp32 master weights. The step never reads a value back to the host:
+one multi_tensor_l2norm of the scaled gradients yields the overflow flag
+(a non-finite norm) and the clipping factor, and both fold into the optimizer's
+grad_scale, so there is no separate unscale pass. update_scale_ adjusts the dynamic
+loss scale on the device. The same model is also trained in plain fp32 with
+torch.optim.AdamW for comparison. An overflow is injected at one step to show
+that the step is skipped and the scale backs off.
 """
 
 from __future__ import annotations
@@ -34,67 +34,59 @@ def _make_model(seed: int, device: torch.device) -> torch.nn.Module:
     ).to(device)
 
 
+def _batches(steps, x, y, batch=64):
+    for step in range(steps):
+        start = (step * batch) % len(x)
+        yield step, x[start:start + batch], y[start:start + batch]
+
+
+def _accuracy(model, x, y, dtype):
+    with torch.no_grad():
+        return (model(x.to(dtype)).float().argmax(dim=1) == y).float().mean().item()
+
+
 def _train_fp32(steps, seed, device, x, y, lr):
     model = _make_model(seed, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    for step in range(steps):
-        batch = slice((step * 64) % len(x), (step * 64) % len(x) + 64)
-        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _, xb, yb in _batches(steps, x, y):
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
+    return _accuracy(model, x, y, torch.float32)
 
 
-def _train_mixed(steps, seed, device, x, y, lr, low, overflow_step):
-    model = _make_model(seed, device)
-    masters = [p.detach().clone() for p in model.parameters()]  # fp32 master weights
-    model.to(low)
+def _train_mixed(steps, seed, device, x, y, lr, low, overflow_step, max_norm=5.0):
+    model = _make_model(seed, device).to(low)
     params = list(model.parameters())
-    master_grads = [torch.zeros_like(m) for m in masters]
-    optimizer = torch.optim.SGD(masters, lr=lr, momentum=0.9)
-    for m, g in zip(masters, master_grads):
-        m.grad = g
+    optimizer = ampfuse.optimizers.FusedAdamW(params, lr=lr, weight_decay=0.0, master_weights=True)
 
     def scalar(value, dtype=torch.float32):
         return torch.full((1,), value, dtype=dtype, device=device)
 
     scale, growth, hysteresis = scalar(2.0**16), scalar(0, torch.int32), scalar(1, torch.int32)
-    found_inf, one = scalar(0.0), scalar(1.0)
-    skipped = 0
-    for step in range(steps):
-        batch = slice((step * 64) % len(x), (step * 64) % len(x) + 64)
-        logits = model(x[batch].to(low)).float()
-        loss = torch.nn.functional.cross_entropy(logits, y[batch])
+    skipped = scalar(0.0)
+    for step, xb, yb in _batches(steps, x, y):
+        loss = torch.nn.functional.cross_entropy(model(xb.to(low)).float(), yb)
         if step == overflow_step:
             loss = loss * float("inf")  # what an fp16 overflow in the backward looks like
-        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         (loss * scale).backward()
-        found_inf.zero_()
-        # Unscale the low-precision grads straight into the fp32 master grads.
-        ampfuse.multi_tensor_scale_([p.grad for p in params], master_grads, 1.0 / scale, found_inf)
-        total_norm, _ = ampfuse.multi_tensor_l2norm(master_grads)
-        clip = torch.clamp(5.0 / (total_norm + 1e-6), max=1.0).reshape(1)
-        ampfuse.multi_tensor_scale_(master_grads, master_grads, clip, torch.zeros_like(found_inf))
+        scaled_norm, _ = ampfuse.multi_tensor_l2norm([p.grad for p in params])
+        found_inf = (~torch.isfinite(scaled_norm)).float().reshape(1)
+        # Clipping to max_norm is one more factor in the scale the optimizer divides out.
+        clip = torch.clamp(scaled_norm / scale / max_norm, min=1.0)
+        optimizer.step(grad_scale=scale * clip, found_inf=found_inf)
         ampfuse.update_scale_(scale, growth, hysteresis, found_inf)
-        # The fused optimizers of ampfuse.optimizers skip on the device; torch.optim needs
-        # the flag on the host.
-        if found_inf.item():
-            skipped += 1
-            continue
-        optimizer.step()
-        ampfuse.multi_tensor_scale_(masters, params, one, torch.zeros_like(found_inf))
-    with torch.no_grad():
-        accuracy = (model(x.to(low)).float().argmax(dim=1) == y).float().mean().item()
-    return accuracy, skipped, scale.item()
+        skipped += found_inf
+    return _accuracy(model, x, y, low), int(skipped.item()), scale.item()
 
 
 def run_demo(steps: int = 300, device: str | None = None, seed: int = 0) -> int:
     device = torch.device(device or ("cuda" if ampfuse.cuda_available() else "cpu"))
     low = torch.float16 if device.type == "cuda" else torch.bfloat16
     x, y = _make_data(4096, seed, device)
-    lr = 0.05
+    lr = 1e-2
     print(f"ampfuse demo: {steps} steps on {device}, low precision {low}; {ampfuse.cuda_status()}")
 
     _train_fp32(5, seed, device, x, y, lr)  # untimed: first calls pay one-off start-up costs
