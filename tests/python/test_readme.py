@@ -1,0 +1,18 @@
+"""Every ```python block of README.md runs, so the documented usage cannot rot."""
+
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_readme_has_examples():
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs(index):
+    exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {"__name__": "readme"})
