@@ -95,10 +95,20 @@ def update_scale_(
     )
 
 
+def _lr_tensor(lr, step: torch.Tensor) -> torch.Tensor:
+    # torch.full on the device launches a fill with the value as an argument: no host sync.
+    if isinstance(lr, torch.Tensor):
+        return lr
+    return torch.full((1,), float(lr), dtype=torch.float32, device=step.device)
+
+
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
                 beta1, beta2, eps, weight_decay, adam_w_mode=True, bias_correction=True,
                 amsgrad=False, maximize=False, grad_scale=None, found_inf=None) -> None:
-    """One Adam/AdamW step over lists (see the op's schema in csrc/registration.cpp)."""
+    """One Adam/AdamW step over lists (see the op's schema in csrc/registration.cpp).
+
+    lr is a float or a one-element float32 tensor on the params' device."""
+    lr = _lr_tensor(lr, step)
     torch.ops.ampfuse.fused_adam_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
         list(master_params), step, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
@@ -109,7 +119,10 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
 def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentum=0.0,
                dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
                found_inf=None) -> None:
-    """One SGD step over lists (see the op's schema in csrc/registration.cpp)."""
+    """One SGD step over lists (see the op's schema in csrc/registration.cpp).
+
+    lr is a float or a one-element float32 tensor on the params' device."""
+    lr = _lr_tensor(lr, step)
     torch.ops.ampfuse.fused_sgd_(
         list(params), list(grads), list(momentum_buffers), list(master_params), step, lr,
         momentum, dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
