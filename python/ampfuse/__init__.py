@@ -16,10 +16,14 @@ from ampfuse._ops import (
 )
 
 from ampfuse import optimizers  # noqa: E402  (needs the ops registered above)
+from ampfuse import amp  # noqa: E402
+from ampfuse.loss_scaler import LossScaler  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LossScaler",
+    "amp",
     "cuda_available",
     "cuda_status",
     "fused_adam_",

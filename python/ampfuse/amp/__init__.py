@@ -1,0 +1,299 @@
+"""The apex-compatible amp front end: change ``from apex import amp`` to
+``from ampfuse import amp`` and the script runs.
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+Differences from apex, on purpose: no torch function or forward is replaced (O1 uses the
+dispatcher's autocast, scoped to the model's forward by hooks); state lives in a handle attached
+to the models and optimizers, so separately initialized models do not interfere; with ampfuse's
+fused optimizers an overflowing step is skipped on the device with no host sync; fp32 master
+weights are part of the checkpoint (amp.state_dict, or the fused optimizer's state_dict); bf16
+is supported (the default on CPU); the dynamic loss scale has hysteresis and never leaves
+[min_loss_scale, max_loss_scale]. Overflows are summarized at most once per 100 steps on rank 0
+instead of printed every time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from ampfuse.amp import casting
+from ampfuse.amp.handle import AmpHandle
+from ampfuse.amp.opt_levels import resolve
+
+__all__ = [
+    "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
+    "skipped_steps", "register_half_function", "register_float_function",
+    "register_promote_function", "half_function", "float_function", "promote_function",
+]
+
+_ATTR = "_ampfuse_amp"
+
+# Registrations made with register_*_function before initialize, as in apex. Each initialize
+# copies them into its own handle, so later registrations never change an initialized model.
+_pending_lists = {"low": set(), "fp32": set(), "promote": set()}
+# Live handles, weakly held: only for amp.state_dict() called without an optimizer.
+_live_handles = weakref.WeakSet()
+
+
+def _as_list(value):
+    if value is None:
+        return [], False
+    if isinstance(value, (list, tuple)):
+        return list(value), True
+    return [value], False
+
+
+def _model_device(models):
+    for model in models:
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _check_models(models):
+    for model in models:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"amp.initialize: expected torch.nn.Module models, got {type(model)}.")
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel,
+                              torch.nn.DataParallel)):
+            raise RuntimeError(
+                "amp.initialize: the model is already wrapped in "
+                f"{type(model).__name__}. Call amp.initialize on the bare model first and wrap "
+                "the model it returns: model, opt = amp.initialize(model, opt); "
+                "model = DistributedDataParallel(model)."
+            )
+        if getattr(model, _ATTR, None) is not None:
+            raise RuntimeError(
+                "amp.initialize: this model was already initialized; call amp.initialize once "
+                "per model (with all of its optimizers)."
+            )
+
+
+def _check_optimizers(optimizers):
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"amp.initialize: expected torch.optim.Optimizer objects, got {type(optimizer)}."
+            )
+        if getattr(optimizer, _ATTR, None) is not None:
+            raise RuntimeError(
+                "amp.initialize: this optimizer was already passed to amp.initialize. Calling it "
+                "twice would make a second set of master weights and loss scalers; build a new "
+                "optimizer, or keep the first initialization."
+            )
+
+
+def _low_dtype(dtype, device):
+    if dtype is None:
+        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"amp.initialize: dtype must be torch.float16 or torch.bfloat16, got {dtype}."
+        )
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RuntimeError(
+            f"amp.initialize: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
+            "use dtype=torch.float16."
+        )
+    return dtype
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
+               min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
+               custom_white_list=None, custom_black_list=None):
+    """Sets models and optimizers up for mixed precision and returns them in the shapes given
+    (a model or a list; an optimizer, a list, or nothing).
+
+    apex's arguments keep apex's meaning. Also: dtype (torch.float16, the default on CUDA, or
+    torch.bfloat16, the default on CPU), hysteresis (the dynamic scale backs off on the
+    hysteresis-th overflow since the last change), and custom_white_list / custom_black_list:
+    names of torch functions (e.g. "matmul", "softmax") that this model runs in the low dtype
+    or in fp32 under O1.
+    """
+    model_list, models_were_list = _as_list(models)
+    optimizer_list, optimizers_were_list = _as_list(optimizers)
+    _check_models(model_list)
+    _check_optimizers(optimizer_list)
+    device = _model_device(model_list)
+    low = _low_dtype(dtype, device)
+    if cast_model_type is not None and cast_model_type not in (torch.float16, torch.bfloat16,
+                                                               torch.float32):
+        raise ValueError(f"amp.initialize: cast_model_type {cast_model_type} is not a float type.")
+    props = resolve(opt_level, low, dict(
+        cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+        loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
+    if num_losses < 1:
+        raise ValueError(f"amp.initialize: num_losses must be >= 1, got {num_losses}.")
+    handle = AmpHandle(props, low, device, num_losses, min_loss_scale, max_loss_scale,
+                       hysteresis, verbosity, enabled=enabled)
+
+    if enabled:
+        originals = {}
+        model_dtype = props.cast_model_type
+        for model in model_list:
+            if model_dtype in (torch.float16, torch.bfloat16):
+                for p in model.parameters():
+                    if p.dtype == torch.float32:
+                        originals[p] = p.detach().clone()
+                keep_norms = bool(props.keep_batchnorm_fp32)
+                handle.hooks += casting.cast_model(model, model_dtype, keep_norms)
+                handle.hooks += casting.cast_model_io(model, model_dtype,
+                                                      props.cast_model_outputs)
+            elif model_dtype == torch.float32:
+                model.float()
+            if props.patch_torch_functions:
+                lists = casting.CastLists(
+                    low=_pending_lists["low"] | set(custom_white_list or ()),
+                    fp32=_pending_lists["fp32"] | set(custom_black_list or ()),
+                    promote=_pending_lists["promote"])
+                handle.hooks.append(casting.AutocastHooks(model, lists, low, device.type))
+                if props.cast_model_outputs is not None:
+                    handle.hooks += casting.cast_model_io(model, None, props.cast_model_outputs)
+        # Only params that were actually cast down need fp32 masters.
+        cast_down = {p: v for p, v in originals.items() if p.dtype != torch.float32}
+        for optimizer in optimizer_list:
+            handle.bind(optimizer, cast_down)
+
+    for obj in model_list + optimizer_list:
+        setattr(obj, _ATTR, handle)
+    _live_handles.add(handle)
+
+    out_models = model_list if models_were_list else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (optimizer_list if optimizers_were_list else optimizer_list[0])
+
+
+def _handle_of(optimizers):
+    handles = {id(getattr(o, _ATTR, None)): getattr(o, _ATTR, None) for o in optimizers}
+    if None in handles.values():
+        raise RuntimeError(
+            "amp.scale_loss: the optimizer was not passed to amp.initialize. Call "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) first."
+        )
+    if len(handles) != 1:
+        raise RuntimeError("amp.scale_loss: the optimizers come from different amp.initialize "
+                           "calls; scale each loss with the optimizers of one initialization.")
+    return next(iter(handles.values()))
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
+               delay_overflow_check=False):
+    """Yields loss * loss_scale for backward(). On exit the gradients are checked for inf/nan
+    and unscaled (or handed to the fused optimizer to unscale), the loss scale is updated,
+    and an overflowing step is arranged to be skipped by the next optimizer.step().
+
+    delay_unscale=True leaves the gradients scaled (gradient accumulation): only the last
+    micro-batch's scale_loss before step() may unscale.
+    """
+    optimizer_list, _ = _as_list(optimizers)
+    handle = _handle_of(optimizer_list)
+    if not handle.enabled:
+        yield loss
+        return
+    if not 0 <= loss_id < len(handle.scalers):
+        raise ValueError(
+            f"amp.scale_loss: loss_id={loss_id}, but amp.initialize was given "
+            f"num_losses={len(handle.scalers)}."
+        )
+    bindings = [handle.binding_of(o) for o in optimizer_list]
+    scaler = handle.scalers[loss_id]
+    handle.before_backward(bindings, loss_id)
+    yield loss.float() * scaler.scale.view(())
+    if not delay_unscale:
+        handle.after_backward(bindings, loss_id)
+
+
+def _handle_for(optimizer, what):
+    if optimizer is not None:
+        handle = getattr(optimizer, _ATTR, None)
+        if handle is None:
+            raise RuntimeError(f"amp.{what}: the optimizer was not passed to amp.initialize.")
+        return handle
+    handles = list(_live_handles)
+    if len(handles) == 1:
+        return handles[0]
+    if not handles:
+        raise RuntimeError(f"amp.{what}: call amp.initialize first.")
+    raise RuntimeError(
+        f"amp.{what}: {len(handles)} amp.initialize calls are alive; pass the optimizer to say "
+        f"which: amp.{what}(optimizer)."
+    )
+
+
+def master_params(optimizer):
+    """Yields the params the optimizer updates in fp32: the masters where amp or a fused
+    optimizer keeps them, the params themselves elsewhere."""
+    from ampfuse.optimizers._base import FusedOptimizer
+
+    if isinstance(optimizer, FusedOptimizer):
+        yield from optimizer.master_params()
+        return
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(optimizer=None, destination=None):
+    """The amp state to checkpoint with the model's and the optimizer's: every loss scaler and
+    the fp32 masters amp keeps for torch.optim optimizers at O2."""
+    state = _handle_for(optimizer, "state_dict").state_dict()
+    if destination is not None:
+        destination.update(state)
+        return destination
+    return state
+
+
+def load_state_dict(state, optimizer=None):
+    """Restores amp.state_dict(); call it after amp.initialize and after loading the model's
+    and the optimizer's state."""
+    _handle_for(optimizer, "load_state_dict").load_state_dict(state)
+
+
+def skipped_steps(optimizer=None) -> int:
+    """How many steps were skipped for inf/nan gradients (reads device counters)."""
+    return _handle_for(optimizer, "skipped_steps").skipped_steps()
+
+
+def _register(kind, module, name):
+    if not hasattr(module, name):
+        raise AttributeError(f"amp.register_{kind}_function: {module!r} has no attribute {name!r}.")
+    target = getattr(module, name)
+    overridable = torch.overrides.get_overridable_functions()
+    if not any(target in funcs for funcs in overridable.values()):
+        raise ValueError(
+            f"amp.register_{kind}_function: {getattr(module, '__name__', module)}.{name} is not "
+            "a torch function, and ampfuse casts without replacing functions. Decorate your own "
+            f"function with @amp.{kind}_function instead."
+        )
+    _pending_lists[{"half": "low", "float": "fp32", "promote": "promote"}[kind]].add(name)
+
+
+def register_half_function(module, name):
+    """Under O1, runs torch function module.name in the low dtype for models initialized after."""
+    _register("half", module, name)
+
+
+def register_float_function(module, name):
+    """Under O1, runs torch function module.name in fp32 for models initialized after."""
+    _register("float", module, name)
+
+
+def register_promote_function(module, name):
+    """Under O1, casts module.name's inputs to the widest of their dtypes."""
+    _register("promote", module, name)
+
+
+half_function = casting.cast_decorator("half")
+float_function = casting.cast_decorator("float")
+promote_function = casting.cast_decorator("promote")
