@@ -17,11 +17,13 @@ from ampfuse._ops import (
 
 from ampfuse import optimizers  # noqa: E402  (needs the ops registered above)
 from ampfuse import amp  # noqa: E402
+from ampfuse.grad_scaler import GradScaler  # noqa: E402
 from ampfuse.loss_scaler import LossScaler  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradScaler",
     "LossScaler",
     "amp",
     "cuda_available",
