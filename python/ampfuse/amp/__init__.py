@@ -109,13 +109,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
-               custom_white_list=None, custom_black_list=None):
+               custom_white_list=None, custom_black_list=None, growth_interval=2000):
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
 
     apex's arguments keep apex's meaning. Also: dtype (torch.float16, the default on CUDA, or
     torch.bfloat16, the default on CPU), hysteresis (the dynamic scale backs off on the
-    hysteresis-th overflow since the last change), and custom_white_list / custom_black_list:
+    hysteresis-th overflow since the last change), growth_interval (clean steps before the
+    dynamic scale doubles; apex fixes it at 2000), and custom_white_list / custom_black_list:
     names of torch functions (e.g. "matmul", "softmax") that this model runs in the low dtype
     or in fp32 under O1.
     """
@@ -135,7 +136,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be >= 1, got {num_losses}.")
     handle = AmpHandle(props, low, device, num_losses, min_loss_scale, max_loss_scale,
-                       hysteresis, verbosity, enabled=enabled)
+                       hysteresis, verbosity, enabled=enabled, growth_interval=growth_interval)
 
     if enabled:
         originals = {}
@@ -234,9 +235,17 @@ def _handle_for(optimizer, what):
 
 def master_params(optimizer):
     """Yields the params the optimizer updates in fp32: the masters where amp or a fused
-    optimizer keeps them, the params themselves elsewhere."""
+    optimizer keeps them, the params themselves elsewhere.
+
+    Between scale_loss and step() their grads are unscaled, so apex's clipping recipe,
+    clip_grad_norm_(amp.master_params(optimizer), max_norm), works. With a fused optimizer this
+    costs one extra pass (fp32 grads are made for the masters), which is skipped when
+    master_params is not called."""
     from ampfuse.optimizers._base import FusedOptimizer
 
+    handle = getattr(optimizer, _ATTR, None)
+    if handle is not None and handle.enabled:
+        handle.binding_of(optimizer).materialize_unscaled_grads()
     if isinstance(optimizer, FusedOptimizer):
         yield from optimizer.master_params()
         return

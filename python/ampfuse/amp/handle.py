@@ -51,6 +51,8 @@ class _Binding:
         self.unscaled_pending = False  # grads hold unscaled values since the last step
         self.skip_step = False  # an overflow was seen since the last step (host-side kinds)
         self.found_inf = None  # device flag across several losses ("inplace" fused)
+        self.fold_pending = False  # "fold": grads still carry the scale the step will divide out
+        self.skipped = None  # device count of skipped optimizer steps
         self.hook = optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, optimizer, args, kwargs):
@@ -58,9 +60,61 @@ class _Binding:
             models = [p for p, _ in self.masters]
             masters = [m for _, m in self.masters]
             _ops.multi_tensor_scale_(masters, models, _one(masters), _flag(masters))
+        self._count_skip()
+        if isinstance(optimizer, FusedOptimizer):
+            # Master grads made for clipping (materialize_unscaled_grads) serve one step only.
+            for p in _optimizer_params(optimizer):
+                master = optimizer.state.get(p, {}).get("master_param")
+                if master is not None:
+                    master.grad = None
         self.unscaled_pending = False
         self.skip_step = False
         self.found_inf = None
+        self.fold_pending = False
+
+    def _count_skip(self):
+        flag = None
+        if self.kind in ("masters", "inplace") and not isinstance(self.optimizer, FusedOptimizer):
+            flag = 1.0 if self.skip_step else None
+        elif self.kind == "fold" and self.fold_pending:
+            flag = getattr(self.optimizer, "found_inf", None)
+        elif self.found_inf is not None:
+            flag = self.found_inf
+        if flag is None:
+            return
+        if self.skipped is None:
+            params = _optimizer_params(self.optimizer)
+            self.skipped = _flag(params)
+        self.skipped += flag if isinstance(flag, float) else flag.reshape(1).clamp(max=1.0)
+
+    def materialize_unscaled_grads(self):
+        """For "fold": turns the still-scaled grads into unscaled ones that a caller can read
+        and change (apex's clip_grad_norm_(amp.master_params(opt)) recipe): fp32 grads on the
+        masters for low-precision params, the params' own grads unscaled in place otherwise.
+        The fused step then uses them and divides nothing out."""
+        if self.kind != "fold" or not self.fold_pending:
+            return
+        optimizer = self.optimizer
+        inv = optimizer.grad_scale.double().reciprocal().float().reshape(1)
+        flag = torch.zeros_like(inv)
+        sources, targets, in_place = [], [], []
+        for p in _optimizer_params(optimizer):
+            if p.grad is None:
+                continue
+            master = optimizer.state.get(p, {}).get("master_param")
+            if master is not None:
+                master.grad = torch.empty_like(master)
+                sources.append(p.grad)
+                targets.append(master.grad)
+            else:
+                in_place.append(p.grad)
+        if sources:
+            _ops.multi_tensor_scale_(sources, targets, inv, flag)
+        if in_place:
+            _ops.multi_tensor_unscale_(in_place, flag, inv)
+        optimizer.grad_scale = None
+        self.fold_pending = False
+        self.found_inf = optimizer.found_inf
 
     def params_with_grads(self):
         if self.kind == "masters":
@@ -85,7 +139,7 @@ def _flag(tensors):
 
 class AmpHandle:
     def __init__(self, props, low, device, num_losses, min_loss_scale, max_loss_scale,
-                 hysteresis, verbosity, enabled=True):
+                 hysteresis, verbosity, enabled=True, growth_interval=2000):
         self.props = props
         self.low = low
         self.device = device
@@ -99,7 +153,7 @@ class AmpHandle:
         init = 2.0**16 if dynamic else float(props.loss_scale)
         self.scalers = [
             LossScaler(init, dynamic=dynamic, hysteresis=hysteresis, min_scale=min_loss_scale,
-                       max_scale=max_loss_scale, device=device)
+                       max_scale=max_loss_scale, growth_interval=growth_interval, device=device)
             for _ in range(num_losses)
         ]
 
@@ -175,6 +229,7 @@ class AmpHandle:
             # change in update() before the step runs, so the optimizer gets a copy.
             b.optimizer.grad_scale = scaler.scale.clone()
             b.optimizer.found_inf = scaler.found_inf.clone()
+            b.fold_pending = True
             return
         if b.kind == "inplace":
             grads = _grads(b.params_with_grads())
@@ -244,14 +299,36 @@ class AmpHandle:
     # ---- reading and checkpoints ---------------------------------------------------------
 
     def skipped_steps(self) -> int:
-        return int(sum(s.skipped_steps.item() for s in self.scalers))
+        """Optimizer steps skipped for overflow (the most over this handle's optimizers: they
+        skip together). Several overflowing losses in one step count once."""
+        counts = [int(b.skipped.item()) for b in self.bindings if b.skipped is not None]
+        return max(counts, default=0)
 
     def state_dict(self) -> dict:
         state = {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
         masters = [[m.detach().clone() for _, m in b.masters] for b in self.bindings]
         if any(masters):
             state["master_params"] = masters
+        state["skipped_steps"] = [0 if b.skipped is None else int(b.skipped.item())
+                                  for b in self.bindings]
+        unstepped = [self._unstepped_fused_masters(b) for b in self.bindings]
+        if any(unstepped):
+            state["unstepped_fused_masters"] = unstepped
         return state
+
+    @staticmethod
+    def _unstepped_fused_masters(b) -> dict:
+        """Masters amp seeded into a fused optimizer for params that have not stepped yet. The
+        optimizer's own state_dict leaves them out (torch.optim would read a state without
+        'step' as corrupt), so amp's checkpoint carries them, by position in the param groups."""
+        if not isinstance(b.optimizer, FusedOptimizer):
+            return {}
+        out = {}
+        for i, p in enumerate(_optimizer_params(b.optimizer)):
+            st = b.optimizer.state.get(p, {})
+            if "master_param" in st and "step" not in st:
+                out[i] = st["master_param"].detach().clone()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         for i, s in enumerate(self.scalers):
@@ -262,6 +339,10 @@ class AmpHandle:
                     "losses (num_losses) than this run uses."
                 )
             s.load_state_dict(state[key])
+        for b, count in zip(self.bindings, state.get("skipped_steps", [])):
+            if b.skipped is None:
+                b.skipped = _flag(_optimizer_params(b.optimizer))
+            b.skipped.fill_(float(count))
         saved = state.get("master_params", [])
         for b, values in zip(self.bindings, saved):
             if len(values) != len(b.masters):
@@ -273,3 +354,14 @@ class AmpHandle:
                 for (p, master), value in zip(b.masters, values):
                     master.copy_(value)
                     p.copy_(value)
+        for b, entries in zip(self.bindings, state.get("unstepped_fused_masters", [])):
+            params = _optimizer_params(b.optimizer)
+            for i, value in entries.items():
+                if i >= len(params) or params[i].shape != value.shape:
+                    raise ValueError(
+                        "amp.load_state_dict: the checkpoint's fp32 masters do not match this "
+                        "optimizer's params; was it saved from another model?"
+                    )
+                state_of_p = b.optimizer.state[params[i]]
+                if "step" not in state_of_p:
+                    state_of_p["master_param"] = value.to(params[i].device, torch.float32).clone()

@@ -218,6 +218,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_param" not in state:
                     self._check_not_capturing(index, i)
                     state["master_param"] = p.detach().to(torch.float32, copy=True)
+                # An fp32 grad on the master (amp puts unscaled grads there for clipping, as
+                # apex does) takes the place of the param's low-precision one.
+                if state["master_param"].grad is not None:
+                    grad = state["master_param"].grad
             elif "master_param" in state:
                 del state["master_param"]
             step = state["step"]
