@@ -1,0 +1,129 @@
+"""amp with DistributedDataParallel: two CPU processes (gloo), O2 bf16 with dynamic scaling.
+
+The documented order is amp.initialize first, then wrap the model it returns:
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    model = DistributedDataParallel(model)
+
+Each rank trains on its own data; DDP averages the gradients, so the params must stay identical
+across ranks. An overflow injected on rank 1 only (its loss times inf, what an fp16 overflow in
+its backward looks like) reaches rank 0 through the gradient all-reduce: both ranks skip the
+step and back the scale off together.
+"""
+
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from amp_models import TinyMLP, assert_same_snapshot, make_model, make_optimizer, snapshot
+from ampfuse import amp
+from helpers import raises_naming
+
+WORLD_SIZE = 2
+STEPS = 12
+OVERFLOW_STEP = 6
+OPTIMIZERS = ("FusedAdam", "AdamW")
+TIMEOUT_S = 90
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_rank(rank, optimizer_name):
+    model, batches = make_model("mlp", seed=0)  # the same initial weights on every rank
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=1)
+    ddp_model = DistributedDataParallel(model)
+    initial = snapshot(model, optimizer, amp)
+    scales, skipped_unchanged = [], None
+    for step in range(STEPS):
+        inputs, targets = batches(step, seed=100 + rank)  # each rank its own data
+        loss = F.cross_entropy(ddp_model(inputs), targets)
+        if step == OVERFLOW_STEP and rank == 1:
+            loss = loss * float("inf")
+        before = snapshot(model, optimizer, amp) if step == OVERFLOW_STEP else None
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        if before is not None:
+            try:
+                assert_same_snapshot(snapshot(model, optimizer, amp), before, f"rank {rank}")
+                skipped_unchanged = True
+            except AssertionError as error:
+                skipped_unchanged = str(error)
+        scales.append(amp.state_dict(optimizer)["loss_scaler0"]["scale"])
+    return {
+        "initial": initial,
+        "final": snapshot(model, optimizer, amp),
+        "scales": scales,
+        "skipped": amp.skipped_steps(optimizer),
+        "skipped_unchanged": skipped_unchanged,
+        "param_dtypes": [p.dtype for p in model.parameters()],
+    }
+
+
+def _worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        results = {name: _train_rank(rank, name) for name in OPTIMIZERS}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_stay_identical_and_skip_together(tmp_path):
+    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    finished = False
+    try:
+        # join() returns as soon as one more process is done (and raises if one failed).
+        while not finished and time.monotonic() < deadline:
+            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    assert finished, f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    for name in OPTIMIZERS:
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert r0["param_dtypes"] == [torch.bfloat16] * 4
+        # Training moved the params, identically on both ranks.
+        assert not torch.equal(r0["final"]["master[0]"], r0["initial"]["master[0]"])
+        assert_same_snapshot(r1["final"], r0["final"], f"{name}: rank 1 vs rank 0")
+        for r, result in enumerate((r0, r1)):
+            assert result["skipped_unchanged"] is True, (
+                f"{name}: the overflowing step changed rank {r}: {result['skipped_unchanged']}"
+            )
+            assert result["skipped"] == 1, f"{name}: rank {r}"
+            expected = [2.0**16] * OVERFLOW_STEP + [2.0**15] * (STEPS - OVERFLOW_STEP)
+            assert result["scales"] == expected, f"{name}: rank {r}"
+
+
+def test_initialize_after_ddp_wrapping_is_an_error(tmp_path):
+    """amp.initialize on a model already wrapped in DistributedDataParallel names the fix."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = TinyMLP()
+        optimizer = make_optimizer("FusedAdam", model.parameters())
+        with raises_naming("DistributedDataParallel", "amp.initialize"):
+            amp.initialize(DistributedDataParallel(model), optimizer, opt_level="O2")
+        assert model.fc1.weight.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
