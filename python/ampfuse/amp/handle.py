@@ -63,6 +63,7 @@ class _Binding:
         self._count_skip()
         if isinstance(optimizer, FusedOptimizer):
             # Master grads made for clipping (materialize_unscaled_grads) serve one step only.
+            optimizer._step_on_master_grads = False
             for p in _optimizer_params(optimizer):
                 master = optimizer.state.get(p, {}).get("master_param")
                 if master is not None:
@@ -113,6 +114,7 @@ class _Binding:
         if in_place:
             _ops.multi_tensor_unscale_(in_place, flag, inv)
         optimizer.grad_scale = None
+        optimizer._step_on_master_grads = bool(sources)
         self.fold_pending = False
         self.found_inf = optimizer.found_inf
 

@@ -71,6 +71,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # torch.amp.GradScaler leaves unscaling to step() and hands over `grad_scale` and `found_inf`.
     _step_supports_amp_scaling = True
+    # Set by ampfuse.amp for one step after it unscaled grads onto the fp32 masters.
+    _step_on_master_grads = False
     # Keys that torch.optim's counterpart keeps in its param groups but that mean nothing here:
     # written into state_dict() (so torch can load it) and dropped by load_state_dict().
     _TORCH_GROUP_KEYS: dict = {}
@@ -218,9 +220,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_param" not in state:
                     self._check_not_capturing(index, i)
                     state["master_param"] = p.detach().to(torch.float32, copy=True)
-                # An fp32 grad on the master (amp puts unscaled grads there for clipping, as
-                # apex does) takes the place of the param's low-precision one.
-                if state["master_param"].grad is not None:
+                # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
+                # they then take the place of the params' low-precision ones for this step.
+                if self._step_on_master_grads and state["master_param"].grad is not None:
                     grad = state["master_param"].grad
             elif "master_param" in state:
                 del state["master_param"]
