@@ -1,23 +1,61 @@
 """Runs every ampfuse benchmark for one device and writes one JSON file and one table.
 
-    PYTHONPATH=python python benchmarks/run.py [--device cpu|cuda] [--out DIR] [bench flags]
+    PYTHONPATH=python python benchmarks/run.py [--device cpu|cuda] [--out DIR]
+        [--benchmarks ops adam sgd train] [flags of the benchmarks]
 
-DIR defaults to $OUT, else benchmarks/out; it receives bench.json and bench_table.txt. The
-table is also printed.
+The benchmarks, each with its own section of the table:
+  ops    bench_unscale, bench_scale, bench_l2norm: each op against its torch counterpart
+  adam   bench_adam: one mixed-precision Adam step against torch's equivalents
+  sgd    bench_sgd: the same for SGD with momentum
+  train  bench_train: whole training steps of a GPT-2-style transformer and a ResNet-style CNN
+         in fp32, torch's AMP, and ampfuse O1 and O2
+
+Sizes and step counts not given on the command line are each benchmark's own defaults for the
+device (--total-elements applies to ops, adam and sgd; --warmup, --repeats and --seed to all;
+the training benchmark's defaults are in its own --help).
+DIR defaults to $OUT, else benchmarks/out; it receives bench.json (one "results" list: every
+row carries "bench", the section it belongs to) and bench_table.txt. The table is also printed.
+A benchmark that fails leaves an error row and the others still run; the exit status is then 1.
 """
 
 import argparse
 import os
+import sys
+import traceback
 
+import bench_adam
 import bench_l2norm
 import bench_scale
+import bench_sgd
+import bench_train
 import bench_unscale
 from _timing import add_common_args, environment, finish_args, format_table, write_json
 
-BENCHMARKS = (bench_unscale, bench_scale, bench_l2norm)
+
+def _ops_run(args):
+    args = finish_args(args)
+    return [row for bench in (bench_unscale, bench_scale, bench_l2norm) for row in bench.run(args)]
 
 
-def main(argv=None):
+def _optimizer_run(bench):
+    def run(args):
+        if args.total_elements is None and args.device == "cuda":
+            args.total_elements = bench_adam.CUDA_DEFAULT_TOTALS
+        return bench.run(finish_args(args))
+
+    return run
+
+
+# name -> (rows from a copy of the parsed flags, the section's table from its rows)
+BENCHMARKS = {
+    "ops": (_ops_run, format_table),
+    "adam": (_optimizer_run(bench_adam), bench_adam.format_rows),
+    "sgd": (_optimizer_run(bench_sgd), bench_adam.format_rows),
+    "train": (bench_train.run, bench_train.format_rows),
+}
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     parser.add_argument(
@@ -25,18 +63,46 @@ def main(argv=None):
         default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out"),
         help="folder for bench.json and bench_table.txt (default: $OUT or benchmarks/out)",
     )
-    args = finish_args(parser.parse_args(argv))
-    rows = []
-    for bench in BENCHMARKS:
-        rows += bench.run(args)
+    parser.add_argument("--benchmarks", nargs="+", choices=list(BENCHMARKS),
+                        default=list(BENCHMARKS), help="which to run (default: all)")
+    bench_train.add_args(parser)
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        finish_args(argparse.Namespace(**vars(args)))  # fails early without a GPU
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     env = environment(argv)
-    table = format_table(rows, env)
+    rows, sections, failed = [], [], []
+    for name in args.benchmarks:
+        run, table = BENCHMARKS[name]
+        try:
+            bench_rows = run(argparse.Namespace(**vars(args)))
+        except Exception as error:  # the other benchmarks still run; the exit status says it
+            traceback.print_exc()
+            failed.append(name)
+            message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}" \
+                if str(error).strip() else type(error).__name__
+            rows.append({"bench": name, "device": args.device, "error": message})
+            sections.append(f"# {name}: FAILED: {message}")
+            continue
+        for row in bench_rows:
+            row["bench"] = name
+        rows += bench_rows
+        sections.append(table(bench_rows, env))
+    text = "\n\n".join(sections)
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "bench.json"), rows, env)
     with open(os.path.join(args.out, "bench_table.txt"), "w") as f:
-        f.write(table + "\n")
-    print(table)
+        f.write(text + "\n")
+    print(text)
+    if failed:
+        print(f"run.py: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

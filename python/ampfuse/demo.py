@@ -1,109 +1,267 @@
-"""A short mixed-precision training run built directly on ampfuse's ops and optimizers.
+"""The ampfuse demo: the same small CNN trained on real data in fp32 and at amp's O1 and O2.
 
-The model is kept in the low dtype (bf16 on CPU, fp16 on CUDA) and trained by
-FusedAdamW with fp32 master weights. The step never reads a value back to the host:
-one multi_tensor_l2norm of the scaled gradients yields the overflow flag
-(a non-finite norm) and the clipping factor, and both fold into the optimizer's
-grad_scale, so there is no separate unscale pass. update_scale_ adjusts the dynamic
-loss scale on the device. The same model is also trained in plain fp32 with
-torch.optim.AdamW for comparison. An overflow is injected at one step to show
-that the step is skipped and the scale backs off.
+Data: scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes, no download),
+split once into a fixed train and test set. Every run starts from the same weights, sees the
+same batches in the same order and uses the same FusedAdamW hyperparameters; only the
+opt_level differs. The fp32 baseline goes through amp too, at O0 (fp32, loss scale 1), so the
+training loop is literally the same code for every row of the table.
+
+An overflow can be injected at one step (an inf written into a gradient after the backward,
+which is what an fp16 overflow looks like): every run must skip that step, leaving weights and
+optimizer state untouched, and the dynamic loss scale halves. The table shows the skip.
+
+Nothing in the training step reads a value back to the host: losses and loss scales are kept
+on the device and read once at the end (the progress bar reads the loss every 50 steps).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import ampfuse
+from ampfuse import amp
+from ampfuse.optimizers import FusedAdamW
+
+# The demo's own dependencies (not ampfuse's), imported where they are used.
+REQUIREMENTS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# One set of hyperparameters for every run.
+BATCH_SIZE = 64
+LR = 3e-3
+WEIGHT_DECAY = 1e-2
+FINAL_LOSS_STEPS = 20  # the table's train loss is the mean over this many last steps
+WARMUP_STEPS = 20  # untimed: the first steps pay one-off costs (allocations, kernel selection)
 
 
-def _make_data(n: int, seed: int, device: torch.device):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 32, generator=generator)
-    teacher = torch.randn(32, 4, generator=generator)
-    y = (x @ teacher + 0.1 * torch.randn(n, 4, generator=generator)).argmax(dim=1)
-    return x.to(device), y.to(device)
+def load_digits(device) -> tuple[torch.Tensor, ...]:
+    """(x_train, y_train, x_test, y_test): 1437 training and 360 test images, stratified, always
+    the same split; pixels standardized with the training set's mean and std."""
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = sklearn_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.images, digits.target, test_size=360, stratify=digits.target, random_state=0)
+    x_train, x_test = (torch.tensor(x, dtype=torch.float32).unsqueeze(1) for x in (x_train, x_test))
+    mean, std = x_train.mean(), x_train.std()
+    tensors = ((x_train - mean) / std, torch.tensor(y_train), (x_test - mean) / std,
+               torch.tensor(y_test))
+    return tuple(t.to(device) for t in tensors)
 
 
-def _make_model(seed: int, device: torch.device) -> torch.nn.Module:
+def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 4)
-    ).to(device)
-
-
-def _batches(steps, x, y, batch=64):
-    for step in range(steps):
-        start = (step * batch) % len(x)
-        yield step, x[start:start + batch], y[start:start + batch]
-
-
-def _accuracy(model, x, y, dtype):
-    with torch.no_grad():
-        return (model(x.to(dtype)).float().argmax(dim=1) == y).float().mean().item()
-
-
-def _train_fp32(steps, seed, device, x, y, lr):
-    model = _make_model(seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _, xb, yb in _batches(steps, x, y):
-        loss = torch.nn.functional.cross_entropy(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return _accuracy(model, x, y, torch.float32)
-
-
-def _train_mixed(steps, seed, device, x, y, lr, low, overflow_step, max_norm=5.0):
-    model = _make_model(seed, device).to(low)
-    params = list(model.parameters())
-    optimizer = ampfuse.optimizers.FusedAdamW(params, lr=lr, weight_decay=0.0, master_weights=True)
-
-    def scalar(value, dtype=torch.float32):
-        return torch.full((1,), value, dtype=dtype, device=device)
-
-    scale, growth, hysteresis = scalar(2.0**16), scalar(0, torch.int32), scalar(1, torch.int32)
-    skipped = scalar(0.0)
-    for step, xb, yb in _batches(steps, x, y):
-        loss = torch.nn.functional.cross_entropy(model(xb.to(low)).float(), yb)
-        if step == overflow_step:
-            loss = loss * float("inf")  # what an fp16 overflow in the backward looks like
-        optimizer.zero_grad(set_to_none=True)
-        (loss * scale).backward()
-        scaled_norm, _ = ampfuse.multi_tensor_l2norm([p.grad for p in params])
-        found_inf = (~torch.isfinite(scaled_norm)).float().reshape(1)
-        # Clipping to max_norm is one more factor in the scale the optimizer divides out.
-        clip = torch.clamp(scaled_norm / scale / max_norm, min=1.0)
-        optimizer.step(grad_scale=scale * clip, found_inf=found_inf)
-        ampfuse.update_scale_(scale, growth, hysteresis, found_inf)
-        skipped += found_inf
-    return _accuracy(model, x, y, low), int(skipped.item()), scale.item()
-
-
-def run_demo(steps: int = 300, device: str | None = None, seed: int = 0) -> int:
-    device = torch.device(device or ("cuda" if ampfuse.cuda_available() else "cpu"))
-    low = torch.float16 if device.type == "cuda" else torch.bfloat16
-    x, y = _make_data(4096, seed, device)
-    lr = 1e-2
-    print(f"ampfuse demo: {steps} steps on {device}, low precision {low}; {ampfuse.cuda_status()}")
-
-    _train_fp32(5, seed, device, x, y, lr)  # untimed: first calls pay one-off start-up costs
-    start = time.perf_counter()
-    fp32_accuracy = _train_fp32(steps, seed, device, x, y, lr)
-    fp32_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    mixed_accuracy, skipped, final_scale = _train_mixed(
-        steps, seed, device, x, y, lr, low, overflow_step=steps // 2
+        torch.nn.Conv2d(1, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),  # 8x8 -> 4x4
+        torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 10),
     )
-    mixed_seconds = time.perf_counter() - start
 
-    print(f"{'run':<24}{'accuracy':>10}{'seconds':>10}{'skipped':>10}{'final scale':>14}")
-    print(f"{'fp32':<24}{fp32_accuracy:>10.3f}{fp32_seconds:>10.2f}{0:>10}{'-':>14}")
-    print(f"{str(low).replace('torch.', '') + ' + fp32 masters':<24}{mixed_accuracy:>10.3f}"
-          f"{mixed_seconds:>10.2f}{skipped:>10}{final_scale:>14g}")
-    if skipped != 1:
-        print(f"error: expected exactly the injected overflow to be skipped, got {skipped} skips")
-        return 1
-    return 0
+
+def batch_order(steps: int, n: int, seed: int, device) -> torch.Tensor:
+    """steps x BATCH_SIZE indices: a fresh permutation every epoch, from the run's seed."""
+    generator = torch.Generator().manual_seed(seed)
+    epochs = math.ceil(steps * BATCH_SIZE / n)
+    order = torch.cat([torch.randperm(n, generator=generator) for _ in range(epochs)])
+    return order[: steps * BATCH_SIZE].view(steps, BATCH_SIZE).to(device)
+
+
+def evaluate(model, x, y) -> tuple[float, float]:
+    """(accuracy in %, mean cross-entropy) on (x, y), in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(x).float()
+    model.train()
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    return 100.0 * (logits.argmax(dim=1) == y).float().mean().item(), loss.item()
+
+
+def state_bytes(model, optimizer) -> int:
+    """Bytes of params, grads and optimizer state (moments, fp32 masters, step counts)."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device, dtype,
+              inject_overflow: int | None = None, progress: bool = True) -> dict:
+    """Trains one model at `opt_level` ("O0" is the fp32 baseline) and returns its results:
+    name, opt_level, test accuracy (%) and loss, final loss (the mean training loss of the
+    last FINAL_LOSS_STEPS steps), per-step losses and loss scales, ms per step after warm-up,
+    memory, skipped steps and the final loss scale."""
+    from tqdm import tqdm
+
+    device = torch.device(device)
+    x_train, y_train, x_test, y_test = data
+    model = make_model(seed).to(device)
+    optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype,
+                                      verbosity=0)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    order = batch_order(steps, len(x_train), seed, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    losses, scaled_losses = [], []
+    warmup = min(WARMUP_STEPS, steps // 4)
+    bar = tqdm(range(steps), desc=f"{name:<7}", unit="step", disable=None if progress else True,
+               dynamic_ncols=True)
+    for step in bar:
+        if step == warmup:
+            _sync(device)
+            start = time.perf_counter()
+        index = order[step]
+        loss = torch.nn.functional.cross_entropy(model(x_train[index]), y_train[index])
+        optimizer.zero_grad(set_to_none=True)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+            if step == inject_overflow:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.detach())
+        scaled_losses.append(scaled_loss.detach())
+        if step % 50 == 49:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    _sync(device)
+    ms_per_step = 1e3 * (time.perf_counter() - start) / max(steps - warmup, 1)
+    bar.close()
+
+    losses = torch.stack(losses).float().cpu()
+    # apex's contract: the scaled loss is loss * loss_scale. The scale is a power of two, so
+    # the ratio recovers the scale each step's backward used exactly, without a host read.
+    scales = torch.stack(scaled_losses).float().cpu() / losses
+    accuracy, test_loss = evaluate(model, x_test, y_test)
+    return {
+        "name": name, "opt_level": opt_level, "accuracy": accuracy, "test_loss": test_loss,
+        "final_loss": losses[-FINAL_LOSS_STEPS:].mean().item(), "losses": losses.tolist(),
+        "loss_scales": scales.tolist(), "ms_per_step": ms_per_step, "warmup_steps": warmup,
+        "peak_mib": (torch.cuda.max_memory_allocated(device) / 2**20
+                     if device.type == "cuda" else None),
+        "state_kib": state_bytes(model, optimizer) / 2**10,
+        "skipped": amp.skipped_steps(optimizer),
+        "final_scale": amp.state_dict(optimizer)["loss_scaler0"]["scale"],
+    }
+
+
+def format_table(results: list[dict], device) -> str:
+    cuda = torch.device(device).type == "cuda"
+    memory = "peak MiB (cuda alloc)" if cuda else "KiB params+grads+opt"
+    header = (f"{'run':<10}{'test acc %':>11}{'train loss':>12}{'ms/step':>9}{memory:>23}"
+              f"{'skipped':>9}{'loss scale':>12}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        used = r["peak_mib"] if cuda else r["state_kib"]
+        lines.append(f"{r['name']:<10}{r['accuracy']:>11.2f}{r['final_loss']:>12.4f}"
+                     f"{r['ms_per_step']:>9.2f}{used:>23.1f}{r['skipped']:>9}"
+                     f"{r['final_scale']:>12g}")
+    lines.append(f"train loss: mean of the last {FINAL_LOSS_STEPS} steps. ms/step: after "
+                 f"{results[0]['warmup_steps']} warm-up steps. skipped: steps with inf/nan "
+                 "gradients.")
+    if not cuda:
+        lines.append("Memory on CPU: bytes of params, grads and optimizer state. O2's low-precision"
+                     " params and grads\nplus fp32 masters take as many bytes as fp32; mixed "
+                     "precision saves activation memory, which the CUDA peak shows.")
+    return "\n".join(lines)
+
+
+def save_plot(results: list[dict], path: Path, inject_overflow: int | None = None) -> None:
+    """Two panels: training loss per step and the loss scale each step's backward used."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_axes, scale_axes = figure.subplots(1, 2)
+    # Dashes of decreasing length, so that runs lying on top of each other stay visible.
+    styles = ["-", (0, (6, 3)), (0, (2, 2)), (0, (1, 3))]
+    for r, style in zip(results, styles * len(results)):
+        loss_axes.plot(r["losses"], linestyle=style, linewidth=0.9, label=r["name"])
+        scale_axes.step(range(len(r["loss_scales"])), r["loss_scales"], where="post",
+                        linestyle=style, linewidth=1.5, label=r["name"])
+    loss_axes.set(title="training loss (cross-entropy)", xlabel="step", yscale="log")
+    scale_axes.set(title="loss scale used by each step", xlabel="step", yscale="log",
+                   ylabel="scale")
+    for axes in (loss_axes, scale_axes):
+        if inject_overflow is not None:
+            axes.axvline(inject_overflow, color="grey", linewidth=0.8, alpha=0.6,
+                         label=f"inf injected (step {inject_overflow})")
+        axes.legend()
+        axes.grid(alpha=0.3)
+    figure.savefig(path, dpi=100)
+
+
+def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = None,
+             opt_levels=("O1", "O2"), out: str | Path = "demo_out", seed: int = 0,
+             inject_overflow: int | None = None, progress: bool = True) -> list[dict]:
+    """Runs the fp32 baseline and each opt level, prints the table, saves the plot under `out`
+    and returns one result dict per run (see train_run)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    low = DTYPES[dtype] if dtype else (torch.float16 if device.type == "cuda" else torch.bfloat16)
+    low_name = {v: k for k, v in DTYPES.items()}[low]
+    data = load_digits(device)
+    print(f"ampfuse demo: digits ({len(data[0])} train / {len(data[2])} test images), "
+          f"{steps} steps of {BATCH_SIZE}, FusedAdamW lr {LR:g} cosine, seed {seed}, on {device}"
+          f" ({torch.get_num_threads()} threads), low precision {low_name}")
+    print(f"  {ampfuse.cuda_status()}")
+    if device.type == "cpu" and low == torch.float16:
+        print("  note: CPUs convert fp16 in software, so fp16 runs are far slower than bf16 here")
+    if inject_overflow is not None:
+        print(f"  an inf is written into a gradient at step {inject_overflow}: every run must "
+              "skip that step")
+    runs = [("fp32", "O0")] + [(f"{level} {low_name}", level) for level in opt_levels]
+    results = [train_run(name, level, data, steps=steps, seed=seed, device=device, dtype=low,
+                         inject_overflow=inject_overflow, progress=progress)
+               for name, level in runs]
+    print(format_table(results, device))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot = out / "loss_curves.png"
+    save_plot(results, plot, inject_overflow)
+    print(f"loss curves and loss scales saved to {plot}")
+    return results
+
+
+def failures(results: list[dict], inject_overflow: int | None) -> list[str]:
+    """What should make the demo exit non-zero: a run whose loss ended as nan/inf, or an
+    injected overflow that a run did not skip."""
+    problems = []
+    for r in results:
+        if not math.isfinite(r["final_loss"]):
+            problems.append(f"{r['name']} diverged: final loss {r['final_loss']}")
+        if inject_overflow is not None and r["skipped"] < 1:
+            problems.append(f"{r['name']} did not skip the overflow injected at step "
+                            f"{inject_overflow}")
+    return problems
+
+
+def main(steps, device, dtype, opt_levels, out, seed, inject_overflow) -> int:
+    """The `python -m ampfuse demo` command: runs the demo and returns the exit status."""
+    missing = [pip for module, pip in REQUIREMENTS.items()
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        print(f"error: the demo needs {', '.join(missing)}: pip install {' '.join(missing)}",
+              file=sys.stderr)
+        return 2
+    results = run_demo(steps=steps, device=device, dtype=dtype, opt_levels=opt_levels, out=out,
+                       seed=seed, inject_overflow=inject_overflow)
+    problems = failures(results, inject_overflow)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0

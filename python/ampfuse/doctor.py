@@ -1,0 +1,518 @@
+"""`python -m ampfuse doctor`: says whether ampfuse works in this environment and, when it does
+not, what to run to fix it.
+
+It reports the Python, torch and CUDA versions, the nvcc release and GPU architectures the
+native library was compiled with, which backends have kernels for every op, the CPU and GPUs and
+their fp16/bf16 support, and then calls every op once on tiny tensors (on the CPU, and on the GPU
+when there is one), comparing each result with the same computation done by torch. Exit status
+0 means every check passed; 1 means at least one problem, each listed with its fix.
+
+Each check is a function that takes what it inspects as arguments (the ops module, the GPUs
+found, the kernel-registry query), so the tests can hand it a broken environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import platform
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Finding:
+    """One "name: value" line; a finding with a problem also carries its fix."""
+
+    name: str
+    value: str
+    problem: str | None = None
+    fix: str | None = None
+
+
+@dataclasses.dataclass
+class Report:
+    findings: list = dataclasses.field(default_factory=list)
+
+    def add(self, name, value, problem=None, fix=None):
+        self.findings.append(Finding(name, value, problem, fix))
+
+    @property
+    def problems(self):
+        return [f for f in self.findings if f.problem]
+
+    @property
+    def exit_code(self):
+        return 1 if self.problems else 0
+
+    def render(self):
+        width = max((len(f.name) for f in self.findings), default=0) + 2
+        lines = ["ampfuse doctor"]
+        for f in self.findings:
+            mark = "  <- problem" if f.problem else ""
+            lines.append(f"  {f.name + ':':<{width}}{f.value}{mark}")
+        problems = self.problems
+        if problems:
+            lines.append("")
+            for number, f in enumerate(problems, 1):
+                lines.append(f"problem {number}: {f.problem}")
+                lines.append(f"  fix: {f.fix}")
+            lines.append(f"problems found ({len(problems)})")
+        else:
+            lines.append("ok")
+        return "\n".join(lines)
+
+
+# ---- environment queries (the tests replace these to fake a broken machine) -------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    capability: tuple
+    memory_bytes: int
+    bf16: bool
+
+
+def probe_gpus():
+    """(GPUs torch can use, why there are none or None). Never raises."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            available = torch.cuda.is_available()
+        except Exception as error:  # a broken driver can raise instead of returning False
+            return [], f"torch.cuda.is_available() raised {type(error).__name__}: {error}"
+    if not available:
+        why = "; ".join(str(w.message).strip().splitlines()[0] for w in caught)
+        return [], why or "torch.cuda.is_available() is False"
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        with torch.cuda.device(index):
+            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        gpus.append(Gpu(index, props.name, (props.major, props.minor), props.total_memory, bf16))
+    return gpus, None
+
+
+def _has_kernel(op, dispatch_key):
+    """Whether ampfuse::op has a kernel registered for dispatch_key ("CPU" or "CUDA")."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"ampfuse::{op}", dispatch_key)
+    except RuntimeError:  # the op itself is not defined
+        return False
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def rebuild_command():
+    """The command that rebuilds ampfuse._C against the torch of this interpreter."""
+    root = _PACKAGE_DIR.parent.parent
+    if (root / "setup.py").is_file() and (root / "CMakeLists.txt").is_file():
+        # A source checkout: rebuild in place, where this package is imported from.
+        return f"cd {root} && {sys.executable} -m pip install --no-build-isolation -e ."
+    return "pip install --no-build-isolation .  (in the ampfuse source folder, with this Python)"
+
+
+def built_with(library_path):
+    """(nvcc release, sorted GPU architectures) that the CUDA code in the native library was
+    compiled with, read from the strings nvcc leaves in it; (None, []) for a CPU-only build."""
+    try:
+        data = Path(library_path).read_bytes()
+    except (OSError, TypeError):
+        return None, []
+    release = re.search(rb"Cuda compilation tools, release ([0-9.]+), V([0-9.]+)", data)
+    archs = sorted({int(m) for m in re.findall(rb"-arch sm_([0-9]+)", data)})
+    return (release.group(2).decode() if release else None), archs
+
+
+def _arch_runs_on(arch, capability):
+    # Compiled GPU code runs on its own major version at the same or a higher minor version.
+    return arch // 10 == capability[0] and arch % 10 <= capability[1]
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+
+def check_versions(report):
+    report.add("python", f"{platform.python_version()} ({sys.executable})")
+    cuda = torch.version.cuda
+    report.add("torch", f"{torch.__version__} (" + (f"CUDA {cuda})" if cuda else "no CUDA)"))
+
+
+def check_native(report, import_module=importlib.import_module):
+    """Loads ampfuse's native library and the op wrappers. Returns (the _ops module, the GPU
+    architectures the library has code for), or (None, []) when it cannot be loaded."""
+    try:
+        native = import_module("ampfuse._C")
+        ops = import_module("ampfuse._ops")
+    except ImportError as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        report.add(
+            "native library", "not loaded",
+            problem=f"ampfuse._C could not be imported: {message}",
+            fix="rebuild it against the installed torch (needed after every torch upgrade): "
+            + rebuild_command(),
+        )
+        return None, []
+    from ampfuse import __version__
+
+    path = getattr(native, "__file__", None)
+    report.add("ampfuse", f"{__version__} ({_PACKAGE_DIR})")
+    report.add("native library", f"loaded ({Path(path).name if path else 'built in'})")
+    nvcc, archs = built_with(path)
+    if nvcc is None:
+        report.add("built with nvcc", "no (CPU-only build)")
+    else:
+        where = ", ".join(f"sm_{a}" for a in archs) or "unknown architectures"
+        value = f"{nvcc}, code for {where}"
+        torch_cuda = torch.version.cuda
+        if torch_cuda and nvcc.split(".")[0] != torch_cuda.split(".")[0]:
+            report.add(
+                "built with nvcc", value,
+                problem=f"ampfuse was compiled with CUDA {nvcc} but torch uses CUDA "
+                f"{torch_cuda}; the major versions must match",
+                fix=f"install the CUDA toolkit {torch_cuda} and rebuild: {rebuild_command()}",
+            )
+        else:
+            report.add("built with nvcc", value)
+    return ops, archs
+
+
+def check_kernels(report, op_names, gpus, has_kernel=None):
+    """Which backends have a kernel for every op. Returns whether the CUDA kernels are usable
+    (all registered and a GPU present)."""
+    has_kernel = has_kernel or _has_kernel
+    n = len(op_names)
+    cpu = [op for op in op_names if has_kernel(op, "CPU")]
+    cuda = [op for op in op_names if has_kernel(op, "CUDA")]
+    missing_cpu = sorted(set(op_names) - set(cpu))
+    if missing_cpu:
+        report.add(
+            "CPU kernels", f"{len(cpu)}/{n} ops",
+            problem=f"no CPU kernel registered for {', '.join(missing_cpu)}: the native library "
+            "is incomplete or older than the Python package",
+            fix=f"rebuild: {rebuild_command()}",
+        )
+    else:
+        report.add("CPU kernels", f"{n}/{n} ops")
+
+    torch_cuda = torch.version.cuda
+    if not cuda:
+        if gpus:
+            report.add(
+                "CUDA kernels", "none (built without CUDA)",
+                problem=f"torch sees {len(gpus)} CUDA device(s) ({gpus[0].name}) but ampfuse was "
+                "built without CUDA kernels (no nvcc was found when it was built)",
+                fix=f"install the CUDA toolkit matching torch.version.cuda ({torch_cuda}), with "
+                f"nvcc on PATH or in /usr/local/cuda, then rebuild: {rebuild_command()}",
+            )
+        else:
+            report.add("CUDA kernels", "none (CPU-only build; fine without a GPU)")
+        return False
+    if len(cuda) < n:
+        report.add(
+            "CUDA kernels", f"{len(cuda)}/{n} ops",
+            problem="CUDA kernels are missing for "
+            f"{', '.join(sorted(set(op_names) - set(cuda)))}: the build is incomplete",
+            fix=f"rebuild: {rebuild_command()}",
+        )
+        return False
+    report.add("CUDA kernels", f"{n}/{n} ops" + ("" if gpus else " (no GPU here to run them)"))
+    return bool(gpus)
+
+
+def check_cpu(report):
+    capability = torch.backends.cpu.get_cpu_capability()
+    report.add("CPU", f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+                      f"{capability} kernels in torch")
+    flags = _cpu_flags()
+    if flags is not None:
+        native = sorted(flags & {"avx512_bf16", "amx_bf16", "sve_bf16", "bf16"})
+    else:
+        try:
+            native = ["oneDNN"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else []
+        except (AttributeError, RuntimeError):
+            native = []
+    if native:
+        report.add("CPU bf16", f"native ({', '.join(native)})")
+    else:
+        report.add("CPU bf16", "works, converted to fp32 in software (no bf16 instructions)")
+
+
+def check_gpus(report, gpus, why_none=None, archs=()):
+    if not gpus:
+        report.add("GPU", "none" + (f" ({why_none})" if why_none else ""))
+        return
+    for gpu in gpus:
+        major, minor = gpu.capability
+        label = "GPU" if len(gpus) == 1 else f"GPU {gpu.index}"
+        note = ""
+        if archs and not any(_arch_runs_on(a, gpu.capability) for a in archs):
+            note = f"; ampfuse has no sm_{major}{minor} code (the op check below decides)"
+        report.add(label, f"{gpu.name}, compute capability {major}.{minor}, "
+                          f"{gpu.memory_bytes / 2**30:.0f} GiB{note}")
+        fp16 = "yes" if (major, minor) >= (7, 0) else "no (compute capability < 7.0)"
+        bf16 = "yes" if gpu.bf16 and major >= 8 else "no (use dtype=torch.float16)"
+        report.add(f"{label} tensor cores", f"fp16 {fp16}; bf16 {bf16}")
+
+
+# ---- op smoke tests --------------------------------------------------------------------------
+# Each runs one op on a few tiny tensors and returns None when it agrees with torch, or what
+# differs. The point is to catch a broken build or kernel, not the last unit in the last place:
+# tolerances are a few units of each dtype.
+
+_TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SHAPES = ((5,), (3, 4), (7,))
+
+
+def _sample(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 3).to(dtype).to(device)
+
+
+def _differs(what, actual, expected, dtype=None):
+    actual = actual.detach().float().cpu()
+    expected = expected.detach().float().cpu()
+    if actual.shape != expected.shape:
+        return f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    rtol, atol = _TOL[dtype or torch.float32]
+    if torch.allclose(actual, expected, rtol=rtol, atol=atol):
+        return None
+    error = (actual - expected).abs().nan_to_num(math.inf).flatten()
+    i = int(error.argmax())
+    return (f"{what}: got {actual.flatten()[i].item():.7g}, torch gives "
+            f"{expected.flatten()[i].item():.7g} (element {i})")
+
+
+def _first(*results):
+    return next((r for r in results if r), None)
+
+
+def _smoke_unscale(ops, device):
+    grads = [_sample(s, d, device, i) for i, (s, d) in enumerate(zip(_SHAPES, _DTYPES))]
+    expected = [(g.float() * 0.25).to(g.dtype) for g in grads]
+    found_inf = torch.zeros(1, device=device)
+    ops.multi_tensor_unscale_(grads, found_inf, torch.full((1,), 0.25, device=device))
+    wrong = _first(*(_differs(f"grads[{i}] ({g.dtype})", g, e, g.dtype)
+                     for i, (g, e) in enumerate(zip(grads, expected))))
+    if wrong or found_inf.item() != 0.0:
+        return wrong or "found_inf was set for finite grads"
+    grads[1][0, 2] = math.inf
+    ops.multi_tensor_unscale_(grads, found_inf, torch.full((1,), 0.25, device=device))
+    return None if found_inf.item() == 1.0 else "an inf in the grads did not set found_inf"
+
+
+def _smoke_scale(ops, device):
+    src = [_sample(s, torch.float32, device, i) for i, s in enumerate(_SHAPES)]
+    dst = [torch.empty(s, dtype=d, device=device) for s, d in zip(_SHAPES, _DTYPES)]
+    found_inf = torch.zeros(1, device=device)
+    ops.multi_tensor_scale_(src, dst, torch.full((1,), 0.5, device=device), found_inf)
+    wrong = _first(*(_differs(f"dst[{i}] ({d.dtype})", d, (s * 0.5).to(d.dtype), d.dtype)
+                     for i, (s, d) in enumerate(zip(src, dst))))
+    if wrong or found_inf.item() != 0.0:
+        return wrong or "found_inf was set for finite sources"
+    return None
+
+
+def _smoke_l2norm(ops, device):
+    tensors = [_sample(s, d, device, i) for i, (s, d) in enumerate(zip(_SHAPES, _DTYPES))]
+    total, per_tensor = ops.multi_tensor_l2norm(tensors, per_tensor=True)
+    expected = torch.stack([torch.linalg.vector_norm(t.double()) for t in tensors])
+    return _first(_differs("global norm", total, torch.linalg.vector_norm(expected)),
+                  _differs("per-tensor norms", per_tensor, expected))
+
+
+def _smoke_update_scale(ops, device):
+    def state():
+        return (torch.full((1,), 1024.0, device=device), torch.zeros(1, dtype=torch.int32,
+                                                                     device=device))
+
+    scale, growth = state()
+    torch_scale, torch_growth = state()
+    hysteresis = torch.ones(1, dtype=torch.int32, device=device)
+    for step, found in enumerate((0.0, 0.0, 1.0, 0.0, 0.0, 0.0)):
+        found_inf = torch.full((1,), found, device=device)
+        ops.update_scale_(scale, growth, hysteresis, found_inf, 2.0, 0.5, 2, 1, 0.0, math.inf)
+        torch._amp_update_scale_(torch_scale, torch_growth, found_inf, 2.0, 0.5, 2)
+        if scale.item() != torch_scale.item() or growth.item() != torch_growth.item():
+            return (f"step {step}: scale {scale.item()}, growth tracker {growth.item()}; "
+                    f"torch._amp_update_scale_ gives {torch_scale.item()}, {torch_growth.item()}")
+    return None
+
+
+def _optimizer_case(device):
+    """fp32, bf16 and fp16 params with fp32 masters and grads scaled by 4, and the fp32 copies
+    that torch's optimizer steps on."""
+    params = [_sample(s, d, device, 10 + i) for i, (s, d) in enumerate(zip(_SHAPES, _DTYPES))]
+    masters = [p.float() for p in params]
+    reference = [torch.nn.Parameter(m.clone()) for m in masters]
+    grads = [[_sample(s, torch.float32, device, 20 + 3 * k + i) for i, s in enumerate(_SHAPES)]
+             for k in range(2)]
+    return params, masters, reference, grads
+
+
+def _check_step(params, masters, reference):
+    for i, (p, m, r) in enumerate(zip(params, masters, reference)):
+        wrong = _first(_differs(f"master {i}", m, r),
+                       _differs(f"param {i} ({p.dtype})", p, r.detach().to(p.dtype), p.dtype))
+        if wrong:
+            return wrong
+    return None
+
+
+def _check_skipped(step_fn, tensors, device):
+    before = [t.clone() for t in tensors]
+    step_fn(torch.ones(1, device=device))
+    if not all(torch.equal(a, b) for a, b in zip(tensors, before)):
+        return "a step with found_inf set changed params or state"
+    return None
+
+
+def _smoke_adam(ops, device):
+    params, masters, reference, grads = _optimizer_case(device)
+    exp_avgs = [torch.zeros_like(m) for m in masters]
+    exp_avg_sqs = [torch.zeros_like(m) for m in masters]
+    step = torch.zeros(1, device=device)
+    # Adam is nearly blind to a grad scale that is not divided out, except through eps: a
+    # large eps makes a forgotten or doubled unscale show.
+    torch_adam = torch.optim.AdamW(reference, lr=0.1, eps=0.1, weight_decay=0.1, foreach=False)
+    scale = torch.full((1,), 4.0, device=device)
+
+    def fused_step(found_inf, k):
+        ops.fused_adam_(params, [(g * 4).to(p.dtype) for g, p in zip(grads[k], params)],
+                        exp_avgs, exp_avg_sqs, [], masters, step, 0.1, 0.9, 0.999, 0.1, 0.1,
+                        adam_w_mode=True, grad_scale=scale, found_inf=found_inf)
+
+    for k in range(2):
+        for i, (r, g) in enumerate(zip(reference, grads[k])):
+            r.grad = (g * 4).to(params[i].dtype).float() / 4
+        torch_adam.step()
+        fused_step(torch.zeros(1, device=device), k)
+        wrong = _check_step(params, masters, reference)
+        if wrong:
+            return f"after step {k + 1}: {wrong}"
+    return _check_skipped(lambda f: fused_step(f, 0),
+                          params + masters + exp_avgs + exp_avg_sqs + [step], device)
+
+
+def _smoke_sgd(ops, device):
+    params, masters, reference, grads = _optimizer_case(device)
+    buffers = [torch.zeros_like(m) for m in masters]
+    step = torch.zeros(1, device=device)
+    torch_sgd = torch.optim.SGD(reference, lr=1e-2, momentum=0.9, weight_decay=0.1, foreach=False)
+    scale = torch.full((1,), 4.0, device=device)
+
+    def fused_step(found_inf, k):
+        ops.fused_sgd_(params, [(g * 4).to(p.dtype) for g, p in zip(grads[k], params)], buffers,
+                       masters, step, 1e-2, momentum=0.9, weight_decay=0.1, grad_scale=scale,
+                       found_inf=found_inf)
+
+    for k in range(2):
+        for i, (r, g) in enumerate(zip(reference, grads[k])):
+            r.grad = (g * 4).to(params[i].dtype).float() / 4
+        torch_sgd.step()
+        fused_step(torch.zeros(1, device=device), k)
+        wrong = _check_step(params, masters, reference)
+        if wrong:
+            return f"after step {k + 1}: {wrong}"
+    return _check_skipped(lambda f: fused_step(f, 0), params + masters + buffers + [step], device)
+
+
+SMOKE_TESTS = {
+    "multi_tensor_unscale_": _smoke_unscale,
+    "multi_tensor_scale_": _smoke_scale,
+    "multi_tensor_l2norm": _smoke_l2norm,
+    "update_scale_": _smoke_update_scale,
+    "fused_adam_": _smoke_adam,
+    "fused_sgd_": _smoke_sgd,
+}
+
+
+def smoke_test(ops, op, device):
+    """(ok, problem, fix) for one call of `op` on `device`."""
+    test = SMOKE_TESTS.get(op)
+    if test is None:
+        return False, f"doctor has no smoke test for {op}", "report a bug: doctor.SMOKE_TESTS " \
+                                                          "is missing an op"
+    try:
+        wrong = test(ops, device)
+    except Exception as error:  # any failure of the op is the finding
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        problem = f"{op} on {device} raised {type(error).__name__}: {message}"
+        if "no kernel image" in message:
+            major, minor = torch.cuda.get_device_capability()
+            return False, problem, (
+                f"ampfuse has no GPU code for this device: rebuild with "
+                f'TORCH_CUDA_ARCH_LIST="{major}.{minor}" {rebuild_command()}')
+        return False, problem, _bug_fix()
+    if wrong:
+        return False, f"{op} on {device} gives a wrong result: {wrong}", _bug_fix()
+    return True, None, None
+
+
+def _bug_fix():
+    return ("this is a bug in ampfuse (or a miscompiled build): try a clean rebuild (rm -rf build; "
+            f"{rebuild_command()}); if it persists, report it with this output")
+
+
+def check_ops(report, ops, op_names, devices):
+    """Runs every op's smoke test on each device and adds one line per op."""
+    report.add("op checks", "each op called on tiny fp32/bf16/fp16 tensors, compared with torch")
+    for op in op_names:
+        cells, problems = [], []
+        for device in devices:
+            ok, problem, fix = smoke_test(ops, op, device)
+            cells.append(f"{device} {'ok' if ok else 'FAILED'}")
+            if not ok:
+                problems.append((problem, fix))
+        if problems:
+            report.add(op, ", ".join(cells), problem="; ".join(p for p, _ in problems),
+                       fix=problems[0][1])
+        else:
+            report.add(op, ", ".join(cells))
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+
+def run(import_module=importlib.import_module):
+    """Runs every check, prints the report and returns the exit status."""
+    report = Report()
+    check_versions(report)
+    ops, archs = check_native(report, import_module)
+    gpus, why_none = probe_gpus()
+    if ops is not None:
+        cuda_usable = check_kernels(report, list(ops._OPS), gpus)
+    check_cpu(report)
+    check_gpus(report, gpus, why_none, archs)
+    if ops is not None:
+        devices = ["cpu"] + (["cuda"] if cuda_usable else [])
+        check_ops(report, ops, list(ops._OPS), devices)
+    print(report.render())
+    sys.stdout.flush()
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,63 @@
+"""benchmarks/run.py works end to end: at the smallest sizes on the CPU it runs every benchmark
+and writes one valid JSON file and one table with rows for each. A smoke test of the scripts, not
+of speed: nothing here looks at a time."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = [
+    "--device", "cpu", "--total-elements", "2e4", "--warmup", "1", "--repeats", "2",
+    "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+    "--vocab", "64", "--cnn-width", "4", "--cnn-blocks", "1", "1", "1", "1", "--image-size", "16",
+    "--cnn-batch", "2", "--classes", "4",
+]
+
+
+def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
+    # One thread: on a shared 2-core machine, two OpenMP threads competing with another process
+    # can make tiny kernels hundreds of times slower; the scripts, not the speed, are under test.
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env.pop("OUT", None)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *TINY, "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["environment"]["torch"]
+    rows = data["results"]
+    assert not [r for r in rows if "error" in r and r.get("bench") == "train"], rows
+    by_bench = {}
+    for row in rows:
+        by_bench.setdefault(row["bench"], []).append(row)
+    assert set(by_bench) == {"ops", "adam", "sgd", "train"}
+
+    assert {r["op"] for r in by_bench["ops"]} == {"unscale_", "scale_", "l2norm"}
+    for name in ("adam", "sgd"):
+        impls = {r["impl"] for r in by_bench[name]}
+        assert any(i.startswith("ampfuse") for i in impls) and any(
+            i.startswith("torch") for i in impls), impls
+
+    train = by_bench["train"]
+    assert {(r["model"], r["impl"]) for r in train} == {
+        (m, i) for m in ("gpt", "cnn") for i in ("fp32", "torch amp", "ampfuse O1", "ampfuse O2")
+    }
+    for row in train:
+        assert row["median_s"] > 0 and row["items_per_s"] > 0, row
+        assert row["peak_mem_bytes"] is None  # CPU: not measured
+        assert row["speedup_vs_torch_amp"] > 0 and row["speedup_vs_fp32"] > 0, row
+        assert row["final_loss"] == row["final_loss"], row  # not NaN
+    gpt = {r["impl"]: r for r in train if r["model"] == "gpt"}
+    assert gpt["fp32"]["config"]["layers"] == 1 and gpt["fp32"]["items_per_step"] == 2 * 16
+    assert "noise_pct" in gpt["torch amp"]
+
+    table = (tmp_path / "bench_table.txt").read_text()
+    for header in ("# adam:", "# sgd:", "# train:", "# gpt:", "# cnn:", "unscale_"):
+        assert header in table, table
+    assert table.strip() in result.stdout

@@ -1,0 +1,153 @@
+"""`python -m ampfuse demo`: end to end as a subprocess, its flags, and its exit status."""
+
+import inspect
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ampfuse import demo
+from ampfuse.__main__ import main
+
+PYTHON_DIR = pathlib.Path(__file__).resolve().parents[2] / "python"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _table_rows(stdout: str) -> dict:
+    """The table's rows by run name: {"fp32": [...], "O1 bf16": [...], ...} (cells as text)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("run "))
+    rows = {}
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if not cells or cells[0] not in ("fp32", "O1", "O2", "O3"):
+            break
+        name = "fp32" if cells[0] == "fp32" else " ".join(cells[:2])
+        rows[name] = cells[1:] if cells[0] == "fp32" else cells[2:]
+    return rows
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ampfuse", "demo", "--steps", "30", "--device", "cpu",
+         "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    rows = _table_rows(proc.stdout)
+    assert list(rows) == ["fp32", "O1 bf16", "O2 bf16"], proc.stdout
+    for name, cells in rows.items():
+        accuracy, loss, ms, memory, skipped, scale = cells
+        assert 0.0 <= float(accuracy) <= 100.0
+        assert math.isfinite(float(loss)) and float(ms) > 0.0 and float(memory) > 0.0
+        # The overflow injected by default at the middle step is skipped by every run.
+        assert skipped == "1", f"{name}: {cells}"
+        assert float(scale) == (1.0 if name == "fp32" else 2.0**15)
+    assert "at step 15" in proc.stdout
+
+    plot = out / "loss_curves.png"
+    assert f"saved to {plot}" in proc.stdout
+    data = plot.read_bytes()
+    assert len(data) > 1000 and data.startswith(PNG_SIGNATURE)
+
+
+def test_run_demo_results(tmp_path, capsys):
+    results = demo.run_demo(steps=12, device="cpu", dtype="bf16", opt_levels=("O1", "O2"),
+                            out=tmp_path, seed=1, inject_overflow=5, progress=False)
+    assert [r["opt_level"] for r in results] == ["O0", "O1", "O2"]
+    for r in results:
+        assert len(r["losses"]) == len(r["loss_scales"]) == 12
+        assert r["skipped"] == 1
+        scales = r["loss_scales"]
+        if r["opt_level"] == "O0":
+            assert scales == [1.0] * 12 and r["final_scale"] == 1.0
+        else:
+            # The dynamic scale halves right after the step with the injected inf.
+            assert scales[:6] == [2.0**16] * 6 and scales[6:] == [2.0**15] * 6
+            assert r["final_scale"] == 2.0**15
+    assert demo.failures(results, inject_overflow=5) == []
+    assert (tmp_path / "loss_curves.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "KiB params+grads+opt" in capsys.readouterr().out
+
+
+def test_same_seed_same_run():
+    data = demo.load_digits("cpu")
+    first, second = (demo.train_run("O2", "O2", data, steps=5, seed=3, device="cpu",
+                                    dtype=demo.DTYPES["bf16"], progress=False)
+                     for _ in range(2))
+    assert first["losses"] == second["losses"]
+
+
+def test_failures_name_divergence_and_missed_skips():
+    ok = {"name": "fp32", "final_loss": 0.1, "skipped": 1}
+    diverged = {"name": "O2 bf16", "final_loss": float("nan"), "skipped": 1}
+    unskipped = {"name": "O1 bf16", "final_loss": 0.1, "skipped": 0}
+    assert demo.failures([ok], inject_overflow=3) == []
+    assert demo.failures([ok, unskipped], inject_overflow=None) == []
+    problems = demo.failures([ok, diverged, unskipped], inject_overflow=3)
+    assert len(problems) == 2
+    assert "O2 bf16 diverged" in problems[0] and "O1 bf16 did not skip" in problems[1]
+
+
+def test_divergence_exits_nonzero(monkeypatch, capsys):
+    diverged = {"name": "O2 bf16", "final_loss": float("nan"), "skipped": 0}
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: [diverged])
+    assert main(["demo", "--steps", "4", "--inject-overflow", "off"]) == 1
+    assert "error: O2 bf16 diverged" in capsys.readouterr().err
+
+
+def test_missing_demo_dependency_is_named(monkeypatch, capsys):
+    monkeypatch.setitem(demo.REQUIREMENTS, "ampfuse_no_such_module", "no-such-package")
+    assert main(["demo", "--steps", "4"]) == 2
+    assert "pip install no-such-package" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: must be a positive integer"),
+    (["--steps", "ten"], "argument --steps: expected an integer"),
+    (["--opt-levels", "O1,O4"], "argument --opt-levels: unknown opt level 'O4'"),
+    (["--opt-levels", ","], "argument --opt-levels: expected a comma-separated list"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice"),
+    (["--device", "gpu"], "argument --device: 'gpu' is not a device"),
+    (["--device", "meta"], "argument --device: the demo runs on cpu or cuda"),
+    (["--inject-overflow", "-1"], "argument --inject-overflow: must be a step >= 0"),
+    (["--steps", "10", "--inject-overflow", "10"], "step 10 is past the last step (9)"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_flags_give_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m ampfuse" in err and message in err
+
+
+def test_cuda_without_gpu_is_a_clear_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "cuda"])
+    assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_flags_reach_the_demo(monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo, "main", lambda **kwargs: calls.append(kwargs) or 0)
+    assert main(["demo", "--steps", "40", "--device", "cpu"]) == 0
+    assert main(["demo", "--opt-levels", "o2, O1,O2", "--inject-overflow", "off", "--dtype",
+                 "fp16", "--seed", "7", "--out", "elsewhere"]) == 0
+    assert main(["demo"]) == 0
+    default_steps = inspect.signature(demo.run_demo).parameters["steps"].default
+    assert calls[2]["steps"] == default_steps and calls[2]["inject_overflow"] == default_steps // 2
+    assert calls[0] == dict(steps=40, device="cpu", dtype=None, opt_levels=("O1", "O2"),
+                            out="demo_out", seed=0, inject_overflow=20)
+    assert calls[1]["opt_levels"] == ("O2", "O1") and calls[1]["inject_overflow"] is None
+    assert (calls[1]["dtype"], calls[1]["seed"], calls[1]["out"]) == ("fp16", 7, "elsewhere")
