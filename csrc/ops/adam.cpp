@@ -68,15 +68,16 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const kernels::AdamStep adam_step =
       kernels::make_adam_step(a.config, *a.scalars.step, *a.scalars.lr, cpu_grad_factor(a.scalars));
   const std::vector<Span> spans = split_into_spans(a.params);
-  any_span(spans, [&](std::size_t s) {
+  for_each_span(spans, [&](std::size_t s) {
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
     kernels::cpu::adam_span(element_ptr(param, span.offset), param.dtype,
-                            element_ptr(grad, span.offset), grad.dtype, optional_fp32_ptr(a.exp_avgs, span),
-                            optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.max_exp_avg_sqs, span),
+                            element_ptr(grad, span.offset), grad.dtype,
+                            optional_fp32_ptr(a.exp_avgs, span),
+                            optional_fp32_ptr(a.exp_avg_sqs, span),
+                            optional_fp32_ptr(a.max_exp_avg_sqs, span),
                             optional_fp32_ptr(a.masters, span), span.size, adam_step);
-    return false;
   });
   *a.scalars.step += 1.0f;
 }

@@ -38,16 +38,23 @@ inline float* optional_fp32_ptr(const std::vector<kernels::TensorRef>& list, con
   return list.empty() ? nullptr : static_cast<float*>(element_ptr(list[span.tensor], span.offset));
 }
 
-// Runs visit(span_index) for every span in parallel and returns true if any call
-// returned true. Fewer than two spans' worth of work runs on the calling thread:
-// waking the pool costs more than it saves there.
+// Runs visit(span_index) for every span on torch's intra-op pool. Fewer than two
+// spans' worth of work runs on the calling thread: waking the pool costs more than
+// it saves there.
+template <typename Visit>
+void for_each_span(const std::vector<Span>& spans, Visit&& visit) {
+  at::parallel_for(0, static_cast<std::int64_t>(spans.size()), 2,
+                   [&](std::int64_t begin, std::int64_t end) {
+                     for (std::int64_t s = begin; s < end; ++s) visit(static_cast<std::size_t>(s));
+                   });
+}
+
+// Like for_each_span, and returns true if any call returned true (an inf/nan seen).
 template <typename Visit>
 bool any_span(const std::vector<Span>& spans, Visit&& visit) {
   std::atomic<bool> any{false};
-  at::parallel_for(0, static_cast<std::int64_t>(spans.size()), 2, [&](std::int64_t b, std::int64_t e) {
-    bool local = false;
-    for (std::int64_t s = b; s < e; ++s) local |= visit(static_cast<std::size_t>(s));
-    if (local) any.store(true, std::memory_order_relaxed);
+  for_each_span(spans, [&](std::size_t s) {
+    if (visit(s)) any.store(true, std::memory_order_relaxed);
   });
   return any.load();
 }

@@ -35,13 +35,11 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensor
 
   const std::vector<Span> spans = split_into_spans(refs);
   std::vector<double> span_sums(spans.size());
-  at::parallel_for(0, static_cast<std::int64_t>(spans.size()), 2, [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t s = b; s < e; ++s) {
-      const Span& span = spans[s];
-      const kernels::TensorRef& t = refs[span.tensor];
-      span_sums[s] = kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype,
-                                                       span.size);
-    }
+  for_each_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    const kernels::TensorRef& t = refs[span.tensor];
+    span_sums[s] = kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype,
+                                                     span.size);
   });
   // Sums are combined in a fixed order, so the result does not depend on the
   // number of threads.

@@ -58,15 +58,15 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
   const float factor = cpu_grad_factor(a.scalars);
   const bool first_step = *a.scalars.step == 0.0f;
   const std::vector<Span> spans = split_into_spans(a.params);
-  any_span(spans, [&](std::size_t s) {
+  for_each_span(spans, [&](std::size_t s) {
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
     kernels::cpu::sgd_span(element_ptr(param, span.offset), param.dtype,
                            element_ptr(grad, span.offset), grad.dtype,
-                           optional_fp32_ptr(a.momentum_buffers, span), optional_fp32_ptr(a.masters, span), span.size,
-                           a.config, learning_rate, factor, first_step);
-    return false;
+                           optional_fp32_ptr(a.momentum_buffers, span),
+                           optional_fp32_ptr(a.masters, span), span.size, a.config, learning_rate,
+                           factor, first_step);
   });
   *a.scalars.step += 1.0f;
 }
