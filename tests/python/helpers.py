@@ -50,6 +50,19 @@ def random_values(shape, dtype, device, gen, magnitude=100.0):
     return values.to(dtype).to(device)
 
 
+def mixed_shapes(count, gen):
+    """`count` shapes drawn from a pool of empty, scalar, tiny, chunk-straddling and 2-D
+    shapes. A list of 1000 draws only tiny shapes: it outruns any per-launch tensor cap
+    many times over without costing time."""
+    if count == 1000:
+        pool = [(), (0,), (1,), (3,), (17,), (2, 5)]
+    else:
+        pool = [(), (0,), (1,), (7,), (4099,), (CHUNK - 1,), (CHUNK + 1,), (3, 5), (0, 4),
+                (129, 513)]
+    picks = torch.randint(len(pool), (count,), generator=gen).tolist()
+    return [pool[p] for p in picks]
+
+
 def random_list(sizes, dtypes, device, gen, magnitude=100.0):
     """One tensor per size; dtypes is one dtype or a sequence cycled over the list."""
     if isinstance(dtypes, torch.dtype):

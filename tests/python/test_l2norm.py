@@ -19,6 +19,7 @@ from helpers import (
     dtype_id,
     filled,
     make_generator,
+    mixed_shapes,
     non_dense_2d,
     other_device,
     raises_naming,
@@ -90,23 +91,8 @@ def test_norms_at_chunk_boundaries(device, dtype, size, offset, per_tensor):
 @pytest.mark.parametrize("count", [1, 3, 230, 1000])
 def test_lists_of_mixed_dtypes_with_empty_tensors(device, count):
     gen = make_generator(count)
-    if count == 1000:
-        pool = [(), (0,), (1,), (3,), (17,), (2, 5)]
-    else:
-        pool = [
-            (),
-            (0,),
-            (1,),
-            (7,),
-            (4099,),
-            (CHUNK - 1,),
-            (CHUNK + 1,),
-            (3, 5),
-            (0, 4),
-            (129, 513),
-        ]
-    picks = torch.randint(len(pool), (count,), generator=gen).tolist()
-    tensors = random_list([pool[p] for p in picks], FLOAT_DTYPES, device, gen)
+    shapes = mixed_shapes(count, gen)
+    tensors = random_list(shapes, FLOAT_DTYPES, device, gen)
     before = [t.clone() for t in tensors]
 
     check_norms(l2norm(tensors, True), tensors, True, device)

@@ -22,6 +22,7 @@ from helpers import (
     dtype_id,
     filled,
     make_generator,
+    mixed_shapes,
     mul_f64,
     mul_fp32,
     non_dense_2d,
@@ -147,23 +148,8 @@ def test_some_pairs_in_place_others_not(device):
 @pytest.mark.parametrize("count", [1, 3, 230, 1000])
 def test_lists_of_mixed_pairings(device, count):
     gen = make_generator(count)
-    if count == 1000:
-        pool = [(), (0,), (1,), (3,), (17,), (2, 5)]
-    else:
-        pool = [
-            (),
-            (0,),
-            (1,),
-            (7,),
-            (4099,),
-            (CHUNK - 1,),
-            (CHUNK + 1,),
-            (3, 5),
-            (0, 4),
-            (129, 513),
-        ]
-    picks = torch.randint(len(pool), (count,), generator=gen).tolist()
-    src = random_list([pool[p] for p in picks], FLOAT_DTYPES, device, gen)
+    shapes = mixed_shapes(count, gen)
+    src = random_list(shapes, FLOAT_DTYPES, device, gen)
     before = [s.clone() for s in src]
     # Cycle the destination dtypes out of step with the sources so every pairing occurs.
     dst = fresh_dst(src, (torch.float16, torch.float32, torch.bfloat16, torch.float32), device, gen)

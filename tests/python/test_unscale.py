@@ -19,6 +19,7 @@ from helpers import (
     dtype_id,
     filled,
     make_generator,
+    mixed_shapes,
     mul_f64,
     mul_fp32,
     non_dense_2d,
@@ -90,24 +91,7 @@ def test_matches_torch_at_chunk_boundaries(device, dtype, size, offset, inv):
 @pytest.mark.parametrize("count", [1, 3, 230, 1000])
 def test_lists_of_mixed_dtypes_and_shapes(device, count):
     gen = make_generator(count)
-    if count == 1000:
-        # Many tiny tensors: the list outruns any per-launch tensor cap many times over.
-        pool = [(), (0,), (1,), (3,), (17,), (2, 5)]
-    else:
-        pool = [
-            (),
-            (0,),
-            (1,),
-            (7,),
-            (4099,),
-            (CHUNK - 1,),
-            (CHUNK + 1,),
-            (3, 5),
-            (0, 4),
-            (129, 513),
-        ]
-    picks = torch.randint(len(pool), (count,), generator=gen).tolist()
-    shapes = [pool[p] for p in picks]
+    shapes = mixed_shapes(count, gen)
     grads = random_list(shapes, FLOAT_DTYPES, device, gen)
     before = [g.clone() for g in grads]
     found_inf = scalar_tensor(0.0, device)
