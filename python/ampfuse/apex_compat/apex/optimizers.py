@@ -1,0 +1,87 @@
+"""apex.optimizers on ampfuse: FusedAdam and FusedSGD with apex's constructors (apex's argument
+order and defaults) over ampfuse.optimizers.FusedAdam / FusedSGD, so amp takes its fused,
+sync-free path with them. apex optimizers that ampfuse does not have fail at construction with
+the replacement to use; their names exist so that an import of them does not make a library
+decide that all of apex is missing."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.optim.optimizer import required
+
+from ampfuse import optimizers as _fused
+
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad",
+           "FusedMixedPrecisionLamb"]
+
+
+class FusedAdam(_fused.FusedAdam):
+    """apex.optimizers.FusedAdam's signature on ampfuse.optimizers.FusedAdam.
+
+    Same meaning as in apex: AdamW by default (adam_w_mode=False gives Adam's L2 decay), no
+    weight decay by default, and zero_grad() sets grads to None. Differences: amsgrad=True works
+    here (apex refused it), and master_weights=True needs no capturable=True.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
+                 capturable=False, master_weights=False):
+        super().__init__(params, lr, betas, eps, weight_decay, adam_w_mode=adam_w_mode,
+                         bias_correction=bias_correction, amsgrad=amsgrad,
+                         master_weights=master_weights, capturable=capturable,
+                         set_grad_none=set_grad_none)
+
+
+def _accepts(cls, name) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
+
+
+class FusedSGD(_fused.FusedSGD):
+    """apex.optimizers.FusedSGD's signature on ampfuse.optimizers.FusedSGD.
+
+    As in apex, lr may be left out when every param group carries its own, and zero_grad()
+    zeroes grads rather than dropping them (set_grad_none=False).
+    """
+
+    def __init__(self, params, lr=required, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
+                 set_grad_none=False):
+        extra = {}
+        if _accepts(_fused.FusedSGD, "wd_after_momentum"):
+            extra["wd_after_momentum"] = wd_after_momentum
+        elif wd_after_momentum:
+            raise NotImplementedError(
+                "apex.optimizers.FusedSGD: wd_after_momentum=True is not supported by this "
+                "ampfuse version; leave it False (torch.optim.SGD's order).")
+        # Where ampfuse lacks the flag, leaving it out changes no result: it only chooses
+        # whether amp's O2 masters get fp32 grads of their own before the step.
+        if _accepts(_fused.FusedSGD, "materialize_master_grads"):
+            extra["materialize_master_grads"] = materialize_master_grads
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov,
+                         set_grad_none=set_grad_none, **extra)
+
+
+def _unavailable(name, replacement):
+    def __init__(self, params, *args, **kwargs):
+        raise NotImplementedError(
+            f"apex.optimizers.{name} has no ampfuse version (apex here is ampfuse's "
+            f"compatibility alias); {replacement}.")
+
+    doc = f"Not provided by ampfuse; constructing it raises. Instead: {replacement}."
+    return type(name, (torch.optim.Optimizer,), {"__init__": __init__, "__doc__": doc,
+                                                 "__module__": __name__})
+
+
+FusedLAMB = _unavailable(
+    "FusedLAMB", "use timm.optim.Lamb or ampfuse.optimizers.FusedAdam, or install the real apex "
+    "(and do not call install_apex_alias)")
+FusedMixedPrecisionLamb = _unavailable(
+    "FusedMixedPrecisionLamb", "use timm.optim.Lamb with amp.initialize(..., opt_level='O2') "
+    "for fp32 masters, or the real apex")
+FusedNovoGrad = _unavailable(
+    "FusedNovoGrad", "use timm.optim.NvNovoGrad, or the real apex")
+FusedAdagrad = _unavailable(
+    "FusedAdagrad", "use torch.optim.Adagrad(params, lr, weight_decay=..., eps=..., fused=True) "
+    "(apex's adagrad_w_mode=False math)")
