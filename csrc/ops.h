@@ -27,12 +27,13 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                     bool bias_correction, bool amsgrad, bool maximize,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf);
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
 void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                    double momentum, double dampening, double weight_decay, bool nesterov,
                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                   const c10::optional<at::Tensor>& found_inf);
+                   const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                   bool wd_after_momentum);
 
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
@@ -51,12 +52,13 @@ void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                      bool bias_correction, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf);
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
 void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                     double momentum, double dampening, double weight_decay, bool nesterov,
                     bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf);
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    bool wd_after_momentum);
 #endif
 
 }  // namespace ampfuse::ops

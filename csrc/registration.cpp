@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "ops/refusals.h"
 
 TORCH_LIBRARY(ampfuse, m) {
   // grads[i] *= inv_scale in fp32 math (fp32/fp16/bf16, mixed); found_inf = 1 if any inf/nan.
@@ -20,19 +21,22 @@ TORCH_LIBRARY(ampfuse, m) {
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "int hysteresis, float min_scale, float max_scale) -> ()");
   // Adam/AdamW step over lists: fp32 moments and optional fp32 masters, grads of any float
-  // dtype times 1/grad_scale, step advanced on the device; a set found_inf writes nothing.
+  // dtype divided by grad_scale (and, with write_unscaled_grads, stored back so divided, as
+  // torch's fused optimizers leave them), step advanced on the device; a set found_inf writes
+  // nothing at all.
   m.def(
-      "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, "
-      "Tensor(f!) step, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
+      "fused_adam_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] master_params, "
+      "Tensor(g!) step, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adam_w_mode, bool bias_correction, bool amsgrad, bool maximize, "
-      "Tensor? grad_scale, Tensor? found_inf) -> ()");
-  // SGD step (momentum, dampening, nesterov, weight decay, maximize), same contract as Adam.
+      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False) -> ()");
+  // SGD step (momentum, dampening, nesterov, weight decay before or after the momentum,
+  // maximize), same contract as Adam.
   m.def(
-      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-      "Tensor(c!)[] master_params, Tensor(d!) step, Tensor lr, float momentum, float dampening, "
+      "fused_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
+      "Tensor(d!)[] master_params, Tensor(e!) step, Tensor lr, float momentum, float dampening, "
       "float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
-      "Tensor? found_inf) -> ()");
+      "Tensor? found_inf, bool write_unscaled_grads=False, bool wd_after_momentum=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
@@ -55,8 +59,28 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
 }
 #endif
 
-// Reached only when no tensor decides the backend: an empty list (norms of nothing
-// are 0, on the CPU) or tensors of a device ampfuse has no kernels for.
+// Reached when no CPU or CUDA kernel is picked: sparse, quantized or mkldnn tensors, devices
+// ampfuse has no kernels for, and (l2norm) an empty list, whose norms are 0 on the CPU. Each
+// refuses with ampfuse's own error naming the tensor and the fix.
 TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
+  const auto refuse = [] {
+    return torch::CppFunction::makeFromBoxedFunction<&ampfuse::ops::refuse_unsupported_inputs>();
+  };
+  m.impl("multi_tensor_unscale_", refuse());
+  m.impl("multi_tensor_scale_", refuse());
   m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_fallback);
+  m.impl("update_scale_", refuse());
+  m.impl("fused_adam_", refuse());
+  m.impl("fused_sgd_", refuse());
+}
+
+// Nested tensors dispatch to their autograd key before any backend.
+TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
+  const auto refuse = [] {
+    return torch::CppFunction::makeFromBoxedFunction<&ampfuse::ops::refuse_unsupported_inputs>();
+  };
+  for (const char* op : {"multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_l2norm",
+                         "update_scale_", "fused_adam_", "fused_sgd_"}) {
+    m.impl(op, refuse());
+  }
 }

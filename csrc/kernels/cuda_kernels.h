@@ -37,15 +37,22 @@ void update_scale(float* scale, std::int32_t* growth_tracker, std::int32_t* hyst
 
 // Adam/AdamW over lists of equal length: params (any float dtype), grads (any),
 // exp_avgs and exp_avg_sqs (fp32); max_exp_avg_sqs (fp32) only when amsgrad and
-// masters (fp32) optional: pass empty vectors when absent.
+// masters (fp32) optional: pass empty vectors when absent. Grads are divided by
+// *scalars.grad_scale and, with write_grads, stored back so. `constants` is device
+// memory for one AdamStep, which a one-thread prologue fills before the update; the
+// prologue also advances *scalars.step (not on overflow), so an empty list still costs
+// one launch.
 void adam(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
           const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
           const std::vector<TensorRef>& max_exp_avg_sqs, const std::vector<TensorRef>& masters,
-          const AdamConfig& config, const StepScalars& scalars, StreamHandle stream);
+          const AdamConfig& config, const StepScalars& scalars, bool write_grads,
+          AdamStep* constants, StreamHandle stream);
 
-// SGD; momentum_buffers (fp32) empty when momentum is 0, masters optional.
+// SGD; momentum_buffers (fp32) empty when momentum is 0, masters optional; grads,
+// constants and the step count as for adam.
 void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
          const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
-         const SgdConfig& config, const StepScalars& scalars, StreamHandle stream);
+         const SgdConfig& config, const StepScalars& scalars, bool write_grads,
+         SgdStep* constants, StreamHandle stream);
 
 }  // namespace ampfuse::kernels::cuda

@@ -1,6 +1,9 @@
-// Pieces shared by the CUDA optimizer kernels: reading the device-side step
-// scalars, skipping on overflow, and advancing the step count afterwards.
+// Pieces shared by the CUDA optimizer kernels: the prologue that derives a step's
+// constants once and advances the step count, skipping on overflow, and the
+// element loop over one chunk (16-byte packs where aligned).
 #pragma once
+
+#include <type_traits>
 
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
@@ -11,8 +14,24 @@ __device__ inline bool step_is_skipped(const StepScalars& s) {
   return s.found_inf != nullptr && *s.found_inf != 0.0f;
 }
 
-__device__ inline float grad_factor(const StepScalars& s) {
-  return s.grad_scale != nullptr ? 1.0f / *s.grad_scale : 1.0f;
+// One thread derives the step's constants (make_step_constants: for Adam two double pows, a
+// divide and a sqrt) from the device-side count, lr and loss scale, instead of every thread of
+// every block doing it, and then advances the count. The update kernels queued after it on the
+// stream read only `constants`, never the count, so advancing it here races with nothing and
+// needs no launch of its own.
+template <typename Config, typename Constants>
+__global__ void step_prologue_kernel(Config config, StepScalars scalars, Constants* constants) {
+  const float grad_scale = scalars.grad_scale != nullptr ? *scalars.grad_scale : 1.0f;
+  *constants = make_step_constants(config, *scalars.step, *scalars.lr, grad_scale);
+  if (!step_is_skipped(scalars)) *scalars.step += 1.0f;
+}
+
+template <typename Config, typename Constants>
+void launch_step_prologue(const Config& config, const StepScalars& scalars, Constants* constants,
+                          StreamHandle stream) {
+  step_prologue_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(config, scalars,
+                                                                            constants);
+  throw_on_launch_error("optimizer step prologue");
 }
 
 // Optional lists travel as copies of the params list so the table keeps a fixed
@@ -22,7 +41,97 @@ inline const std::vector<TensorRef>* or_params(const std::vector<TensorRef>& lis
   return list.empty() ? &params : &list;
 }
 
-// Runs after the update kernels on the same stream, so they all read the old count.
-void advance_step(const StepScalars& scalars, StreamHandle stream);
+// List `d` of the table at this block's chunk, as fp32 (state and masters are fp32).
+template <int Depth>
+__device__ float* fp32_list(const ChunkTable<Depth>& table, const BlockChunk& chunk, int d) {
+  return static_cast<float*>(table.addresses[d][chunk.slot]) + chunk.start;
+}
+
+// Calls f(param, grad, write_grad) with list 0 (params) and list 1 (grads) typed for this
+// block's tensor and write_grad as a std::bool_constant.
+template <int Depth, typename F>
+__device__ void with_param_and_grad(const ChunkTable<Depth>& table, const BlockChunk& chunk,
+                                    bool write_grad, F&& f) {
+  with_element_type(table.dtypes[0][chunk.slot], [&](auto* param_tag) {
+    using Param = std::remove_pointer_t<decltype(param_tag)>;
+    with_element_type(table.dtypes[1][chunk.slot], [&](auto* grad_tag) {
+      using Grad = std::remove_pointer_t<decltype(grad_tag)>;
+      Param* param = static_cast<Param*>(table.addresses[0][chunk.slot]) + chunk.start;
+      Grad* grad = static_cast<Grad*>(table.addresses[1][chunk.slot]) + chunk.start;
+      if (write_grad) {
+        f(param, grad, std::true_type{});
+      } else {
+        f(param, grad, std::false_type{});
+      }
+    });
+  });
+}
+
+// The fp32 arrays a chunk updates besides the param: K state arrays (moments, momentum
+// buffers) and the master, null when the param is updated directly.
+template <int K>
+struct ChunkState {
+  float* arrays[K > 0 ? K : 1];
+  float* master;
+};
+
+// Runs update(p, g, s) on every element of a chunk: p the fp32 param (its master when there is
+// one), g the unscaled grad, s[0..K) the state values. Writes back the state, the master, the
+// param rounded to its dtype and, with kWriteGrad, the unscaled grad in its own dtype. Chunks
+// whose pointers are all 16-byte aligned move kPack elements per access.
+template <int K, bool kWriteGrad, typename Param, typename Grad, typename Update>
+__device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& state, int n,
+                             float grad_scale, Update&& update) {
+  constexpr int kPack = 4;
+  using F4 = Pack<float, kPack>;
+  const bool has_master = state.master != nullptr;
+  const auto element = [&](int i) {
+    const float g = unscale_grad(DeviceElement<Grad>::load(grad[i]), grad_scale);
+    if (kWriteGrad) grad[i] = DeviceElement<Grad>::store(g);
+    float p = has_master ? state.master[i] : DeviceElement<Param>::load(param[i]);
+    float s[K > 0 ? K : 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) s[k] = state.arrays[k][i];
+    update(p, g, s);
+#pragma unroll
+    for (int k = 0; k < K; ++k) state.arrays[k][i] = s[k];
+    if (has_master) state.master[i] = p;
+    param[i] = DeviceElement<Param>::store(p);
+  };
+  const auto pack = [&](int i) {
+    Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
+    // With a master the param is only written: its old value is not read.
+    Pack<Param, kPack> pp = has_master ? Pack<Param, kPack>{}
+                                       : *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
+    F4 ww = has_master ? *reinterpret_cast<const F4*>(state.master + i) : F4{};
+    F4 ss[K > 0 ? K : 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) ss[k] = *reinterpret_cast<const F4*>(state.arrays[k] + i);
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      const float g = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), grad_scale);
+      if (kWriteGrad) gg.v[j] = DeviceElement<Grad>::store(g);
+      float p = has_master ? ww.v[j] : DeviceElement<Param>::load(pp.v[j]);
+      float s[K > 0 ? K : 1];
+#pragma unroll
+      for (int k = 0; k < K; ++k) s[k] = ss[k].v[j];
+      update(p, g, s);
+#pragma unroll
+      for (int k = 0; k < K; ++k) ss[k].v[j] = s[k];
+      ww.v[j] = p;
+      pp.v[j] = DeviceElement<Param>::store(p);
+    }
+    if (kWriteGrad) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
+    *reinterpret_cast<Pack<Param, kPack>*>(param + i) = pp;
+#pragma unroll
+    for (int k = 0; k < K; ++k) *reinterpret_cast<F4*>(state.arrays[k] + i) = ss[k];
+    if (has_master) *reinterpret_cast<F4*>(state.master + i) = ww;
+  };
+  bool aligned = is_aligned_16(param) && is_aligned_16(grad) &&
+                 (!has_master || is_aligned_16(state.master));
+#pragma unroll
+  for (int k = 0; k < K; ++k) aligned = aligned && is_aligned_16(state.arrays[k]);
+  visit_chunk<kPack>(n, aligned, pack, element);
+}
 
 }  // namespace ampfuse::kernels::cuda

@@ -1,6 +1,7 @@
-// fused_sgd_: momentum, dampening, nesterov, weight decay and maximize in one
-// pass, with the same master/scale/skip contract as fused_adam_. The step count
-// tells the kernel whether momentum buffers are being seeded (first step).
+// fused_sgd_: momentum, dampening, nesterov, weight decay (before or after the
+// momentum) and maximize in one pass, with the same master/scale/skip contract
+// and the same 16-byte packs as fused_adam_. The step count tells the prologue
+// whether momentum buffers are being seeded (first step).
 #include "optimizer_step.cuh"
 
 namespace ampfuse::kernels::cuda {
@@ -10,66 +11,45 @@ namespace {
 constexpr int kSgdDepth = 4;
 
 struct SgdFunctor {
-  __device__ void operator()(const ChunkTable<kSgdDepth>& table, SgdConfig config,
-                             StepScalars scalars, bool has_momentum, bool has_master) const {
+  __device__ void operator()(const ChunkTable<kSgdDepth>& table, StepScalars scalars,
+                             const SgdStep* constants, bool has_momentum, bool has_master,
+                             bool write_grads) const {
     if (step_is_skipped(scalars)) return;
-    const float lr = *scalars.lr;
-    const float factor = grad_factor(scalars);
-    const bool first_step = *scalars.step == 0.0f;
+    const SgdStep step = *constants;
     const BlockChunk chunk = block_chunk(table);
-    float* momentum = has_momentum
-                          ? static_cast<float*>(table.addresses[2][chunk.slot]) + chunk.start
-                          : nullptr;
-    float* master =
-        has_master ? static_cast<float*>(table.addresses[3][chunk.slot]) + chunk.start : nullptr;
-    with_element_type(table.dtypes[0][chunk.slot], [&](auto* param_tag) {
-      using Param = std::remove_pointer_t<decltype(param_tag)>;
-      with_element_type(table.dtypes[1][chunk.slot], [&](auto* grad_tag) {
-        using Grad = std::remove_pointer_t<decltype(grad_tag)>;
-        Param* param = static_cast<Param*>(table.addresses[0][chunk.slot]) + chunk.start;
-        const Grad* grad = static_cast<const Grad*>(table.addresses[1][chunk.slot]) + chunk.start;
-        // SGD moves few bytes per element; the loop is simple enough for the compiler
-        // to keep loads coalesced without explicit packs.
-        const auto update_all = [&](auto has_momentum) {
-          for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
-            float p = master ? master[i] : DeviceElement<Param>::load(param[i]);
-            float unused = 0.0f;
-            sgd_update<decltype(has_momentum)::value>(p, DeviceElement<Grad>::load(grad[i]),
-                                                      momentum ? momentum[i] : unused, config, lr,
-                                                      factor, first_step);
-            if (master) master[i] = p;
-            param[i] = DeviceElement<Param>::store(p);
-          }
-        };
-        if (momentum) {
-          update_all(std::true_type{});
-        } else {
-          update_all(std::false_type{});
-        }
-      });
+    float* master = has_master ? fp32_list(table, chunk, 3) : nullptr;
+    with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
+      constexpr bool kWrite = decltype(write)::value;
+      if (has_momentum) {
+        const ChunkState<1> state{{fp32_list(table, chunk, 2)}, master};
+        update_chunk<1, kWrite>(param, grad, state, chunk.size, step.grad_scale,
+                                [&](float& p, float g, float* s) {
+                                  sgd_update<true>(p, g, s[0], step);
+                                });
+      } else {
+        const ChunkState<0> state{{nullptr}, master};
+        update_chunk<0, kWrite>(param, grad, state, chunk.size, step.grad_scale,
+                                [&](float& p, float g, float*) {
+                                  float unused = 0.0f;
+                                  sgd_update<false>(p, g, unused, step);
+                                });
+      }
     });
   }
 };
 
-__global__ void advance_step_kernel(StepScalars scalars) {
-  if (!step_is_skipped(scalars)) *scalars.step += 1.0f;
-}
-
 }  // namespace
-
-void advance_step(const StepScalars& scalars, StreamHandle stream) {
-  advance_step_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(scalars);
-  throw_on_launch_error("optimizer step counter");
-}
 
 void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
          const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
-         const SgdConfig& config, const StepScalars& scalars, StreamHandle stream) {
+         const SgdConfig& config, const StepScalars& scalars, bool write_grads,
+         SgdStep* constants, StreamHandle stream) {
+  launch_step_prologue(config, scalars, constants, stream);
   const std::vector<TensorRef>* lists[kSgdDepth] = {
       &params, &grads, or_params(momentum_buffers, params), or_params(masters, params)};
-  launch_multi_tensor<kSgdDepth>("fused_sgd_", lists, stream, SgdFunctor{}, config, scalars,
-                                 !momentum_buffers.empty(), !masters.empty());
-  advance_step(scalars, stream);
+  launch_multi_tensor<kSgdDepth>("fused_sgd_", lists, stream, SgdFunctor{}, scalars,
+                                 static_cast<const SgdStep*>(constants), !momentum_buffers.empty(),
+                                 !masters.empty(), write_grads);
 }
 
 }  // namespace ampfuse::kernels::cuda

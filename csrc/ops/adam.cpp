@@ -17,8 +17,9 @@ struct AdamArgs {
   std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters;
   kernels::AdamConfig config;
   kernels::StepScalars scalars;
-  c10::optional<at::Device> device;
+  bool write_grads;
   std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;
 };
 
 AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -27,7 +28,7 @@ AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList 
                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                     bool bias_correction, bool amsgrad, bool maximize,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kAdam, ": beta1 must be in [0, 1), got ",
               beta1, ".");
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kAdam, ": beta2 must be in [0, 1), got ",
@@ -36,17 +37,19 @@ AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList 
   TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), "ampfuse.", kAdam,
               ": max_exp_avg_sqs must be empty when amsgrad is False.");
   AdamArgs a;
-  a.device = list_device(kAdam, params, "params");
+  const c10::optional<at::Device> device = list_device(kAdam, params, "params");
   a.params = tensor_refs(kAdam, params, "params", /*mutated=*/true, a.keep_alive);
-  a.grads = companion_refs(kAdam, grads, "grads", params, false, false, false, a.keep_alive);
-  a.exp_avgs = companion_refs(kAdam, exp_avgs, "exp_avgs", params, true, true, false, a.keep_alive);
-  a.exp_avg_sqs =
-      companion_refs(kAdam, exp_avg_sqs, "exp_avg_sqs", params, true, true, false, a.keep_alive);
-  a.max_exp_avg_sqs = companion_refs(kAdam, max_exp_avg_sqs, "max_exp_avg_sqs", params, true,
-                                     true, /*optional=*/!amsgrad, a.keep_alive);
-  a.masters =
-      companion_refs(kAdam, master_params, "master_params", params, true, true, true, a.keep_alive);
-  a.scalars = step_scalars(kAdam, step, lr, grad_scale, found_inf, a.device);
+  a.scalars = step_scalars(kAdam, step, lr, grad_scale, found_inf, device);
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kAdam, grads, params, a.write_grads, a.keep_alive, a.copy_back);
+  const auto state = [&](at::TensorList list, const char* name, bool optional) {
+    return companion_refs(kAdam, list, name, params, Access::kWrite, /*fp32_only=*/true, optional,
+                          a.keep_alive);
+  };
+  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
+  a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
+  a.max_exp_avg_sqs = state(max_exp_avg_sqs, "max_exp_avg_sqs", /*optional=*/!amsgrad);
+  a.masters = state(master_params, "master_params", true);
   a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
   return a;
 }
@@ -59,26 +62,26 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                     bool bias_correction, bool amsgrad, bool maximize,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
   const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                 master_params, step, lr, beta1, beta2, eps, weight_decay,
                                 adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
-                                found_inf);
+                                found_inf, write_unscaled_grads);
   if (cpu_step_skipped(a.scalars)) return;
-  const kernels::AdamStep adam_step =
-      kernels::make_adam_step(a.config, *a.scalars.step, *a.scalars.lr, cpu_grad_factor(a.scalars));
+  const kernels::AdamStep adam_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
   for_each_span(spans, [&](std::size_t s) {
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
     kernels::cpu::adam_span(element_ptr(param, span.offset), param.dtype,
-                            element_ptr(grad, span.offset), grad.dtype,
+                            element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                             optional_fp32_ptr(a.exp_avgs, span),
                             optional_fp32_ptr(a.exp_avg_sqs, span),
                             optional_fp32_ptr(a.max_exp_avg_sqs, span),
                             optional_fp32_ptr(a.masters, span), span.size, adam_step);
   });
+  finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
 }
 
@@ -89,15 +92,20 @@ void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                      bool bias_correction, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf) {
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
   const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                 master_params, step, lr, beta1, beta2, eps, weight_decay,
                                 adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
-                                found_inf);
-  // An empty list still advances the step count, as on the CPU.
+                                found_inf, write_unscaled_grads);
+  check_cuda_step(kAdam, step);
+  // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
+  const at::Tensor constants = step_constants_buffer<kernels::AdamStep>(step.device());
   kernels::cuda::adam(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs, a.masters,
-                      a.config, a.scalars, current_stream(step.device()));
+                      a.config, a.scalars, a.write_grads,
+                      static_cast<kernels::AdamStep*>(constants.data_ptr()),
+                      current_stream(step.device()));
+  finish_copy_back(a.copy_back);
 }
 #endif
 

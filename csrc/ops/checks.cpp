@@ -86,8 +86,9 @@ std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list,
 
 std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList list,
                                                const char* name, at::TensorList params,
-                                               bool mutated, bool fp32_only, bool optional,
-                                               std::vector<at::Tensor>& keep_alive) {
+                                               Access access, bool fp32_only, bool optional,
+                                               std::vector<at::Tensor>& keep_alive,
+                                               std::vector<CopyBack>* copy_back) {
   if (optional && list.empty()) return {};
   TORCH_CHECK(list.size() == params.size(), "ampfuse.", op, ": ", name, " has ", list.size(),
               " tensors but params has ", params.size(), "; pass one per param",
@@ -107,17 +108,20 @@ std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList li
                 " must be torch.float32 (optimizer state and masters are kept in fp32), got ",
                 "torch.", c10::getDtypeNames(list[i].scalar_type()).first, ".");
     const bool same_layout = list[i].numel() <= 1 || list[i].strides() == params[i].strides();
-    if (same_layout || mutated || !params[i].is_non_overlapping_and_dense()) {
-      TORCH_CHECK(!mutated || same_layout, "ampfuse.", op, ": ", label, " has strides ",
-                  list[i].strides(), " but ", arg_label("params", i), " has strides ",
-                  params[i].strides(), "; create it with torch.zeros_like(param) so both share "
-                  "one memory layout.");
+    const bool param_dense = params[i].is_non_overlapping_and_dense();
+    if (same_layout || !param_dense) {
+      // A non-dense param is refused by tensor_refs; its companions need no copy first.
       laid_out.push_back(list[i]);
-    } else {
-      laid_out.push_back(at::empty_like(params[i], list[i].options()).copy_(list[i]));
+      continue;
     }
+    TORCH_CHECK(access != Access::kWrite, "ampfuse.", op, ": ", label, " has strides ",
+                list[i].strides(), " but ", arg_label("params", i), " has strides ",
+                params[i].strides(), "; create it with torch.zeros_like(param) so both share "
+                "one memory layout.");
+    laid_out.push_back(at::empty_like(params[i], list[i].options()).copy_(list[i]));
+    if (access == Access::kWriteOrCopyBack) copy_back->push_back({list[i], laid_out.back()});
   }
-  auto refs = tensor_refs(op, laid_out, name, mutated, keep_alive);
+  auto refs = tensor_refs(op, laid_out, name, access == Access::kWrite, keep_alive);
   keep_alive.insert(keep_alive.end(), laid_out.begin(), laid_out.end());
   return refs;
 }

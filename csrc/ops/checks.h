@@ -36,14 +36,28 @@ std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list,
 // The device shared by every tensor of `list`, or nullopt for an empty list.
 c10::optional<at::Device> list_device(const char* op, at::TensorList list, const char* name);
 
+// A tensor the kernel writes through a temporary, and that temporary: after the kernel,
+// `target.copy_(temporary)` gives the caller's tensor its result.
+struct CopyBack {
+  at::Tensor target;
+  at::Tensor temporary;
+};
+
+// How an op uses a companion list.
+enum class Access {
+  kRead,             // laid out unlike its param: read from a copy in the param's layout
+  kWrite,            // must share its param's memory layout (state the op owns)
+  kWriteOrCopyBack,  // written; one laid out unlike its param goes through a CopyBack
+};
+
 // Validates `list` as a companion of `params` (grads, moments, masters): the same
 // length (an empty list is accepted when `optional`), shapes and device. With
-// `fp32_only` every tensor must be float32. A companion that is written must share
-// its param's memory layout; one that is only read and is laid out differently
-// is copied into the param's layout.
+// `fp32_only` every tensor must be float32. See Access for the memory layout;
+// kWriteOrCopyBack appends to `copy_back`.
 std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList list,
                                                const char* name, at::TensorList params,
-                                               bool mutated, bool fp32_only, bool optional,
-                                               std::vector<at::Tensor>& keep_alive);
+                                               Access access, bool fp32_only, bool optional,
+                                               std::vector<at::Tensor>& keep_alive,
+                                               std::vector<CopyBack>* copy_back = nullptr);
 
 }  // namespace ampfuse::ops

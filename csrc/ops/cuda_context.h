@@ -3,6 +3,7 @@
 #pragma once
 
 #ifdef AMPFUSE_WITH_CUDA
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,6 +14,23 @@ namespace ampfuse::ops {
 inline kernels::StreamHandle current_stream(const at::Device& device) {
   return reinterpret_cast<kernels::StreamHandle>(
       c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
+// The CUDA optimizer kernels read and advance the step count on the GPU. With params, the
+// argument checks already put step there; with an empty list only step is left to say.
+inline void check_cuda_step(const char* op, const at::Tensor& step) {
+  TORCH_CHECK(step.is_cuda(), "ampfuse.", op, ": step is on ", step.device(),
+              " but the call has CUDA tensors; move step (and lr, grad_scale, found_inf) to the "
+              "CUDA device of the params.");
+}
+
+// Device memory for one launch sequence's step constants (written by its prologue kernel),
+// from torch's caching allocator: no host sync, and CUDA graph capture takes it from the
+// graph's pool.
+template <typename Constants>
+at::Tensor step_constants_buffer(const at::Device& device) {
+  return at::empty({static_cast<std::int64_t>(sizeof(Constants))},
+                   at::TensorOptions().device(device).dtype(at::kByte));
 }
 
 }  // namespace ampfuse::ops

@@ -8,6 +8,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "refusals.h"
 
 #include <cmath>
 
@@ -56,6 +57,9 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensor
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_fallback(at::TensorList tensors,
                                                                 bool per_tensor) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    check_supported(kL2norm, arg_label("tensors", static_cast<std::int64_t>(i)), tensors[i]);
+  }
   TORCH_CHECK(tensors.empty(), "ampfuse.", kL2norm, ": tensors are on ", tensors[0].device(),
               ", which ampfuse has no kernels for; use CPU or CUDA tensors.");
   auto [global, per_tensor_norms] = empty_outputs(c10::nullopt, 0, per_tensor);

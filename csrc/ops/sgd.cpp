@@ -17,30 +17,33 @@ struct SgdArgs {
   std::vector<kernels::TensorRef> params, grads, momentum_buffers, masters;
   kernels::SgdConfig config;
   kernels::StepScalars scalars;
-  c10::optional<at::Device> device;
+  bool write_grads;
   std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;
 };
 
 SgdArgs check_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                   at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
                   bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                  const c10::optional<at::Tensor>& found_inf) {
+                  const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                  bool wd_after_momentum) {
   TORCH_CHECK(momentum >= 0.0, "ampfuse.", kSgd, ": momentum must be >= 0, got ", momentum, ".");
   TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), "ampfuse.", kSgd,
               ": nesterov needs momentum > 0 and dampening == 0.");
   TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), "ampfuse.", kSgd,
               ": pass one momentum buffer per param when momentum != 0, and none when it is 0.");
   SgdArgs a;
-  a.device = list_device(kSgd, params, "params");
+  const c10::optional<at::Device> device = list_device(kSgd, params, "params");
   a.params = tensor_refs(kSgd, params, "params", /*mutated=*/true, a.keep_alive);
-  a.grads = companion_refs(kSgd, grads, "grads", params, false, false, false, a.keep_alive);
-  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", params, true,
-                                      true, /*optional=*/true, a.keep_alive);
-  a.masters =
-      companion_refs(kSgd, master_params, "master_params", params, true, true, true, a.keep_alive);
-  a.scalars = step_scalars(kSgd, step, lr, grad_scale, found_inf, a.device);
-  a.config = {momentum, dampening, weight_decay, nesterov, maximize};
+  a.scalars = step_scalars(kSgd, step, lr, grad_scale, found_inf, device);
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kSgd, grads, params, a.write_grads, a.keep_alive, a.copy_back);
+  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", params,
+                                      Access::kWrite, true, /*optional=*/true, a.keep_alive);
+  a.masters = companion_refs(kSgd, master_params, "master_params", params, Access::kWrite, true,
+                             /*optional=*/true, a.keep_alive);
+  a.config = {momentum, dampening, weight_decay, nesterov, maximize, wd_after_momentum};
   return a;
 }
 
@@ -50,24 +53,24 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                    double momentum, double dampening, double weight_decay, bool nesterov,
                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                   const c10::optional<at::Tensor>& found_inf) {
+                   const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                   bool wd_after_momentum) {
   const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
-                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf);
+                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
+                              write_unscaled_grads, wd_after_momentum);
   if (cpu_step_skipped(a.scalars)) return;
-  const float learning_rate = *a.scalars.lr;
-  const float factor = cpu_grad_factor(a.scalars);
-  const bool first_step = *a.scalars.step == 0.0f;
+  const kernels::SgdStep sgd_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
   for_each_span(spans, [&](std::size_t s) {
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
     kernels::cpu::sgd_span(element_ptr(param, span.offset), param.dtype,
-                           element_ptr(grad, span.offset), grad.dtype,
+                           element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                            optional_fp32_ptr(a.momentum_buffers, span),
-                           optional_fp32_ptr(a.masters, span), span.size, a.config, learning_rate,
-                           factor, first_step);
+                           optional_fp32_ptr(a.masters, span), span.size, sgd_step);
   });
+  finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
 }
 
@@ -76,13 +79,19 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                     double momentum, double dampening, double weight_decay, bool nesterov,
                     bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    bool wd_after_momentum) {
   const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
-                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf);
-  // An empty list still advances the step count, as on the CPU.
+                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
+                              write_unscaled_grads, wd_after_momentum);
+  check_cuda_step(kSgd, step);
+  // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
+  const at::Tensor constants = step_constants_buffer<kernels::SgdStep>(step.device());
   kernels::cuda::sgd(a.params, a.grads, a.momentum_buffers, a.masters, a.config, a.scalars,
+                     a.write_grads, static_cast<kernels::SgdStep*>(constants.data_ptr()),
                      current_stream(step.device()));
+  finish_copy_back(a.copy_back);
 }
 #endif
 

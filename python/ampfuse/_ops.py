@@ -104,28 +104,34 @@ def _lr_tensor(lr, step: torch.Tensor) -> torch.Tensor:
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
                 beta1, beta2, eps, weight_decay, adam_w_mode=True, bias_correction=True,
-                amsgrad=False, maximize=False, grad_scale=None, found_inf=None) -> None:
+                amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+                write_unscaled_grads=False) -> None:
     """One Adam/AdamW step over lists (see the op's schema in csrc/registration.cpp).
 
-    lr is a float or a one-element float32 tensor on the params' device."""
+    lr is a float or a one-element float32 tensor on the params' device. With
+    write_unscaled_grads and a grad_scale, the grads are left divided by grad_scale (unless the
+    step is skipped), as torch's fused optimizers leave them."""
     lr = _lr_tensor(lr, step)
     torch.ops.ampfuse.fused_adam_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
         list(master_params), step, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-        bias_correction, amsgrad, maximize, grad_scale, found_inf,
+        bias_correction, amsgrad, maximize, grad_scale, found_inf, write_unscaled_grads,
     )
 
 
 def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentum=0.0,
                dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
-               found_inf=None) -> None:
+               found_inf=None, write_unscaled_grads=False, wd_after_momentum=False) -> None:
     """One SGD step over lists (see the op's schema in csrc/registration.cpp).
 
-    lr is a float or a one-element float32 tensor on the params' device."""
+    lr is a float or a one-element float32 tensor on the params' device; write_unscaled_grads
+    as for fused_adam_; wd_after_momentum adds the weight decay to the update after the
+    momentum step (apex's option) instead of to the grad before it."""
     lr = _lr_tensor(lr, step)
     torch.ops.ampfuse.fused_sgd_(
         list(params), list(grads), list(momentum_buffers), list(master_params), step, lr,
         momentum, dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
+        write_unscaled_grads, wd_after_momentum,
     )
 
 
@@ -228,16 +234,19 @@ def _check_companions(op, params, name, tensors, fp32_only, optional):
 
 
 def _check_step_scalars(op, device, step, lr, grad_scale, found_inf):
+    # With an empty params list the scalars must still share one device: step's.
+    owner = "params" if device is not None else "step, as params is empty"
+    device = device or step.device
     for name, t in (("step", step), ("lr", lr), ("grad_scale", grad_scale),
                     ("found_inf", found_inf)):
         if t is not None:
-            _check_scalar(op, name, t, torch.float32, device, device_owner="params")
+            _check_scalar(op, name, t, torch.float32, device, device_owner=owner)
 
 
 @torch.library.register_fake("ampfuse::fused_adam_")
 def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
                beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize,
-               grad_scale, found_inf):
+               grad_scale, found_inf, write_unscaled_grads=False):
     op = "fused_adam_"
     device = _check_list(op, "params", params)
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
@@ -250,7 +259,8 @@ def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_par
 
 @torch.library.register_fake("ampfuse::fused_sgd_")
 def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum, dampening,
-              weight_decay, nesterov, maximize, grad_scale, found_inf):
+              weight_decay, nesterov, maximize, grad_scale, found_inf, write_unscaled_grads=False,
+              wd_after_momentum=False):
     op = "fused_sgd_"
     device = _check_list(op, "params", params)
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)

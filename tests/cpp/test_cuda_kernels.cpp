@@ -193,45 +193,106 @@ TEST_CASE("CUDA update_scale follows the host rule step by step") {
   }
 }
 
+// Reads the constants a CUDA prologue wrote.
+template <typename Constants>
+Constants download_constants(const void* device) {
+  Constants c;
+  check(cudaMemcpy(&c, device, sizeof(Constants), cudaMemcpyDeviceToHost));
+  return c;
+}
+
+// Floats one unit in the last place apart at most.
+bool within_one_ulp(float a, float b) {
+  return a == b || std::nextafter(a, b) == b;
+}
+
+// The FMA contract (docs/DESIGN-NOTES.md): the element updates use explicitly rounded
+// products on the GPU, so for the same inputs and step constants CUDA and CPU agree bit for
+// bit. The constants themselves come from each platform's double-precision pow (as torch's
+// fused optimizers use on each), whose last bit may differ, so they are compared to within
+// one float ulp and the CPU reference runs with the constants the GPU used.
 TEST_CASE("CUDA Adam and SGD are bit-identical to the CPU kernels, and skip on overflow") {
   const AdamConfig adam_config{0.9, 0.999, 1e-8, 0.01, true, true, true, false};
-  const SgdConfig sgd_config{0.9, 0.0, 0.01, true, false};
-  for (DType param_dtype : kDtypes) {
-    for (DType grad_dtype : kDtypes) {
-      for (std::int64_t n : {std::int64_t{5}, std::int64_t{65537}}) {
-        DeviceTensor param(param_dtype, n, 1, 1.0f), grad(grad_dtype, n, 2, 1.0f);
-        DeviceTensor m(DType::kFloat32, n, 3, 0.1f), v(DType::kFloat32, n, 4, 0.0f);
-        DeviceTensor vmax(DType::kFloat32, n, 5, 0.0f), master(DType::kFloat32, n, 6, 1.0f);
-        DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f);
-        const StepScalars scalars{step.device, lr.device, scale.device, found.device};
-        std::vector<unsigned char> p = param.host, mm = m.host, vv = v.host, xx = vmax.host,
-                                   ww = master.host;
-        cpu::adam_span(p.data(), param_dtype, grad.host.data(), grad_dtype,
-                       reinterpret_cast<float*>(mm.data()), reinterpret_cast<float*>(vv.data()),
-                       reinterpret_cast<float*>(xx.data()), reinterpret_cast<float*>(ww.data()), n,
-                       make_adam_step(adam_config, 3.0f, 1e-3f, 1.0f / 512.0f));
-        std::vector<TensorRef> P{param.ref()}, G{grad.ref()}, M{m.ref()}, V{v.ref()},
-            X{vmax.ref()}, W{master.ref()};
-        cuda::adam(P, G, M, V, X, W, adam_config, scalars, nullptr);
-        REQUIRE(param.download() == p);
-        REQUIRE(master.download() == ww);
-        REQUIRE(m.download() == mm);
-        REQUIRE(vmax.download() == xx);
-        REQUIRE(step.get() == 4.0f);
-        found.set(1.0f);
-        cuda::adam(P, G, M, V, X, W, adam_config, scalars, nullptr);
-        cuda::sgd(P, G, M, W, sgd_config, scalars, nullptr);
-        REQUIRE(param.download() == p);
-        REQUIRE(master.download() == ww);
-        REQUIRE(step.get() == 4.0f);
-        found.set(0.0f);
-        cpu::sgd_span(p.data(), param_dtype, grad.host.data(), grad_dtype,
-                      reinterpret_cast<float*>(mm.data()), reinterpret_cast<float*>(ww.data()), n,
-                      sgd_config, 1e-3f, 1.0f / 512.0f, false);
-        cuda::sgd(P, G, M, W, sgd_config, scalars, nullptr);
-        REQUIRE(param.download() == p);
-        REQUIRE(m.download() == mm);
+  DeviceScalar<AdamStep> adam_constants(AdamStep{});
+  DeviceScalar<SgdStep> sgd_constants(SgdStep{});
+  for (bool wd_after_momentum : {false, true}) {
+    const SgdConfig sgd_config{0.9, 0.0, 0.01, true, false, wd_after_momentum};
+    for (DType param_dtype : kDtypes) {
+      for (DType grad_dtype : kDtypes) {
+        // 65537 elements: packs and a scalar tail; offset 1 breaks 16-byte alignment.
+        for (std::int64_t offset : {std::int64_t{0}, std::int64_t{1}}) {
+          const std::int64_t n = offset == 0 ? 65537 : 5;
+          DeviceTensor param(param_dtype, n + offset, 1, 1.0f), grad(grad_dtype, n + offset, 2, 1.0f);
+          DeviceTensor m(DType::kFloat32, n + offset, 3, 0.1f), v(DType::kFloat32, n + offset, 4, 0.0f);
+          DeviceTensor vmax(DType::kFloat32, n + offset, 5, 0.0f);
+          DeviceTensor master(DType::kFloat32, n + offset, 6, 1.0f);
+          DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f);
+          const StepScalars scalars{step.device, lr.device, scale.device, found.device};
+          const auto at = [&](DeviceTensor& t) {
+            return TensorRef{static_cast<char*>(t.device) + offset * element_size(t.dtype), n,
+                             t.dtype};
+          };
+          const auto host_at = [&](std::vector<unsigned char>& h, DType dtype) {
+            return h.data() + offset * element_size(dtype);
+          };
+          std::vector<TensorRef> P{at(param)}, G{at(grad)}, M{at(m)}, V{at(v)}, X{at(vmax)},
+              W{at(master)};
+          std::vector<unsigned char> p = param.host, g = grad.host, mm = m.host, vv = v.host,
+                                     xx = vmax.host, ww = master.host;
+          cuda::adam(P, G, M, V, X, W, adam_config, scalars, /*write_grads=*/true,
+                     adam_constants.device, nullptr);
+          const AdamStep used = download_constants<AdamStep>(adam_constants.device);
+          const AdamStep host = make_step_constants(adam_config, 3.0f, 1e-3f, 512.0f);
+          REQUIRE(within_one_ulp(used.step_size, host.step_size));
+          REQUIRE(within_one_ulp(used.bias_correction2_sqrt, host.bias_correction2_sqrt));
+          REQUIRE(used.decoupled_decay == host.decoupled_decay);
+          REQUIRE(used.grad_scale == 512.0f);
+          cpu::adam_span(host_at(p, param_dtype), param_dtype, host_at(g, grad_dtype), grad_dtype,
+                         true, reinterpret_cast<float*>(host_at(mm, DType::kFloat32)),
+                         reinterpret_cast<float*>(host_at(vv, DType::kFloat32)),
+                         reinterpret_cast<float*>(host_at(xx, DType::kFloat32)),
+                         reinterpret_cast<float*>(host_at(ww, DType::kFloat32)), n, used);
+          REQUIRE(param.download() == p);
+          REQUIRE(grad.download() == g);
+          REQUIRE(master.download() == ww);
+          REQUIRE(m.download() == mm);
+          REQUIRE(vmax.download() == xx);
+          REQUIRE(step.get() == 4.0f);
+          // A skipped step writes nothing, the grads and the step count included.
+          found.set(1.0f);
+          cuda::adam(P, G, M, V, X, W, adam_config, scalars, true, adam_constants.device, nullptr);
+          cuda::sgd(P, G, M, W, sgd_config, scalars, true, sgd_constants.device, nullptr);
+          REQUIRE(param.download() == p);
+          REQUIRE(grad.download() == g);
+          REQUIRE(master.download() == ww);
+          REQUIRE(step.get() == 4.0f);
+          found.set(0.0f);
+          cuda::sgd(P, G, M, W, sgd_config, scalars, false, sgd_constants.device, nullptr);
+          const SgdStep sgd_used = download_constants<SgdStep>(sgd_constants.device);
+          REQUIRE(!sgd_used.first_step);
+          cpu::sgd_span(host_at(p, param_dtype), param_dtype, host_at(g, grad_dtype), grad_dtype,
+                        false, reinterpret_cast<float*>(host_at(mm, DType::kFloat32)),
+                        reinterpret_cast<float*>(host_at(ww, DType::kFloat32)), n,
+                        make_step_constants(sgd_config, 4.0f, 1e-3f, 512.0f));
+          REQUIRE(param.download() == p);
+          REQUIRE(m.download() == mm);
+          REQUIRE(grad.download() == g);
+          REQUIRE(step.get() == 5.0f);
+        }
       }
     }
   }
+}
+
+TEST_CASE("CUDA optimizer steps over an empty list only advance the step count") {
+  DeviceScalar<float> step(7.0f), lr(1e-3f), found(0.0f);
+  DeviceScalar<AdamStep> constants(AdamStep{});
+  const StepScalars scalars{step.device, lr.device, nullptr, found.device};
+  const std::vector<TensorRef> none;
+  const AdamConfig config{0.9, 0.999, 1e-8, 0.0, true, true, false, false};
+  cuda::adam(none, none, none, none, none, none, config, scalars, false, constants.device, nullptr);
+  REQUIRE(step.get() == 8.0f);
+  found.set(1.0f);
+  cuda::adam(none, none, none, none, none, none, config, scalars, false, constants.device, nullptr);
+  REQUIRE(step.get() == 8.0f);
 }

@@ -57,9 +57,9 @@ TEST_CASE("adam_span tracks a float64 Adam over 50 steps") {
         // Gradients arrive scaled by 1024 and are unscaled inside the kernel.
         std::vector<float> scaled(g);
         for (auto& x : scaled) x *= 1024.0f;
-        const AdamStep step = make_adam_step(config, float(t - 1), 1e-2f, 1.0f / 1024.0f);
-        adam_span(p.data(), DType::kFloat32, scaled.data(), DType::kFloat32, m.data(), v.data(),
-                  amsgrad ? vmax.data() : nullptr, nullptr, n, step);
+        const AdamStep step = make_step_constants(config, float(t - 1), 1e-2f, 1024.0f);
+        adam_span(p.data(), DType::kFloat32, scaled.data(), DType::kFloat32, /*write_grad=*/false,
+                  m.data(), v.data(), amsgrad ? vmax.data() : nullptr, nullptr, n, step);
         model.step(g, config, double(1e-2f), t);
       }
       INFO("adam_w " << adam_w << " amsgrad " << amsgrad);
@@ -76,29 +76,70 @@ TEST_CASE("adam_span with an fp32 master writes the param rounded from it") {
   for (std::size_t i = 0; i < n; ++i) param[i] = float_to_bf16(master[i]);
   const auto g = random_floats(n, 3);
   for (std::size_t i = 0; i < n; ++i) grad[i] = float_to_fp16(g[i]);
-  adam_span(param.data(), DType::kBFloat16, grad.data(), DType::kFloat16, m.data(), v.data(),
-            nullptr, master.data(), n, make_adam_step(config, 0.0f, 1e-3f, 1.0f));
+  adam_span(param.data(), DType::kBFloat16, grad.data(), DType::kFloat16, false, m.data(),
+            v.data(), nullptr, master.data(), n, make_step_constants(config, 0.0f, 1e-3f, 1.0f));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(param[i] == float_to_bf16(master[i]));
 }
 
-TEST_CASE("sgd_span: momentum seeding, dampening and nesterov against float64") {
+TEST_CASE("sgd_span: momentum seeding, dampening, nesterov and decay placement against float64") {
   const std::size_t n = 500;
   for (bool nesterov : {false, true}) {
-    const SgdConfig config{0.9, nesterov ? 0.0 : 0.1, 0.01, nesterov, false};
-    std::vector<float> p = random_floats(n, 4), buf(n, 123.0f);  // garbage until seeded
-    std::vector<double> mp(p.begin(), p.end()), mbuf(n);
-    for (int t = 0; t < 30; ++t) {
-      const auto g = random_floats(n, 200 + t);
-      sgd_span(p.data(), DType::kFloat32, g.data(), DType::kFloat32, buf.data(), nullptr, n, config,
-               0.05f, 1.0f, t == 0);
-      for (std::size_t i = 0; i < n; ++i) {
-        double d = g[i] + config.weight_decay * mp[i];
-        mbuf[i] = t == 0 ? d : config.momentum * mbuf[i] + (1 - config.dampening) * d;
-        d = nesterov ? d + config.momentum * mbuf[i] : mbuf[i];
-        mp[i] -= double(0.05f) * d;
+    for (bool wd_after_momentum : {false, true}) {
+      const SgdConfig config{0.9, nesterov ? 0.0 : 0.1, 0.01, nesterov, false, wd_after_momentum};
+      std::vector<float> p = random_floats(n, 4), buf(n, 123.0f);  // garbage until seeded
+      std::vector<double> mp(p.begin(), p.end()), mbuf(n);
+      for (int t = 0; t < 30; ++t) {
+        const auto g = random_floats(n, 200 + t);
+        sgd_span(p.data(), DType::kFloat32, const_cast<float*>(g.data()), DType::kFloat32, false,
+                 buf.data(), nullptr, n, make_step_constants(config, float(t), 0.05f, 1.0f));
+        for (std::size_t i = 0; i < n; ++i) {
+          const double decay = config.weight_decay * mp[i];
+          double d = g[i] + (wd_after_momentum ? 0.0 : decay);
+          mbuf[i] = t == 0 ? d : config.momentum * mbuf[i] + (1 - config.dampening) * d;
+          d = nesterov ? d + config.momentum * mbuf[i] : mbuf[i];
+          mp[i] -= double(0.05f) * (d + (wd_after_momentum ? decay : 0.0));
+        }
+      }
+      INFO("nesterov " << nesterov << " wd_after_momentum " << wd_after_momentum);
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(p[i] == Approx(mp[i]).margin(1e-5));
+    }
+  }
+}
+
+TEST_CASE("adam_span and sgd_span write the unscaled grad back in its own dtype when asked") {
+  const std::size_t n = 301;  // not a multiple of any vector width
+  const float scale = 1000.0f;  // not a power of two: the grad is divided, not multiplied
+  const auto values = random_floats(n, 7);
+  const AdamConfig adam{0.9, 0.999, 1e-8, 0.0, true, true, false, false};
+  const SgdConfig sgd{0.0, 0.0, 0.0, false, false, false};
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (bool write : {false, true}) {
+      for (bool use_adam : {false, true}) {
+        std::vector<float> g32(n), param(n, 1.0f), m(n), v(n);
+        std::vector<std::uint16_t> g16(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          g32[i] = values[i] * scale;
+          g16[i] = dtype == DType::kFloat16 ? float_to_fp16(g32[i]) : float_to_bf16(g32[i]);
+        }
+        void* grad = dtype == DType::kFloat32 ? static_cast<void*>(g32.data()) : g16.data();
+        if (use_adam) {
+          adam_span(param.data(), DType::kFloat32, grad, dtype, write, m.data(), v.data(), nullptr,
+                    nullptr, n, make_step_constants(adam, 0.0f, 1e-3f, scale));
+        } else {
+          sgd_span(param.data(), DType::kFloat32, grad, dtype, write, nullptr, nullptr, n,
+                   make_step_constants(sgd, 0.0f, 1e-3f, scale));
+        }
+        for (std::size_t i = 0; i < n; ++i) {
+          const float scaled = values[i] * scale;
+          if (dtype == DType::kFloat32) {
+            REQUIRE(g32[i] == (write ? scaled / scale : scaled));
+          } else {
+            const auto round = dtype == DType::kFloat16 ? float_to_fp16 : float_to_bf16;
+            const auto widen = dtype == DType::kFloat16 ? fp16_to_float : bf16_to_float;
+            REQUIRE(g16[i] == (write ? round(widen(round(scaled)) / scale) : round(scaled)));
+          }
+        }
       }
     }
-    INFO("nesterov " << nesterov);
-    for (std::size_t i = 0; i < n; ++i) REQUIRE(p[i] == Approx(mp[i]).margin(1e-5));
   }
 }

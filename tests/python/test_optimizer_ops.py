@@ -42,28 +42,58 @@ def _call_adam(a, amsgrad=False, grad_scale=None, found_inf=None):
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.bfloat16]
 
 
+@pytest.mark.parametrize("write_grads", [True, False], ids=["write_grads", "read_grads"])
 @pytest.mark.parametrize("masters", [True, False])
 @pytest.mark.parametrize("amsgrad", [True, False])
-def test_opcheck_adam(device, amsgrad, masters):
+def test_opcheck_adam(device, amsgrad, masters, write_grads):
     a = _adam_args(device, DTYPES, amsgrad=amsgrad, masters=masters)
     scale, found_inf = torch.full((1,), 8.0, device=device), torch.zeros(1, device=device)
     torch.library.opcheck(
         torch.ops.ampfuse.fused_adam_.default,
         (a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["max_exp_avg_sqs"],
          a["master_params"], a["step"], a["lr"], 0.9, 0.999, 1e-8, 0.01, True, True, amsgrad,
-         False, scale, found_inf),
+         False, scale, found_inf, write_grads),
     )
 
 
+@pytest.mark.parametrize("wd_after_momentum", [True, False])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_opcheck_sgd(device, momentum):
+def test_opcheck_sgd(device, momentum, wd_after_momentum):
     a = _adam_args(device, DTYPES)
     buffers = a["exp_avgs"] if momentum else []
+    scale = torch.full((1,), 8.0, device=device)
     torch.library.opcheck(
         torch.ops.ampfuse.fused_sgd_.default,
         (a["params"], a["grads"], buffers, a["master_params"], a["step"], a["lr"], momentum,
-         0.0, 0.01, momentum > 0, False, None, None),
+         0.0, 0.01, momentum > 0, False, scale, None, True, wd_after_momentum),
     )
+
+
+@pytest.mark.parametrize("op", ["adam", "sgd"])
+def test_empty_params_check_scalars_against_steps_device(op):
+    """With no params, step decides the device: a found_inf elsewhere is refused, not read as if
+    it lived there (on CUDA a CPU pointer would have been dereferenced on the GPU). Meta tensors
+    run the fake kernel, which checks the same."""
+    step, lr = torch.zeros((), device="meta"), torch.full((), 0.1, device="meta")
+    found_inf = torch.zeros(())
+    with raises_naming("found_inf", "step, as params is empty"):
+        if op == "adam":
+            torch.ops.ampfuse.fused_adam_([], [], [], [], [], [], step, lr, 0.9, 0.999, 1e-8,
+                                          0.0, True, True, False, False, None, found_inf)
+        else:
+            torch.ops.ampfuse.fused_sgd_([], [], [], [], step, lr, 0.0, 0.0, 0.0, False, False,
+                                         None, found_inf)
+
+
+@pytest.mark.cuda
+def test_empty_params_on_cuda_refuse_a_cpu_found_inf_and_still_count_the_step():
+    step, lr = torch.zeros((), device="cuda"), torch.full((), 0.1, device="cuda")
+    with raises_naming("found_inf", "step, as params is empty"):
+        torch.ops.ampfuse.fused_adam_([], [], [], [], [], [], step, lr, 0.9, 0.999, 1e-8, 0.0,
+                                      True, True, False, False, None, torch.ones(()))
+    torch.ops.ampfuse.fused_sgd_([], [], [], [], step, lr, 0.0, 0.0, 0.0, False, False, None,
+                                 torch.zeros((), device="cuda"))
+    assert step.item() == 1.0
 
 
 def test_mixed_dtypes_with_masters_match_per_tensor_calls(device):
@@ -95,12 +125,17 @@ def test_found_inf_leaves_every_tensor_bit_identical(device, op):
     a = _adam_args(device, DTYPES, amsgrad=True)
     before = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in a.items()}
     found_inf = torch.ones(1, device=device)
+    scale = torch.full((1,), 4.0, device=device)
+    # The grads are asked to be written back unscaled: a skipped step leaves them too.
     if op == "adam":
-        _call_adam(a, amsgrad=True, grad_scale=torch.full((1,), 4.0, device=device),
-                   found_inf=found_inf)
+        ampfuse.fused_adam_(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"],
+                            a["max_exp_avg_sqs"], a["master_params"], a["step"], a["lr"], 0.9,
+                            0.999, 1e-8, 0.01, amsgrad=True, grad_scale=scale,
+                            found_inf=found_inf, write_unscaled_grads=True)
     else:
         ampfuse.fused_sgd_(a["params"], a["grads"], a["exp_avgs"], a["master_params"], a["step"],
-                           a["lr"], 0.9, 0.0, 0.0, True, False, None, found_inf)
+                           a["lr"], 0.9, 0.0, 0.0, True, False, scale, found_inf,
+                           write_unscaled_grads=True)
     for key, value in a.items():
         for x, y in zip(value if isinstance(value, list) else [value],
                         before[key] if isinstance(value, list) else [before[key]]):

@@ -22,14 +22,15 @@ double sum_of_squares_span(const void* data, DType dtype, std::int64_t n);
 
 // One Adam/AdamW step over a span. exp_avg, exp_avg_sq, max_exp_avg_sq (null
 // unless amsgrad) and master (null when the param is updated directly) are fp32.
-// With a master, the update is applied to it and param receives it rounded.
-void adam_span(void* param, DType param_dtype, const void* grad, DType grad_dtype, float* exp_avg,
-               float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
-               const AdamStep& step);
+// With a master, the update is applied to it and param receives it rounded. The grad
+// is divided by step.grad_scale; with write_grad the result is stored back into it.
+void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+               float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
+               std::int64_t n, const AdamStep& step);
 
-// One SGD step over a span; momentum_buffer (fp32) is null when momentum is 0.
-void sgd_span(void* param, DType param_dtype, const void* grad, DType grad_dtype,
-              float* momentum_buffer, float* master, std::int64_t n, const SgdConfig& config,
-              float lr, float grad_factor, bool first_step);
+// One SGD step over a span; momentum_buffer (fp32) is null when momentum is 0. Grads as in
+// adam_span.
+void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+              float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
 
 }  // namespace ampfuse::kernels::cpu

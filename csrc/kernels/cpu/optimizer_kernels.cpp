@@ -10,32 +10,43 @@ namespace ampfuse::kernels::cpu {
 namespace {
 
 // Options that change which arrays are touched are template parameters, so each
-// loop is straight-line code the compiler vectorizes.
-template <bool kMaster, bool kAmsgrad, typename Param, typename Grad>
-AMPFUSE_CPU_CLONES void adam_typed(Param* __restrict param, const Grad* __restrict grad,
+// loop is straight-line code the compiler vectorizes. kWriteGrad stores the unscaled
+// grad back in its own dtype (torch's fused optimizers leave p.grad unscaled).
+// (No clones here: it is inlined into the cloned loops, which a clone dispatch would prevent.)
+template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
+inline float load_param_and_grad(const Param* __restrict param, Grad* __restrict grad,
+                                 const float* __restrict master, std::int64_t i, float grad_scale,
+                                 float& g) {
+  g = unscale_grad(Element<Grad>::load(grad[i]), grad_scale);
+  if (kWriteGrad) grad[i] = Element<Grad>::store(g);
+  return kMaster ? master[i] : Element<Param>::load(param[i]);
+}
+
+template <bool kMaster, bool kWriteGrad, bool kAmsgrad, typename Param, typename Grad>
+AMPFUSE_CPU_CLONES void adam_typed(Param* __restrict param, Grad* __restrict grad,
                                    float* __restrict exp_avg, float* __restrict exp_avg_sq,
                                    float* __restrict max_exp_avg_sq, float* __restrict master,
                                    std::int64_t n, const AdamStep step) {
   for (std::int64_t i = 0; i < n; ++i) {
-    float p = kMaster ? master[i] : Element<Param>::load(param[i]);
+    float g;
+    float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
     float unused = 0.0f;
-    adam_update<kAmsgrad>(p, Element<Grad>::load(grad[i]), exp_avg[i], exp_avg_sq[i],
-                          kAmsgrad ? max_exp_avg_sq[i] : unused, step);
+    adam_update<kAmsgrad>(p, g, exp_avg[i], exp_avg_sq[i], kAmsgrad ? max_exp_avg_sq[i] : unused,
+                          step);
     if (kMaster) master[i] = p;
     param[i] = Element<Param>::store(p);
   }
 }
 
-template <bool kMaster, bool kMomentum, typename Param, typename Grad>
-AMPFUSE_CPU_CLONES void sgd_typed(Param* __restrict param, const Grad* __restrict grad,
+template <bool kMaster, bool kWriteGrad, bool kMomentum, typename Param, typename Grad>
+AMPFUSE_CPU_CLONES void sgd_typed(Param* __restrict param, Grad* __restrict grad,
                                   float* __restrict momentum_buffer, float* __restrict master,
-                                  std::int64_t n, const SgdConfig config, float lr,
-                                  float grad_factor, bool first_step) {
+                                  std::int64_t n, const SgdStep step) {
   for (std::int64_t i = 0; i < n; ++i) {
-    float p = kMaster ? master[i] : Element<Param>::load(param[i]);
+    float g;
+    float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
     float unused = 0.0f;
-    sgd_update<kMomentum>(p, Element<Grad>::load(grad[i]), kMomentum ? momentum_buffer[i] : unused,
-                          config, lr, grad_factor, first_step);
+    sgd_update<kMomentum>(p, g, kMomentum ? momentum_buffer[i] : unused, step);
     if (kMaster) master[i] = p;
     param[i] = Element<Param>::store(p);
   }
@@ -51,36 +62,42 @@ void with_flag(bool flag, F&& f) {
   }
 }
 
-}  // namespace
-
-void adam_span(void* param, DType param_dtype, const void* grad, DType grad_dtype, float* exp_avg,
-               float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
-               const AdamStep& step) {
+// Calls f(param, grad, has_master, write_grad) with typed pointers and flag constants.
+template <typename F>
+void with_span_types(void* param, DType param_dtype, void* grad, DType grad_dtype, bool has_master,
+                     bool write_grad, F&& f) {
   with_storage(param_dtype, param, [&](auto* p) {
-    with_storage(grad_dtype, const_cast<void*>(grad), [&](auto* g) {
-      with_flag(master != nullptr, [&](auto has_master) {
-        with_flag(step.amsgrad, [&](auto amsgrad) {
-          adam_typed<has_master, amsgrad>(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, master, n,
-                                          step);
-        });
+    with_storage(grad_dtype, grad, [&](auto* g) {
+      with_flag(has_master, [&](auto master) {
+        with_flag(write_grad, [&](auto write) { f(p, g, master, write); });
       });
     });
   });
 }
 
-void sgd_span(void* param, DType param_dtype, const void* grad, DType grad_dtype,
-              float* momentum_buffer, float* master, std::int64_t n, const SgdConfig& config,
-              float lr, float grad_factor, bool first_step) {
-  with_storage(param_dtype, param, [&](auto* p) {
-    with_storage(grad_dtype, const_cast<void*>(grad), [&](auto* g) {
-      with_flag(master != nullptr, [&](auto has_master) {
-        with_flag(momentum_buffer != nullptr, [&](auto has_momentum) {
-          sgd_typed<has_master, has_momentum>(p, g, momentum_buffer, master, n, config, lr,
-                                              grad_factor, first_step);
-        });
-      });
-    });
-  });
+}  // namespace
+
+void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+               float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
+               std::int64_t n, const AdamStep& step) {
+  with_span_types(param, param_dtype, grad, grad_dtype, master != nullptr, write_grad,
+                  [&](auto* p, auto* g, auto has_master, auto write) {
+                    with_flag(step.amsgrad, [&](auto amsgrad) {
+                      adam_typed<has_master, write, amsgrad>(p, g, exp_avg, exp_avg_sq,
+                                                             max_exp_avg_sq, master, n, step);
+                    });
+                  });
+}
+
+void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+              float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step) {
+  with_span_types(param, param_dtype, grad, grad_dtype, master != nullptr, write_grad,
+                  [&](auto* p, auto* g, auto has_master, auto write) {
+                    with_flag(momentum_buffer != nullptr, [&](auto has_momentum) {
+                      sgd_typed<has_master, write, has_momentum>(p, g, momentum_buffer, master, n,
+                                                                 step);
+                    });
+                  });
 }
 
 }  // namespace ampfuse::kernels::cpu
