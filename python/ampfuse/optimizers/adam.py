@@ -7,6 +7,7 @@ import torch
 
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer, fp32_copy, fp32_like
+from ampfuse.optimizers._flags import check_flag
 
 
 class FusedAdam(FusedOptimizer):
@@ -31,13 +32,19 @@ class FusedAdam(FusedOptimizer):
             syncs either way; for a learning rate that changes between replays, give lr as a
             CUDA tensor and change it in place (torch's LR schedulers do so for tensor lrs).
         set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
+        write_unscaled_grads: after a step that divides a loss scale out of the grads
+            (torch.amp.GradScaler, ampfuse.GradScaler, ampfuse.amp, step(grad_scale=...)),
+            leave p.grad unscaled, as torch's optimizers do (default). False keeps the scaled
+            grads and saves writing them, one pass over the grads' bytes per step; a skipped
+            step leaves them scaled either way, as torch does.
 
     Arguments after weight_decay are keyword-only: torch.optim.Adam's sixth positional argument
     is amsgrad, apex's order differs again, and a silent mix-up would change the math.
 
     The fused step honours torch.amp.GradScaler without unscaling the grads first
-    (_step_supports_amp_scaling): the scale is divided out inside the op, and a step with
-    inf/nan grads writes nothing at all. step(grad_scale=..., found_inf=...) does the same for
+    (_step_supports_amp_scaling): the scale is divided out inside the op (and the unscaled
+    grads are written back, see write_unscaled_grads), and a step with inf/nan grads writes
+    nothing at all. step(grad_scale=..., found_inf=...) does the same for
     callers that manage their own loss scale.
     """
 
@@ -47,7 +54,8 @@ class FusedAdam(FusedOptimizer):
         "fused": None,
         "differentiable": False,
     }
-    _FOREIGN_GROUP_KEYS = ("momentum", "dampening", "nesterov")
+    _FOREIGN_GROUP_KEYS = ("momentum", "dampening", "nesterov", "wd_after_momentum",
+                           "materialize_master_grads")
 
     def __init__(
         self,
@@ -64,6 +72,7 @@ class FusedAdam(FusedOptimizer):
         master_weights=False,
         capturable=False,
         set_grad_none=True,
+        write_unscaled_grads=True,
     ):
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             # Tensor betas are read once here rather than at every step.
@@ -79,12 +88,14 @@ class FusedAdam(FusedOptimizer):
             "adam_w_mode": adam_w_mode,
             "bias_correction": bias_correction,
             "master_weights": master_weights,
+            "write_unscaled_grads": write_unscaled_grads,
         }
         super().__init__(params, defaults, set_grad_none)
 
     def _check_hyperparameters(self, index, group):
         name = type(self).__name__
         self._check_lr(index, group["lr"])
+        check_flag(self, index, group, "write_unscaled_grads")
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(
@@ -130,6 +141,7 @@ class FusedAdam(FusedOptimizer):
             bool(group["maximize"]),
             grad_scale,
             found_inf,
+            write_unscaled_grads=bool(group["write_unscaled_grads"]),
         )
 
     def _export_state(self, group, state, step_value):
@@ -187,6 +199,7 @@ class FusedAdamW(FusedAdam):
         master_weights=False,
         capturable=False,
         set_grad_none=True,
+        write_unscaled_grads=True,
     ):
         super().__init__(
             params,
@@ -201,6 +214,7 @@ class FusedAdamW(FusedAdam):
             master_weights=master_weights,
             capturable=capturable,
             set_grad_none=set_grad_none,
+            write_unscaled_grads=write_unscaled_grads,
         )
 
     def __setstate__(self, state):

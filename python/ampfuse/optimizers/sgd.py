@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer, fp32_copy, fp32_like
+from ampfuse.optimizers._flags import check_flag
 
 
 class FusedSGD(FusedOptimizer):
@@ -12,12 +13,25 @@ class FusedSGD(FusedOptimizer):
 
     Args:
         params: params or param groups, as for any torch.optim optimizer.
-        lr: learning rate (required, as in apex); may be a one-element tensor.
+        lr: learning rate; may be a one-element tensor. The default is torch.optim.SGD's
+            (1e-3); apex required it. A param group's own 'lr' overrides it, as in torch.
         momentum, dampening, weight_decay, nesterov, maximize: as in torch.optim.SGD, same order
             of operations (weight decay is added to the grad before the momentum; the first
             step seeds the momentum buffer with the grad, without dampening).
+        wd_after_momentum: apex's option: add weight_decay * param to the update after the
+            momentum step instead of to the grad before it, so the momentum buffer never holds
+            the decay. Without momentum both give the same update.
+        materialize_master_grads: accepted for apex scripts, and must be True or False. In apex
+            it chose whether amp's fp32 master grads were made (True) or the fp16 model grads
+            were read directly (False). ampfuse never needs them for a step: the optimizer
+            keeps its own fp32 masters and reads the model's grads with the loss scale divided
+            out in the kernel (apex's False), so both values give the same update. fp32 master
+            grads are made only when a caller asks for them, e.g. to clip
+            amp.master_params(optimizer).
         master_weights: fp32 masters for fp16/bf16 params, as in FusedAdam.
         set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
+        write_unscaled_grads: leave p.grad unscaled after a step that divides out a loss scale,
+            as torch does (default); see FusedAdam.
 
     Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
     keeps one device-side step count per group and device (the op needs it to tell the first
@@ -33,15 +47,18 @@ class FusedSGD(FusedOptimizer):
     def __init__(
         self,
         params,
-        lr,
+        lr=1e-3,
         momentum=0.0,
         dampening=0.0,
         weight_decay=0.0,
         nesterov=False,
+        wd_after_momentum=False,
+        materialize_master_grads=True,
         *,
         maximize=False,
         master_weights=False,
         set_grad_none=True,
+        write_unscaled_grads=True,
     ):
         defaults = {
             "lr": lr,
@@ -51,11 +68,16 @@ class FusedSGD(FusedOptimizer):
             "nesterov": nesterov,
             "maximize": maximize,
             "master_weights": master_weights,
+            "wd_after_momentum": wd_after_momentum,
+            "materialize_master_grads": materialize_master_grads,
+            "write_unscaled_grads": write_unscaled_grads,
         }
         super().__init__(params, defaults, set_grad_none)
 
     def _check_hyperparameters(self, index, group):
         self._check_lr(index, group["lr"])
+        for key in ("wd_after_momentum", "materialize_master_grads", "write_unscaled_grads"):
+            check_flag(self, index, group, key)
         self._check_nonnegative(index, group, "momentum")
         self._check_nonnegative(index, group, "weight_decay")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
@@ -90,6 +112,8 @@ class FusedSGD(FusedOptimizer):
             bool(group["maximize"]),
             grad_scale,
             found_inf,
+            write_unscaled_grads=bool(group["write_unscaled_grads"]),
+            wd_after_momentum=bool(group["wd_after_momentum"]),
         )
 
     def _export_state(self, group, state, step_value):
