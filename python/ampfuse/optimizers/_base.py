@@ -40,10 +40,20 @@ def fp32_like(p):
     return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
+def same_layout(t, p):
+    """Whether state tensor `t` walks memory in the same order as param `p`, the rule the fused
+    ops apply to the tensors they write (one element or none has no order)."""
+    return t.numel() <= 1 or t.stride() == p.stride()
+
+
 def fp32_copy(value, p):
-    """A loaded state tensor as fp32 on p's device; already-fp32 tensors on the right device are
-    used as they are, as torch.optim does."""
-    return value.to(device=p.device, dtype=torch.float32)
+    """A loaded state tensor as fp32 on p's device, laid out like p (a checkpoint saved from
+    contiguous params loads into a channels_last model). A tensor that already is fp32, on p's
+    device and in p's layout, is used as it is, as torch.optim does."""
+    if value.dtype == torch.float32 and value.device == p.device and same_layout(value, p):
+        return value
+    out = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    return out.copy_(value)
 
 
 class _Call:
@@ -83,6 +93,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         # (group index, device) -> [last lr value, 0-dim fp32 lr tensor on that device]
         self._lr_tensors = {}
+        # param -> its strides when its state was last checked to share its layout (see
+        # _match_layout); not part of the state, so state_dict() keeps torch's layout.
+        self._layouts = {}
         super().__init__(params, defaults)
 
     def __getstate__(self):
@@ -96,6 +109,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("_lr_tensors", {})
+        self.__dict__.setdefault("_layouts", {})
 
     # ---- param groups and validation ----------------------------------------------------------
 
@@ -226,6 +240,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     grad = state["master_param"].grad
             elif "master_param" in state:
                 del state["master_param"]
+            if self._layouts.get(p) != p.stride():
+                self._match_layout(index, i, p, state)
             step = state["step"]
             if call is None or call.step is not step or call.has_master != has_master:
                 call = None
@@ -249,6 +265,30 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state["step"] = call.step
             launched.append(shared)
         return calls
+
+    def _match_layout(self, group_index, param_index, p, state):
+        """Lays p's state tensors out like p when p's layout changed since they were made, e.g.
+        by model.to(memory_format=torch.channels_last) after some steps: the fused ops walk a
+        param and its state flat, so both must share one element order. Runs when p's strides
+        differ from those recorded at the last check (one stride comparison per param and
+        step otherwise). The tensors are changed in place (same objects, same values), so
+        references held elsewhere, such as amp's list of masters, stay valid."""
+        strides = p.stride()
+        for value in state.values():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape == p.shape
+                and not same_layout(value, p)
+            ):
+                if self._capturing():
+                    raise RuntimeError(
+                        f"{type(self).__name__}: {param_name(group_index, param_index)} changed "
+                        "its memory layout (e.g. model.to(memory_format=...)) since its optimizer "
+                        "state was made, and the state cannot be re-laid out during CUDA graph "
+                        "capture; run one step eagerly after changing the layout, then capture."
+                    )
+                value.set_(torch.empty_like(p, dtype=value.dtype).copy_(value))
+        self._layouts[p] = strides
 
     def _starts_over(self, group, state):
         """True when a param's existing state must count steps from zero again."""
@@ -451,6 +491,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._lr_tensors = {}
+        self._layouts = {}
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
