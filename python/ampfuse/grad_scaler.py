@@ -11,7 +11,15 @@ adds:
 - ``process_group`` / ``all_reduce_found_inf`` make the skip decision global: the overflow flag
   is all-reduced (MAX) before a step is taken or skipped, for sharded or not-yet-synchronized
   gradients (FSDP, DDP under ``no_sync``), so every rank skips the same steps and keeps the same
-  scale.
+  scale;
+- ``get_skipped_steps()``: how many iterations skipped their step, counted on the device.
+
+It takes every gradient torch's does (float64, strided views, sparse: see
+``ampfuse.grad_unscale``) and keeps torch's private hooks, so subclasses written for torch's
+class work: ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)`` (every unscale and
+check goes through it), ``_maybe_opt_step``, ``_check_inf_per_device``,
+``_found_inf_per_device``, ``_get_scale_async``, and ``_per_optimizer_states`` with torch's
+record per optimizer (``stage``, ``found_inf_per_device``, nothing else).
 
 The state (scale, growth and hysteresis trackers) is an ``ampfuse.loss_scaler.LossScaler``,
 created lazily on the device of the first outputs given to ``scale()``, as torch does.
@@ -25,7 +33,6 @@ on the host to decide whether to call ``optimizer.step()``: one read per step, a
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import numbers
@@ -34,31 +41,19 @@ from collections import abc, defaultdict
 
 import torch
 import torch.distributed as dist
+
+# torch's record of an optimizer's progress through an iteration, made by torch's own factory:
+# code in the wild and torch's tests read and compare it, so it has exactly torch's keys.
 from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import _refresh_per_optimizer_state as _fresh_optimizer_state
 
 from ampfuse import _ops
+from ampfuse.grad_unscale import cuda_kernels_usable, unscale_grads_
 from ampfuse.loss_scaler import LossScaler
 
 __all__ = ["GradScaler"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_DEVICE_TYPES = ("cpu", "cuda")
-
-
-def _fresh_optimizer_state():
-    # The layout of torch's per-optimizer record (code in the wild reads "stage" and
-    # "found_inf_per_device"); "all_reduced" says the flags are already global.
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "all_reduced": False}
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_kernels_usable():
-    # Fixed for the life of the process; asked once rather than at every step.
-    return _ops.cuda_available()
-
-
-def _param_name(group_index, param_index):
-    return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
 class GradScaler:
@@ -98,6 +93,14 @@ class GradScaler:
             decision, so that a step is skipped on every rank if any rank overflowed.
         all_reduce_found_inf: the same over the default group (process_group=None).
 
+    Skipped steps:
+        get_skipped_steps() returns how many iterations (update() calls) had an overflow, so
+        that some optimizer's step was skipped; an iteration counts once however many
+        optimizers skipped. The count lives on the device next to the scale and is read only
+        when asked for (a host sync, like get_scale()). state_dict() saves it as
+        "skipped_steps", pickling keeps it, and load_state_dict() restores it; a torch state
+        dict, which has no count, leaves it as it is.
+
     Differences from torch's GradScaler, all deliberate:
         - Misuse raises RuntimeError/ValueError with a message that says what to do, where
           torch raises AssertionError (scale() not called, invalid factors, update() without a
@@ -111,7 +114,6 @@ class GradScaler:
           fp32 ones are unscaled. With an optimizer that takes the scale itself (ampfuse's fused
           optimizers, optionally with fp32 master weights) fp16 gradients are never unscaled in
           place: step() only checks them and the optimizer divides in fp32.
-        - Gradients of dtypes ampfuse's ops do not take (float64) raise a clear error.
         - A closure passed to step(), as a keyword (torch's check) or as the first positional
           argument, raises: the closure's backward would not be scaled.
         - update(new_scale) also accepts an int; the value is clamped to [min_scale, max_scale].
@@ -179,12 +181,16 @@ class GradScaler:
         self._init_scale = init_scale
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = self._hysteresis
+        self._init_skipped_steps = 0
         self._loss_scaler = None
         # 0-dim views of the LossScaler's scale and growth tracker, under torch's names.
         self._scale = None
         self._growth_tracker = None
         self._ones = {}  # device -> 1.0, the inv_scale of a check that does not unscale
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        # id(optimizer) of the optimizers whose flags were all-reduced this iteration (kept
+        # out of their per-optimizer records, which hold torch's keys only).
+        self._reduced = set()
 
     # ---- validation -----------------------------------------------------------------------
 
@@ -229,7 +235,7 @@ class GradScaler:
                 f"ampfuse.GradScaler: {what} on {device}; ampfuse's kernels run on CPU and CUDA "
                 "tensors only (torch.amp.GradScaler covers other devices)."
             )
-        if device.type == "cuda" and not _cuda_kernels_usable():
+        if device.type == "cuda" and not cuda_kernels_usable():
             raise RuntimeError(f"ampfuse.GradScaler: {what} on {device}. {_ops.cuda_status()}")
 
     # ---- the state ------------------------------------------------------------------------
@@ -248,6 +254,7 @@ class GradScaler:
         )
         scaler.growth_tracker.fill_(self._init_growth_tracker)
         scaler.hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+        scaler.skipped_steps.fill_(self._init_skipped_steps)
         self._loss_scaler = scaler
         self._scale = scaler.scale.view(())
         self._growth_tracker = scaler.growth_tracker.view(())
@@ -301,63 +308,14 @@ class GradScaler:
 
     # ---- unscale and check ----------------------------------------------------------------
 
-    def _grads_by_device(self, optimizer, what, refuse_fp16):
-        """The optimizer's gradients grouped by device (the op takes mixed dtypes), with the
-        checks that torch makes (fp16, sparse) and the ones our ops need."""
-        by_device = {}
-        for group_index, group in enumerate(optimizer.param_groups):
-            for param_index, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is None:
-                    continue
-                if refuse_fp16 and grad.dtype == torch.float16:
-                    raise ValueError(
-                        f"ampfuse.GradScaler.{what}: Attempting to unscale FP16 gradients "
-                        f"({_param_name(group_index, param_index)} has an fp16 grad). Dividing a "
-                        "scaled fp16 gradient in place flushes its small components to zero. "
-                        "Keep the params in fp32 (torch.autocast computes in fp16), use bf16, "
-                        "or use an ampfuse fused optimizer (FusedAdam, FusedSGD): scaler.step() "
-                        "then only checks the grads and the optimizer divides the scale out in "
-                        "fp32."
-                    )
-                if grad.is_sparse:
-                    # Duplicate indices of an uncoalesced fp16 grad may overflow once summed,
-                    # so those are checked summed (torch does the same).
-                    if grad.dtype == torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                if grad.dtype not in _FLOAT_DTYPES:
-                    raise ValueError(
-                        f"ampfuse.GradScaler.{what}: {_param_name(group_index, param_index)} has "
-                        f"a {grad.dtype} gradient; ampfuse's ops take torch.float32, "
-                        "torch.float16 and torch.bfloat16 gradients (torch.amp.GradScaler "
-                        "handles float64)."
-                    )
-                grads = by_device.get(grad.device)
-                if grads is None:
-                    self._check_kernel_device(grad.device, f"{what}: gradients are")
-                    grads = by_device[grad.device] = []
-                grads.append(grad)
-        return by_device
-
-    def _run_unscale(self, optimizer, inv_scale, what, refuse_fp16):
-        """Multiplies every grad by inv_scale (a 1.0 only checks) and returns the per-device
-        found_inf flags."""
-        found_inf_per_device = {}
-        with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, what, refuse_fp16).items():
-                found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                if inv_scale is None:
-                    factor = self._ones.get(device)
-                    if factor is None:
-                        factor = self._ones[device] = torch.ones((), device=device)
-                elif inv_scale.device == device:
-                    factor = inv_scale
-                else:
-                    factor = inv_scale.to(device=device, non_blocking=True)
-                _ops.multi_tensor_unscale_(grads, found_inf, factor)
-                found_inf_per_device[device] = found_inf
-        return found_inf_per_device
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        """torch's hook, with torch's signature and result: multiplies the optimizer's grads by
+        `inv_scale` in place (1.0 only checks them) and returns {device: flag}, each flag a copy
+        of `found_inf` set to 1 where that device's grads hold inf/nan. unscale_() and
+        _check_inf_per_device() both go through it, so a subclass that overrides it (to reduce
+        the flags over shards, say) works as it does with torch's class. Which op takes which
+        grad: ampfuse.grad_unscale."""
+        return unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
     def unscale_(self, optimizer):
         """Divides the optimizer's gradients by the scale in place and records whether any is
@@ -376,28 +334,32 @@ class GradScaler:
                 "unscale_() is being called after step(); call scaler.update() to finish the "
                 "iteration first."
             )
-        state["found_inf_per_device"] = self._run_unscale(
-            optimizer, loss_scaler.inv_scale(), "unscale_()", refuse_fp16=True
+        found_inf = torch.zeros((), dtype=torch.float32, device=loss_scaler.device)
+        state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, loss_scaler.inv_scale(), found_inf, False
         )
         state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer):
         """Checks the optimizer's gradients for inf/nan without unscaling them; returns and
         records the per-device flags. (torch's name, used by optimizers that take the scaler.)"""
-        self._require_state("_check_inf_per_device()")
+        device = self._require_state("_check_inf_per_device()").device
+        ones = self._ones.get(device)
+        if ones is None:
+            ones = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._run_unscale(
-            optimizer, None, "step()", refuse_fp16=False
-        )
-        state["all_reduced"] = False
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found_inf, True)
+        self._reduced.discard(id(optimizer))
         return state["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer):
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    def _found_inf(self, state):
-        """The optimizer's overflow flag as one 0-dim tensor on the scale's device, all-reduced
-        over the process group when asked for. No host read."""
+    def _found_inf(self, key, state):
+        """The overflow flag of the optimizer whose id is `key` as one 0-dim tensor on the
+        scale's device, all-reduced over the process group when asked for (once per
+        iteration: the reduced flag then replaces the per-device ones). No host read."""
         device = self._scale.device
         flags = list(state["found_inf_per_device"].values())
         if len(flags) == 1 and flags[0].device == device:
@@ -408,10 +370,10 @@ class GradScaler:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
             for flag in flags:
                 found_inf += flag.to(device=device, non_blocking=True)
-        if self._all_reduce and not state["all_reduced"]:
+        if self._all_reduce and key not in self._reduced:
             self._all_reduce_(found_inf)
             state["found_inf_per_device"] = {device: found_inf}
-            state["all_reduced"] = True
+            self._reduced.add(key)
         return found_inf
 
     def _all_reduce_(self, found_inf):
@@ -464,10 +426,16 @@ class GradScaler:
                     "so there is nothing to check or step. Call scaler.scale(loss).backward() "
                     "for a loss that depends on them before scaler.step(optimizer)."
                 )
-            retval = None
-            if not self._found_inf(state).item():
-                retval = optimizer.step(*args, **kwargs)
+            retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
+        return retval
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        """torch's hook: steps an optimizer whose grads were unscaled unless they overflowed,
+        which costs one host read of the flag (all devices' flags summed first)."""
+        retval = None
+        if not self._found_inf(id(optimizer), optimizer_state).item():
+            retval = optimizer.step(*args, **kwargs)
         return retval
 
     def _fused_step(self, optimizer, state, args, kwargs):
@@ -484,7 +452,7 @@ class GradScaler:
         unscaled = state["stage"] is OptState.UNSCALED
         if not unscaled:
             self._check_inf_per_device(optimizer)
-        found_inf = self._found_inf(state)
+        found_inf = self._found_inf(id(optimizer), state)
         user_scale = getattr(optimizer, "grad_scale", None)
         if unscaled:
             grad_scale = user_scale  # the grads already are unscaled
@@ -509,30 +477,35 @@ class GradScaler:
         """Ends the iteration: backs the scale off if any optimizer's gradients overflowed
         since the last update(), grows it after growth_interval clean steps (the rule in the
         class docstring), or sets it to `new_scale` (a float, or a one-element tensor on the
-        scale's device type, copied) leaving the trackers alone. Disabled: does nothing."""
+        scale's device type, copied) leaving the trackers alone. Either way an iteration
+        whose gradients overflowed adds one to get_skipped_steps(). Disabled: does nothing."""
         if not self._enabled:
             return
         loss_scaler = self._require_state("update()")
+        flags = []
+        for key, state in self._per_optimizer_states.items():
+            if self._all_reduce and state["stage"] is not OptState.READY:
+                self._found_inf(key, state)  # unscale_() without step(): make it global too
+            flags.extend(state["found_inf_per_device"].values())
+        if new_scale is None and not flags:
+            raise RuntimeError(
+                "ampfuse.GradScaler.update(): no gradients were checked since the last "
+                "update(); call scaler.step(optimizer) (or scaler.unscale_(optimizer)) for "
+                "each optimizer first, or pass new_scale."
+            )
         if new_scale is not None:
             self._set_scale(loss_scaler, new_scale)
-        else:
-            flags = []
-            for state in self._per_optimizer_states.values():
-                if self._all_reduce and state["stage"] is not OptState.READY:
-                    self._found_inf(state)  # unscale_() without step(): make it global too
-                flags.extend(state["found_inf_per_device"].values())
-            if not flags:
-                raise RuntimeError(
-                    "ampfuse.GradScaler.update(): no gradients were checked since the last "
-                    "update(); call scaler.step(optimizer) (or scaler.unscale_(optimizer)) for "
-                    "each optimizer first, or pass new_scale."
-                )
+        if flags:
             total = loss_scaler.found_inf
             total.copy_(flags[0], non_blocking=True)
             for flag in flags[1:]:
                 total += flag.to(device=total.device, non_blocking=True)
-            loss_scaler.update()
+            if new_scale is None:
+                loss_scaler.update()
+            else:
+                loss_scaler.count_skipped()  # the steps were skipped whatever the new scale
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self._reduced = set()
 
     def _set_scale(self, loss_scaler, new_scale):
         if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
@@ -577,6 +550,17 @@ class GradScaler:
             return self._init_hysteresis_tracker
         return int(self._loss_scaler.hysteresis_tracker.item())
 
+    def get_skipped_steps(self):
+        """How many iterations so far skipped their optimizer step(s) because gradients held
+        inf/nan (counted at update(), once per iteration), as a Python int. Reads the device
+        counter (a host sync, like get_scale()): ask when logging, not every step. 0 when
+        disabled."""
+        if not self._enabled:
+            return 0
+        if self._loss_scaler is None:
+            return self._init_skipped_steps
+        return int(self._loss_scaler.skipped_steps.item())
+
     def get_growth_factor(self):
         return self._growth_factor
 
@@ -613,8 +597,8 @@ class GradScaler:
 
     def state_dict(self):
         """torch's five entries ("scale", "growth_factor", "backoff_factor", "growth_interval",
-        "_growth_tracker") plus "hysteresis", "_hysteresis_tracker", "min_scale" and
-        "max_scale"; {} when disabled. torch.amp.GradScaler loads it (ignoring ours), and a
+        "_growth_tracker") plus "hysteresis", "_hysteresis_tracker", "min_scale", "max_scale"
+        and "skipped_steps"; {} when disabled. torch.amp.GradScaler loads it (ignoring ours), and a
         torch state dict loads here. Reads values back from the device: call it after
         update()."""
         if not self._enabled:
@@ -629,6 +613,7 @@ class GradScaler:
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
+            "skipped_steps": self.get_skipped_steps(),
         }
 
     def load_state_dict(self, state_dict):
@@ -656,6 +641,7 @@ class GradScaler:
         hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
         min_scale = float(state_dict.get("min_scale", self._min_scale))
         max_scale = float(state_dict.get("max_scale", self._max_scale))
+        skipped_steps = state_dict.get("skipped_steps")
         # Validate everything before changing anything.
         self._check_growth_factor(growth_factor)
         self._check_backoff_factor(backoff_factor)
@@ -664,6 +650,13 @@ class GradScaler:
             raise ValueError(
                 f"ampfuse.GradScaler.load_state_dict: invalid hysteresis={hysteresis}, "
                 f"min_scale={min_scale}, max_scale={max_scale}."
+            )
+        if skipped_steps is None:  # a torch state dict: the count goes on from its value
+            skipped_steps = self.get_skipped_steps()
+        elif not (isinstance(skipped_steps, numbers.Integral) and skipped_steps >= 0):
+            raise ValueError(
+                "ampfuse.GradScaler.load_state_dict: skipped_steps must be an int >= 0, got "
+                f"{skipped_steps!r}."
             )
         self._growth_factor = growth_factor
         self._backoff_factor = backoff_factor
@@ -674,6 +667,7 @@ class GradScaler:
         self._init_scale = self._clamp(float(state_dict["scale"]))
         self._init_growth_tracker = int(state_dict["_growth_tracker"])
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", hysteresis))
+        self._init_skipped_steps = int(skipped_steps)
         loss_scaler = self._loss_scaler
         if loss_scaler is not None:
             loss_scaler.growth_factor = growth_factor
@@ -685,6 +679,7 @@ class GradScaler:
             loss_scaler.scale.fill_(self._init_scale)
             loss_scaler.growth_tracker.fill_(self._init_growth_tracker)
             loss_scaler.hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            loss_scaler.skipped_steps.fill_(self._init_skipped_steps)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -699,12 +694,17 @@ class GradScaler:
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_init_skipped_steps"] = self.get_skipped_steps()
         state["_loss_scaler"] = None
         state["_scale"] = None
         state["_growth_tracker"] = None
         state["_ones"] = {}
         state["_per_optimizer_states"] = defaultdict(_fresh_optimizer_state)
+        state["_reduced"] = set()
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        # Pickles made before these attributes existed.
+        self.__dict__.setdefault("_reduced", set())
+        self.__dict__.setdefault("_init_skipped_steps", 0)

@@ -104,9 +104,13 @@ class LossScaler:
         """Writes grads / scale into `dst` (for example fp32 master grads) and flags inf/nan."""
         _ops.multi_tensor_scale_(grads, dst, self.inv_scale(), self.found_inf)
 
+    def count_skipped(self) -> None:
+        """Adds one to skipped_steps if the overflow flag is set (update() does this too)."""
+        self.skipped_steps += self.found_inf.clamp(max=1.0)
+
     def update(self) -> None:
         """Ends a step: counts it if it overflowed and, for a dynamic scale, applies the rule."""
-        self.skipped_steps += self.found_inf.clamp(max=1.0)
+        self.count_skipped()
         if self.dynamic:
             _ops.update_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker,
                                self.found_inf, self.growth_factor, self.backoff_factor,

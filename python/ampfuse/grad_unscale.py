@@ -1,0 +1,128 @@
+"""Unscaling an optimizer's gradients and checking them for inf/nan: which op takes which grad.
+
+``GradScaler._unscale_grads_`` (torch's hook, same signature and result) lands here. Every
+gradient torch.amp.GradScaler accepts is accepted, through one of three paths:
+
+- dense fp32, fp16 and bf16 grads on the CPU or on CUDA (the usual case, including
+  channels_last and transposed layouts) go to ``ampfuse.multi_tensor_unscale_``: one call per
+  device for all of them, whatever their dtypes;
+- non-dense views of those (a strided slice: its elements do not fill one block of memory, and
+  the op writes only tensors that do) are unscaled as dense copies in that same call and copied
+  back. Copies do not round, so the result is the one the op gives a dense grad;
+- float64 grads, and grads on devices ampfuse has no kernels for, go to
+  ``torch._amp_foreach_non_finite_check_and_unscale_`` grouped by device and dtype, the op
+  torch's GradScaler itself uses, so they come out as with torch, bit for bit.
+
+All paths set the same per-device flag. Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ampfuse import _ops
+
+__all__ = ["unscale_grads_", "is_dense", "cuda_kernels_usable"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TORCH_DTYPES = (torch.float64,)
+
+
+def param_name(group_index, param_index):
+    return f"param_groups[{group_index}]['params'][{param_index}]"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernels_usable():
+    # Fixed for the life of the process; asked once rather than at every step.
+    return _ops.cuda_available()
+
+
+def _has_kernels(device):
+    return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_usable())
+
+
+def is_dense(t):
+    """Whether t's elements fill one block of memory in some dimension order (contiguous,
+    channels_last, a transpose), which is what the ampfuse ops write in place."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _fp16_refused(name):
+    return ValueError(
+        f"ampfuse.GradScaler: Attempting to unscale FP16 gradients ({name} has an fp16 grad). "
+        "Dividing a scaled fp16 gradient in place flushes its small components to zero. Keep "
+        "the params in fp32 (torch.autocast computes in fp16), use bf16, or use an ampfuse "
+        "fused optimizer (FusedAdam, FusedSGD): scaler.step() then only checks the grads and "
+        "the optimizer divides the scale out in fp32."
+    )
+
+
+def _collect(optimizer, allow_fp16):
+    """The grads to unscale, sorted into the three paths of the module docstring, with the
+    checks torch makes (fp16, sparse) and a clear error for dtypes no scaler takes."""
+    ours, views, theirs = {}, {}, {}  # device -> [grads]; theirs: (device, dtype) -> [grads]
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise _fp16_refused(param_name(group_index, param_index))
+            if grad.is_sparse:
+                # Duplicate indices of an uncoalesced fp16 grad may overflow once summed, so
+                # those are checked summed (torch does the same).
+                if grad.dtype == torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = grad._values()
+            if grad.dtype in _KERNEL_DTYPES and _has_kernels(grad.device):
+                (ours if is_dense(grad) else views).setdefault(grad.device, []).append(grad)
+            elif grad.dtype in _KERNEL_DTYPES or grad.dtype in _TORCH_DTYPES:
+                theirs.setdefault((grad.device, grad.dtype), []).append(grad)
+            else:
+                raise ValueError(
+                    f"ampfuse.GradScaler: {param_name(group_index, param_index)} has a "
+                    f"{grad.dtype} gradient; gradient scaling takes torch.float32, "
+                    "torch.float16, torch.bfloat16 and torch.float64 gradients (as "
+                    "torch.amp.GradScaler does)."
+                )
+    return ours, views, theirs
+
+
+def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16):
+    """Multiplies every grad of `optimizer` by `inv_scale` in place (1.0 only checks) and
+    returns {device: flag}: a copy of `found_inf` on each device that holds grads, set to 1 if
+    any of that device's grads holds inf/nan. torch.amp.GradScaler._unscale_grads_'s contract.
+    fp16 grads raise unless allow_fp16."""
+    ours, views, theirs = _collect(optimizer, allow_fp16)
+    per_device = {}  # device -> (found_inf, inv_scale) there
+
+    def on(device):
+        if device not in per_device:
+            per_device[device] = (
+                found_inf.to(device=device, dtype=torch.float32, non_blocking=True, copy=True),
+                inv_scale.to(device=device, dtype=torch.float32, non_blocking=True),
+            )
+        return per_device[device]
+
+    with torch.no_grad():
+        for device in {*ours, *views}:
+            flag, factor = on(device)
+            strided = views.get(device, [])
+            copies = [g.contiguous() for g in strided]
+            _ops.multi_tensor_unscale_(ours.get(device, []) + copies, flag, factor)
+            for grad, copy in zip(strided, copies):
+                grad.copy_(copy)
+        for (device, _), grads in theirs.items():
+            flag, factor = on(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor)
+    return {device: flags[0] for device, flags in per_device.items()}
