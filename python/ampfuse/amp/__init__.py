@@ -24,6 +24,8 @@ import weakref
 import torch
 
 from ampfuse.amp import casting
+from ampfuse.amp.apex_state import AmpStash, AmpStateView
+from ampfuse.amp.binding import hookable, optimizer_params
 from ampfuse.amp.handle import AmpHandle
 from ampfuse.amp.opt_levels import resolve
 
@@ -31,6 +33,7 @@ __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "skipped_steps", "register_half_function", "register_float_function",
     "register_promote_function", "half_function", "float_function", "promote_function",
+    "disable_casts",
 ]
 
 _ATTR = "_ampfuse_amp"
@@ -38,8 +41,18 @@ _ATTR = "_ampfuse_amp"
 # Registrations made with register_*_function before initialize, as in apex. Each initialize
 # copies them into its own handle, so later registrations never change an initialized model.
 _pending_lists = {"low": set(), "fp32": set(), "promote": set()}
-# Live handles, weakly held: only for amp.state_dict() called without an optimizer.
-_live_handles = weakref.WeakSet()
+# The latest enabled initialize, weakly held: what amp.state_dict() and load_state_dict()
+# without an optimizer, and apex's amp._amp_state, refer to (apex: the latest initialize wins).
+_latest = None
+
+
+def _latest_handle():
+    return None if _latest is None else _latest()
+
+
+# apex's amp._amp_state, which scripts and trainers read (loss_scalers[0].loss_scale(), ...): a
+# view of the latest initialize, holding no state of its own.
+_amp_state = AmpStateView(_latest_handle)
 
 
 def _as_list(value):
@@ -78,9 +91,12 @@ def _check_models(models):
 
 def _check_optimizers(optimizers):
     for optimizer in optimizers:
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if hookable(optimizer) is None:
             raise TypeError(
-                f"amp.initialize: expected torch.optim.Optimizer objects, got {type(optimizer)}."
+                f"amp.initialize: expected torch.optim.Optimizer objects, got {type(optimizer)}. "
+                "An optimizer wrapper (such as LARC) is accepted when it has `param_groups` and "
+                "keeps the torch.optim.Optimizer it steps in an attribute named `optim` or "
+                "`optimizer` that shares those param_groups."
             )
         if getattr(optimizer, _ATTR, None) is not None:
             raise RuntimeError(
@@ -88,6 +104,29 @@ def _check_optimizers(optimizers):
                 "twice would make a second set of master weights and loss scalers; build a new "
                 "optimizer, or keep the first initialization."
             )
+
+
+def _check_param_dtypes(models, props):
+    if props.cast_model_type == torch.float32:
+        return  # O0 (or cast_model_type=torch.float32): model.float() makes it fp32 as apex did
+    for model in models:
+        for name, p in model.named_parameters():
+            if p.dtype == torch.float64:
+                raise ValueError(
+                    f"amp.initialize: {type(model).__name__}.{name} is float64. {props.opt_level} "
+                    "trains an fp32 model in mixed precision (a float64 model would silently "
+                    "lose its precision); call model.float() before amp.initialize, or use "
+                    "opt_level='O0' to train in fp32."
+                )
+
+
+def _check_lists(props, white, black):
+    if (white or black) and not props.patch_torch_functions:
+        raise ValueError(
+            f"amp.initialize: custom_white_list/custom_black_list apply to O1's per-op casting, "
+            f"but opt_level={props.opt_level!r} casts the model instead and would ignore them. "
+            "Use opt_level='O1', or drop the lists."
+        )
 
 
 def _low_dtype(dtype, device):
@@ -109,7 +148,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
-               custom_white_list=None, custom_black_list=None, growth_interval=2000):
+               custom_white_list=None, custom_black_list=None, growth_interval=2000,
+               all_reduce_found_inf=False, process_group=None):
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
 
@@ -118,14 +158,19 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     hysteresis-th overflow since the last change), growth_interval (clean steps before the
     dynamic scale doubles; apex fixes it at 2000), and custom_white_list / custom_black_list:
     names of torch functions (e.g. "matmul", "softmax") that this model runs in the low dtype
-    or in fp32 under O1.
+    or in fp32 under O1; all_reduce_found_inf / process_group: the overflow flag is
+    all-reduced (MAX) over the default group / this group before each skip decision, so ranks
+    whose local gradients differ (DDP under no_sync, sharded gradients) skip together.
     """
+    global _latest
     model_list, models_were_list = _as_list(models)
     optimizer_list, optimizers_were_list = _as_list(optimizers)
     _check_models(model_list)
     _check_optimizers(optimizer_list)
     device = _model_device(model_list)
     low = _low_dtype(dtype, device)
+    if cast_model_type is False:
+        cast_model_type = None  # apex: False means "leave the model's dtype alone", like None
     if cast_model_type is not None and cast_model_type not in (torch.float16, torch.bfloat16,
                                                                torch.float32):
         raise ValueError(f"amp.initialize: cast_model_type {cast_model_type} is not a float type.")
@@ -135,8 +180,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
     if num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be >= 1, got {num_losses}.")
+    if enabled:
+        _check_param_dtypes(model_list, props)
+        _check_lists(props, custom_white_list, custom_black_list)
     handle = AmpHandle(props, low, device, num_losses, min_loss_scale, max_loss_scale,
-                       hysteresis, verbosity, enabled=enabled, growth_interval=growth_interval)
+                       hysteresis, verbosity, enabled=enabled, growth_interval=growth_interval,
+                       all_reduce_found_inf=all_reduce_found_inf, process_group=process_group)
 
     if enabled:
         originals = {}
@@ -163,11 +212,15 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         # Only params that were actually cast down need fp32 masters.
         cast_down = {p: v for p, v in originals.items() if p.dtype != torch.float32}
         for optimizer in optimizer_list:
-            handle.bind(optimizer, cast_down)
+            binding = handle.bind(optimizer, cast_down)
+            optimizer._amp_stash = AmpStash(binding)
+        if cast_down:
+            for model in model_list:
+                handle.watch_model(model)
 
     for obj in model_list + optimizer_list:
         setattr(obj, _ATTR, handle)
-    _live_handles.add(handle)
+    _latest = weakref.ref(handle)
 
     out_models = model_list if models_were_list else model_list[0]
     if optimizers is None:
@@ -209,11 +262,23 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             f"num_losses={len(handle.scalers)}."
         )
     bindings = [handle.binding_of(o) for o in optimizer_list]
-    scaler = handle.scalers[loss_id]
-    handle.before_backward(bindings, loss_id)
-    yield loss.float() * scaler.scale.view(())
-    if not delay_unscale:
-        handle.after_backward(bindings, loss_id)
+    scale = handle.before_backward(bindings, loss_id)
+    yield loss.float() * scale.view(())
+    handle.after_backward(bindings, loss_id, scale, delayed=bool(delay_unscale))
+
+
+@contextlib.contextmanager
+def disable_casts():
+    """Inside an O1 forward, runs the enclosed code with no casting at all (apex's
+    amp.disable_casts): neither torch's autocast nor amp's function lists apply, so tensors
+    keep the dtypes they have. Outside an O1 forward it changes nothing."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        if isinstance(torch.overrides._get_current_function_mode(), casting.CastMode):
+            stack.enter_context(torch.overrides._pop_mode_temporarily())
+        yield
 
 
 def _handle_for(optimizer, what):
@@ -222,15 +287,10 @@ def _handle_for(optimizer, what):
         if handle is None:
             raise RuntimeError(f"amp.{what}: the optimizer was not passed to amp.initialize.")
         return handle
-    handles = list(_live_handles)
-    if len(handles) == 1:
-        return handles[0]
-    if not handles:
+    handle = _latest_handle()
+    if handle is None:
         raise RuntimeError(f"amp.{what}: call amp.initialize first.")
-    raise RuntimeError(
-        f"amp.{what}: {len(handles)} amp.initialize calls are alive; pass the optimizer to say "
-        f"which: amp.{what}(optimizer)."
-    )
+    return handle
 
 
 def master_params(optimizer):
@@ -246,16 +306,17 @@ def master_params(optimizer):
     handle = getattr(optimizer, _ATTR, None)
     if handle is not None and handle.enabled:
         handle.binding_of(optimizer).materialize_unscaled_grads()
-    if isinstance(optimizer, FusedOptimizer):
-        yield from optimizer.master_params()
+    inner = hookable(optimizer)
+    if isinstance(inner, FusedOptimizer):
+        yield from inner.master_params()
         return
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    yield from optimizer_params(optimizer)
 
 
 def state_dict(optimizer=None, destination=None):
-    """The amp state to checkpoint with the model's and the optimizer's: every loss scaler and
-    the fp32 masters amp keeps for torch.optim optimizers at O2."""
+    """The amp state to checkpoint with the model's and the optimizer's: every loss scaler (under
+    apex's keys, with apex's entries "loss_scale" and "unskipped" too) and the fp32 masters amp
+    keeps for torch.optim optimizers at O2. Without an optimizer: the latest amp.initialize."""
     state = _handle_for(optimizer, "state_dict").state_dict()
     if destination is not None:
         destination.update(state)
@@ -264,8 +325,9 @@ def state_dict(optimizer=None, destination=None):
 
 
 def load_state_dict(state, optimizer=None):
-    """Restores amp.state_dict(); call it after amp.initialize and after loading the model's
-    and the optimizer's state."""
+    """Restores amp.state_dict() (or a state apex wrote); call it after amp.initialize and after
+    loading the model's and the optimizer's state. The whole state is checked first: a state
+    that does not fit raises ValueError and changes nothing."""
     _handle_for(optimizer, "load_state_dict").load_state_dict(state)
 
 

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from ampfuse.amp.apex_state import parse_loss_scale
+
 
 @dataclasses.dataclass(frozen=True)
 class Properties:
@@ -25,7 +27,9 @@ def _level(opt_level: str, low: torch.dtype) -> Properties:
     if opt_level == "O0":
         return Properties("O0", torch.float32, False, None, False, 1.0, None)
     if opt_level == "O1":
-        return Properties("O1", None, True, None, False, "dynamic", None)
+        # Outputs in fp32: a loss computed outside the forward (criterion(model(x), y)) then
+        # runs in fp32, as under apex's O1, where loss functions were on the fp32 list.
+        return Properties("O1", None, True, None, False, "dynamic", torch.float32)
     if opt_level == "O2":
         return Properties("O2", low, False, True, True, "dynamic", torch.float32)
     if opt_level == "O3":
@@ -51,6 +55,8 @@ def resolve(opt_level: str, low: torch.dtype, overrides: dict) -> Properties:
     if "keep_batchnorm_fp32" in given and isinstance(given["keep_batchnorm_fp32"], str):
         # apex accepts the strings "True" and "False" here.
         given["keep_batchnorm_fp32"] = {"True": True, "False": False}[given["keep_batchnorm_fp32"]]
+    if "loss_scale" in given:
+        given["loss_scale"] = parse_loss_scale(given["loss_scale"])
     props = dataclasses.replace(props, **given)
     _check(props)
     return props

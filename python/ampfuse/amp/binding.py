@@ -1,0 +1,369 @@
+"""Binding: how amp unscales one optimizer's gradients and skips its overflowing steps.
+
+Three kinds, chosen at amp.initialize:
+
+- "fold": an ampfuse fused optimizer and a single loss. Gradients are only checked for inf/nan;
+  the optimizer divides the scale out inside its fused step and skips it on the device (its
+  `grad_scale` / `found_inf` attributes, torch's GradScaler protocol). No host sync. All the
+  micro-batches of one step are scaled by the same scale (the "window" scale, taken at the
+  first scale_loss after a step), so gradients accumulated over them add up exactly even when
+  the dynamic scale changes in between.
+- "inplace": gradients are unscaled in place at the end of each scale_loss. Gradients unscaled
+  by an earlier scale_loss of the same step are stashed during the next backward and added back
+  after it is unscaled, so each micro-batch is divided by its own scale exactly once (apex's
+  "stashed gradients"). For a torch.optim optimizer, skipping needs the overflow flag on the
+  host (one read per step, as with torch.amp.GradScaler): the grads of an overflowing step are
+  dropped (set to None), so torch.optim leaves params and state untouched.
+- "masters": a torch.optim optimizer at O2. It steps on fp32 master params that amp swapped into
+  its param groups; gradients are unscaled into the masters' grads (accumulated over the
+  micro-batches of a step), and a step post-hook copies the masters back into the model.
+
+Everything set for one step (window scale, overflow flags, stashes, the attributes set on the
+optimizer) is cleared by the optimizer's step, so none of it leaks into the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse import _ops
+from ampfuse.amp.masters import MasterTracker, refresh_master
+from ampfuse.optimizers._base import FusedOptimizer
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def optimizer_params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def dense_grad(grad, what):
+    """The tensor the unscale ops work on for `grad`: the grad itself, or a sparse grad's values
+    (coalesced first for fp16, whose duplicate indices could overflow once summed)."""
+    if grad.layout == torch.strided:
+        return grad
+    if grad.layout == torch.sparse_coo:
+        return grad._values()
+    raise RuntimeError(
+        f"amp.{what}: a gradient has layout {grad.layout}; amp unscales dense (strided) and "
+        "sparse COO gradients."
+    )
+
+
+def grads_of(params, what="scale_loss"):
+    out = []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        if grad.layout == torch.sparse_coo and grad.dtype == torch.float16:
+            p.grad = grad = grad.coalesce()
+        out.append(dense_grad(grad, what))
+    return out
+
+
+def hookable(optimizer):
+    """The torch.optim.Optimizer whose step hooks see `optimizer`'s steps: the optimizer itself,
+    or the one a duck-typed wrapper (such as LARC) steps with the same param groups."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    for name in ("optim", "optimizer", "_optimizer", "base_optimizer"):
+        inner = getattr(optimizer, name, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner.param_groups is optimizer.param_groups:
+            return inner
+    return None
+
+
+def _flag_like(tensors, device):
+    if tensors:
+        device = tensors[0].device
+    return torch.zeros(1, device=device)
+
+
+class Binding:
+    def __init__(self, optimizer, kind, device, masters=None):
+        self.optimizer = optimizer
+        self.inner = hookable(optimizer)
+        self.fused = isinstance(self.inner, FusedOptimizer)
+        self.kind = kind
+        self.device = device
+        self.masters = masters or []  # (model param, fp32 master) pairs, "masters" kind only
+        self.tracker = MasterTracker()
+        self.skipped = None  # device count of skipped optimizer steps
+        self._param_count = len(optimizer_params(optimizer))
+        self._end_step()
+        self.tracker.mark(p for p, _ in self.master_pairs())
+        self._hooks = [
+            self.inner.register_step_pre_hook(self._before_step),
+            self.inner.register_step_post_hook(self._after_step),
+        ]
+
+    # ---- per-step state -----------------------------------------------------------------
+
+    def _end_step(self):
+        self.window = None  # "fold": the scale the accumulated grads carry
+        self.window_inf = None  # "fold": overflow flag of this step's micro-batches
+        self.found_inf = None  # "inplace" fused: overflow flag of this step
+        self.skip_step = False  # torch.optim kinds: an overflow was seen (host)
+        self.unscaled_pending = False  # grads hold unscaled values since the last step
+        self.delayed = False  # the last scale_loss used delay_unscale=True
+        self.stash = []  # (param, unscaled grad) of earlier losses, during a backward
+        self._set_on_optimizer = None  # (grad_scale, found_inf) amp put on the optimizer
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+    # ---- params -------------------------------------------------------------------------
+
+    def params_with_grads(self):
+        if self.kind == "masters":
+            # The model's grads arrive on the low-precision params; masters get them unscaled.
+            return [p for p, _ in self.masters] + self.unmastered()
+        return optimizer_params(self.optimizer)
+
+    def unmastered(self):
+        mastered = {id(m) for _, m in self.masters}
+        return [p for p in optimizer_params(self.optimizer) if id(p) not in mastered]
+
+    def master_pairs(self):
+        """(model param, fp32 master) for every low-precision param this optimizer updates
+        through a master."""
+        if self.kind == "masters":
+            return list(self.masters)
+        if not self.fused:
+            return []
+        state = self.inner.state
+        return [(p, state[p]["master_param"]) for p in optimizer_params(self.inner)
+                if p in state and "master_param" in state[p]]
+
+    def adopt_new_params(self, make_master):
+        """Params added with add_param_group since the last look: a low-precision one gets an
+        fp32 master at O2, as apex gave it (`make_master(param)` returns the master)."""
+        count = len(optimizer_params(self.optimizer))
+        if count == self._param_count:
+            return
+        self._param_count = count
+        if self.kind != "masters":
+            return
+        known = {id(m) for _, m in self.masters}
+        for group in self.optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in known or p.dtype not in _LOW:
+                    continue
+                master = make_master(p)
+                group["params"][i] = master
+                self.masters.append((p, master))
+                self.tracker.mark([p])
+
+    def follow_model(self):
+        """Remakes the masters of model params that something other than a step wrote."""
+        pairs = self.master_pairs()
+        if not pairs:
+            return
+        changed = {id(p) for p in self.tracker.changed(p for p, _ in pairs)}
+        for p, master in pairs:
+            if id(p) in changed:
+                refresh_master(master, p)
+        if changed:
+            self.tracker.mark(p for p, _ in pairs if id(p) in changed)
+
+    def load_into_masters(self, loaded):
+        """`loaded`: {id(model param): the tensor model.load_state_dict wrote into it}."""
+        done = []
+        for p, master in self.master_pairs():
+            value = loaded.get(id(p))
+            if value is not None:
+                refresh_master(master, p, value)
+                done.append(p)
+        self.tracker.mark(done)
+
+    # ---- scale_loss ---------------------------------------------------------------------
+
+    def before_backward(self):
+        """Moves grads unscaled by an earlier loss of this step out of the way of the next
+        backward; they are added back once its grads are unscaled."""
+        if self.kind == "fold" or not self.unscaled_pending or self.stash:
+            return
+        params = self.unmastered() if self.kind == "masters" else self.params_with_grads()
+        for p in params:
+            if p.grad is not None:
+                self.stash.append((p, p.grad))
+                p.grad = None
+
+    def unscale(self, scaler, scale):
+        """Checks (and for the unscaling kinds, unscales by `scale`) this optimizer's grads into
+        scaler.found_inf. The skip decision comes later, once every optimizer of the
+        scale_loss call is checked (decide)."""
+        if self.kind == "fold":
+            scaler.check_(grads_of(self.params_with_grads()))
+            return
+        inv_scale = scale.double().reciprocal().float().reshape(1)
+        if self.kind == "masters":
+            self._unscale_into_masters(scaler, inv_scale)
+            grads = grads_of(self.unmastered())
+        else:
+            grads = grads_of(self.params_with_grads())
+        if grads:
+            _ops.multi_tensor_unscale_(grads, scaler.found_inf, inv_scale)
+        self._restore_stash()
+        self.unscaled_pending = True
+
+    def _unscale_into_masters(self, scaler, inv_scale):
+        sources, targets, fresh = [], [], []
+        for p, master in self.masters:
+            if p.grad is None:
+                continue
+            if p.grad.layout != torch.strided:
+                raise RuntimeError(
+                    "amp.scale_loss: a low-precision param has a sparse gradient, which O2's "
+                    "fp32 master grads cannot take. Use dense gradients (e.g. "
+                    "nn.Embedding(sparse=False)) at O2, or O1, which keeps the model fp32."
+                )
+            sources.append(p.grad)
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+                targets.append(master.grad)
+            elif not self.unscaled_pending:
+                targets.append(master.grad)  # first loss of this step: overwrite
+            else:
+                buffer = torch.empty_like(master)
+                targets.append(buffer)
+                fresh.append((master.grad, buffer))
+        if sources:
+            _ops.multi_tensor_scale_(sources, targets, inv_scale, scaler.found_inf)
+        if fresh:
+            torch._foreach_add_([a for a, _ in fresh], [t for _, t in fresh])
+        for p, _ in self.masters:
+            p.grad = None
+
+    def _restore_stash(self):
+        stash, self.stash = self.stash, []
+        dense_old, dense_new = [], []
+        for p, old in stash:
+            if p.grad is None:
+                p.grad = old
+            elif old.layout == torch.strided and p.grad.layout == torch.strided:
+                dense_new.append(p.grad)
+                dense_old.append(old)
+            else:
+                p.grad = p.grad + old
+        if dense_new:
+            torch._foreach_add_(dense_new, dense_old)
+
+    def decide(self, scaler, scale, any_inf_on_host):
+        """After every optimizer of a scale_loss call is checked: scaler.found_inf holds the
+        verdict for all of them (item of apex: an overflow in one skips them all).
+        any_inf_on_host is the flag read once for the call when a torch.optim optimizer needs
+        it (else None)."""
+        if self.kind == "fold":
+            self.window_inf = (scaler.found_inf.clone() if self.window_inf is None
+                               else torch.maximum(self.window_inf, scaler.found_inf))
+            self._put_on_optimizer(self.window, self.window_inf)
+            return
+        if self.fused:
+            self.found_inf = (scaler.found_inf.clone() if self.found_inf is None
+                              else torch.maximum(self.found_inf, scaler.found_inf))
+            self._put_on_optimizer(None, self.found_inf)
+            return
+        if self.skip_step or any_inf_on_host:
+            # torch.optim cannot skip on the device: drop the grads of an overflowing step so
+            # that step() leaves every param and its state untouched.
+            self.skip_step = True
+            params = [m for _, m in self.masters] + self.unmastered()
+            for p in params:
+                p.grad = None
+
+    def _put_on_optimizer(self, grad_scale, found_inf):
+        self.inner.grad_scale = grad_scale
+        self.inner.found_inf = found_inf
+        self._set_on_optimizer = (grad_scale, found_inf)
+
+    # ---- the optimizer's step -------------------------------------------------------------
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self.delayed:
+            raise RuntimeError(
+                "optimizer.step(): the last amp.scale_loss before this step used "
+                "delay_unscale=True, so the gradients still carry the loss scale. Use "
+                "delay_unscale=True only on the micro-batches before the last one."
+            )
+        self.follow_model()
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self.kind == "masters" and self.masters:
+            models = [p for p, _ in self.masters]
+            masters = [m for _, m in self.masters]
+            one = torch.ones(1, device=masters[0].device)
+            _ops.multi_tensor_scale_(masters, models, one, torch.zeros_like(one))
+        self._count_skip()
+        if self._set_on_optimizer is not None:
+            # Only what amp set: a GradScaler driving the same optimizer manages its own.
+            for name, value in zip(("grad_scale", "found_inf"), self._set_on_optimizer):
+                if getattr(self.inner, name, None) is value:
+                    delattr(self.inner, name)
+        if self.fused:
+            # Master grads made for clipping (materialize_unscaled_grads) serve one step only.
+            self.inner._step_on_master_grads = False
+            for p, master in self.master_pairs():
+                master.grad = None
+        self.tracker.mark(p for p, _ in self.master_pairs())
+        self._end_step()
+
+    def _count_skip(self):
+        if self.kind == "fold":
+            flag = self.window_inf
+        elif self.fused:
+            flag = self.found_inf
+        else:
+            flag = 1.0 if self.skip_step else None
+        if flag is None:
+            return
+        if self.skipped is None:
+            self.skipped = torch.zeros(1, device=self.device)
+        if isinstance(flag, float):
+            self.skipped += flag
+        else:
+            self.skipped += flag.reshape(1).clamp(max=1.0).to(self.skipped.device)
+
+    # ---- clipping -----------------------------------------------------------------------
+
+    def materialize_unscaled_grads(self):
+        """Makes the grads readable and changeable unscaled before the step (apex's
+        clip_grad_norm_(amp.master_params(opt)) recipe). "fold": fp32 grads on the masters for
+        low-precision params, the params' own grads unscaled in place otherwise; the fused step
+        then uses them and divides nothing out. "inplace" fused with masters: the grads are
+        already unscaled; the masters get fp32 copies for the step to use."""
+        if not self.fused:
+            return
+        if self.kind == "fold":
+            if self.window is None or self._set_on_optimizer is None:
+                return
+            inv = self.window.double().reciprocal().float().reshape(1)
+        elif self.unscaled_pending:
+            inv = torch.ones(1, device=self.device)
+        else:
+            return
+        state = self.inner.state
+        flag = torch.zeros_like(inv)
+        sources, targets, in_place = [], [], []
+        for p in optimizer_params(self.inner):
+            if p.grad is None:
+                continue
+            master = state.get(p, {}).get("master_param")
+            if master is not None:
+                if master.grad is None:
+                    master.grad = torch.empty_like(master)
+                    sources.append(p.grad)
+                    targets.append(master.grad)
+            elif self.kind == "fold":
+                in_place.append(p.grad)
+        if sources:
+            _ops.multi_tensor_scale_(sources, targets, inv, flag)
+        if in_place:
+            _ops.multi_tensor_unscale_(in_place, flag, inv)
+        self.inner._step_on_master_grads = bool(sources) or any(
+            m.grad is not None for _, m in self.master_pairs())
+        if self.kind == "fold":
+            self.window = torch.ones_like(self.window)  # the grads no longer carry a scale
+            self._put_on_optimizer(None, self.window_inf)

@@ -1,0 +1,101 @@
+"""fp32 master weights that follow the model they shadow.
+
+amp keeps an fp32 master for every low-precision model param at O2 (in the fused optimizer's
+state, or as a separate param swapped into a torch.optim optimizer). The master is the value the
+optimizer updates, and each step writes it back, rounded, into the model. If anything else writes
+the model's weights in between (``model.load_state_dict`` after ``amp.initialize``, which is the
+usual resume order, a ``p.copy_`` under ``no_grad``, or a ``p.data = ...``), the master is stale,
+and the next step would write the old weights back. apex made its masters lazily at the first
+step, which hid this; we keep them from the start (they carry the exact fp32 values a checkpoint
+restores) and so must notice when the model moves under them.
+
+How a change is noticed, with no device sync on the training path: a param's version counter
+and data pointer are recorded after every write amp or the optimizer makes; any other write
+bumps the counter (or replaces the storage). Only when one differs is a value compared: a model
+param that still holds exactly its master rounded to the low dtype keeps the master (the master
+carries bits the model cannot), otherwise the master is remade from the model.
+
+``model.load_state_dict`` is handled more exactly: a pre-hook picks up the incoming tensors, so
+a checkpoint holding fp32 weights gives the masters those fp32 values, not their rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mark(param):
+    return (param._version, param.data_ptr())
+
+
+class MasterTracker:
+    """Remembers, per model param, the version and storage of its last trusted write."""
+
+    def __init__(self):
+        self._marks = {}  # id(model param) -> (version, data_ptr)
+
+    def mark(self, params) -> None:
+        """Records the current state of `params` as written by amp or the optimizer."""
+        marks = self._marks
+        for p in params:
+            marks[id(p)] = _mark(p)
+
+    def changed(self, params):
+        """The params written by someone else since they were last marked."""
+        marks = self._marks
+        return [p for p in params if marks.get(id(p)) != _mark(p)]
+
+    def forget(self) -> None:
+        self._marks.clear()
+
+
+@torch.no_grad()
+def refresh_master(master: torch.Tensor, model_param: torch.Tensor, source=None) -> None:
+    """Makes `master` follow the model: from `source` (a tensor loaded into the model, any
+    float dtype) when given, else from the model param's value. A source that is exactly the
+    master rounded to the model's dtype is the model's own state coming back (a checkpoint of
+    this model, an identical copy), so the master keeps its extra bits."""
+    if source is None:
+        source = model_param.detach()
+    source = source.to(device=master.device)
+    if source.shape != master.shape:
+        raise ValueError(
+            f"amp: a model param of shape {tuple(master.shape)} was replaced by a tensor of "
+            f"shape {tuple(source.shape)}; load weights of the same architecture."
+        )
+    rounded = master.to(model_param.dtype)
+    if source.dtype == model_param.dtype and torch.equal(source, rounded):
+        return
+    if source.dtype == torch.float32 and torch.equal(source, rounded.float()):
+        return
+    master.copy_(source)
+
+
+class LoadCapture:
+    """Hooks on a model's load_state_dict that hand the tensors loaded into the params that
+    `wants(param)` picks to `on_loaded(list of (param, loaded tensor))` once the load is done."""
+
+    def __init__(self, model: torch.nn.Module, wants, on_loaded):
+        self._wants = wants
+        self._on_loaded = on_loaded
+        self._pending = []
+        self._handles = [
+            model.register_load_state_dict_pre_hook(self._before),
+            model.register_load_state_dict_post_hook(self._after),
+        ]
+
+    def _before(self, module, state_dict, prefix, *args):
+        for name, param in module.named_parameters():
+            value = state_dict.get(prefix + name)
+            if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and self._wants(param)):
+                self._pending.append((param, value.detach()))
+
+    def _after(self, module, incompatible_keys):
+        pending, self._pending = self._pending, []
+        if pending:
+            self._on_loaded(pending)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
