@@ -1,0 +1,39 @@
+"""Casting the floating tensors inside a call's nested arguments (shared by O1 and O2)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cast_floats(value, dtype):
+    """Casts every floating tensor inside nested lists/tuples/dicts to `dtype`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        cast = [cast_floats(v, dtype) for v in value]
+        return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
+    if isinstance(value, dict):
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+def widest_float(values):
+    """The promoted dtype of the floating tensors inside `values` (nested lists/tuples), or
+    None when they share one dtype (nothing to promote)."""
+    dtypes = set()
+
+    def collect(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            dtypes.add(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                collect(x)
+
+    collect(values)
+    if len(dtypes) < 2:
+        return None
+    return functools.reduce(torch.promote_types, dtypes)  # fp16 with bf16 gives fp32
