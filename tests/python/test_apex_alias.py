@@ -69,11 +69,13 @@ def test_every_apex_import_form_resolves_to_ampfuse(no_apex):
     from apex import amp
     from apex.normalization.fused_layer_norm import FusedLayerNorm, fused_layer_norm_affine
     from apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+    from apex.amp._amp_state import _amp_state
     from apex.parallel.LARC import LARC
 
     assert apex is returned and apex_alias_installed()
     assert amp is ampfuse.amp and apex.amp is ampfuse.amp
     assert importlib.import_module("apex.amp") is ampfuse.amp
+    assert _amp_state is ampfuse.amp._amp_state  # the module apex scripts read it from
     assert issubclass(apex.optimizers.FusedAdam, ampfuse.optimizers.FusedAdam)
     assert issubclass(apex.optimizers.FusedSGD, ampfuse.optimizers.FusedSGD)
     assert apex.__version__ == ALIAS_VERSION

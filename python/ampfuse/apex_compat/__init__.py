@@ -5,10 +5,10 @@ Training libraries import apex in their own files (``from apex import amp``,
 "change one import". Two opt-in switches make ``apex`` resolve to ampfuse:
 
 * In one process: call ``ampfuse.apex_compat.install_apex_alias()`` before the library imports
-  apex. The names ``apex``, ``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
-  ``apex.parallel.LARC``, ``apex.normalization`` and ``apex.normalization.fused_layer_norm`` are
-  entered in ``sys.modules``; other ``apex.*`` modules fail to import with a message that names
-  the replacement.
+  apex. The names ``apex``, ``apex.amp`` (ampfuse.amp itself), ``apex.amp._amp_state``,
+  ``apex.optimizers``, ``apex.parallel``, ``apex.parallel.LARC``, ``apex.normalization`` and
+  ``apex.normalization.fused_layer_norm`` are entered in ``sys.modules``; other ``apex.*``
+  modules fail to import with a message that names the replacement.
 * For the whole environment, including libraries that look for apex's package metadata or run
   in worker processes: ``python -m ampfuse.apex_compat install`` (see ``metadata.py``).
 
@@ -36,6 +36,7 @@ ALIAS_VERSION = "0.0.0+ampfuse"
 _MODULES = {
     "apex": "ampfuse.apex_compat.apex",
     "apex.amp": "ampfuse.amp",
+    "apex.amp._amp_state": "ampfuse.apex_compat.apex.amp_state",
     "apex.optimizers": "ampfuse.apex_compat.apex.optimizers",
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",

@@ -1,20 +1,22 @@
 """apex.optimizers on ampfuse: FusedAdam and FusedSGD with apex's constructors (apex's argument
 order and defaults) over ampfuse.optimizers.FusedAdam / FusedSGD, so amp takes its fused,
-sync-free path with them. apex optimizers that ampfuse does not have fail at construction with
-the replacement to use; their names exist so that an import of them does not make a library
-decide that all of apex is missing."""
+sync-free path with them.
+
+Importing an apex optimizer that ampfuse does not have raises ImportError naming the
+replacement. An ImportError (rather than a name that fails when used) keeps every script that
+runs without apex running with the alias: ``try: from apex.optimizers import FusedLAMB`` /
+``except ImportError:`` falls back to the script's own LAMB exactly as it does with no apex.
+"""
 
 from __future__ import annotations
 
 import inspect
 
-import torch
 from torch.optim.optimizer import required
 
 from ampfuse import optimizers as _fused
 
-__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad",
-           "FusedMixedPrecisionLamb"]
+__all__ = ["FusedAdam", "FusedSGD"]
 
 
 class FusedAdam(_fused.FusedAdam):
@@ -63,25 +65,20 @@ class FusedSGD(_fused.FusedSGD):
                          set_grad_none=set_grad_none, **extra)
 
 
-def _unavailable(name, replacement):
-    def __init__(self, params, *args, **kwargs):
-        raise NotImplementedError(
-            f"apex.optimizers.{name} has no ampfuse version (apex here is ampfuse's "
-            f"compatibility alias); {replacement}.")
+# apex optimizers without an ampfuse version, and what to use instead.
+_MISSING = {
+    "FusedLAMB": "use timm.optim.Lamb, or the real apex",
+    "FusedMixedPrecisionLamb": "use timm.optim.Lamb with amp.initialize(..., opt_level='O2') "
+    "for fp32 masters, or the real apex",
+    "FusedNovoGrad": "use timm.optim.NvNovoGrad, or the real apex",
+    "FusedAdagrad": "use torch.optim.Adagrad(params, lr, weight_decay=..., eps=..., fused=True) "
+    "(apex's adagrad_w_mode=False math), or the real apex",
+}
 
-    doc = f"Not provided by ampfuse; constructing it raises. Instead: {replacement}."
-    return type(name, (torch.optim.Optimizer,), {"__init__": __init__, "__doc__": doc,
-                                                 "__module__": __name__})
 
-
-FusedLAMB = _unavailable(
-    "FusedLAMB", "use timm.optim.Lamb or ampfuse.optimizers.FusedAdam, or install the real apex "
-    "(and do not call install_apex_alias)")
-FusedMixedPrecisionLamb = _unavailable(
-    "FusedMixedPrecisionLamb", "use timm.optim.Lamb with amp.initialize(..., opt_level='O2') "
-    "for fp32 masters, or the real apex")
-FusedNovoGrad = _unavailable(
-    "FusedNovoGrad", "use timm.optim.NvNovoGrad, or the real apex")
-FusedAdagrad = _unavailable(
-    "FusedAdagrad", "use torch.optim.Adagrad(params, lr, weight_decay=..., eps=..., fused=True) "
-    "(apex's adagrad_w_mode=False math)")
+def __getattr__(name):
+    if name in _MISSING:
+        raise ImportError(f"apex.optimizers.{name} has no ampfuse version (apex here is "
+                          f"ampfuse's compatibility alias); {_MISSING[name]}.",
+                          name="apex.optimizers")
+    raise AttributeError(f"module 'apex.optimizers' has no attribute {name!r}")
