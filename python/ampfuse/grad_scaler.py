@@ -368,8 +368,8 @@ class GradScaler:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
         else:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
-            for flag in flags:
-                found_inf += flag.to(device=device, non_blocking=True)
+            for flag in flags:  # 0-dim, or one element from a subclass's _unscale_grads_
+                found_inf += flag.to(device=device, non_blocking=True).reshape(())
         if self._all_reduce and key not in self._reduced:
             self._all_reduce_(found_inf)
             state["found_inf_per_device"] = {device: found_inf}

@@ -194,6 +194,24 @@ def test_unscale_grads_override_is_honoured_like_torch(fused):
     assert ours[2] == theirs[2] == SCALE / 4
 
 
+def test_flags_of_one_element_from_an_override_are_summed():
+    """torch sums whatever flags the hook returns; one-element (not 0-dim) flags, several of
+    them, work here too (a subclass adding the flag of another shard, say)."""
+
+    class Sharded(GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            flags = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            return {**{d: f.reshape(1) for d, f in flags.items()}, "shard 1": torch.ones(1)}
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = FusedSGD([param], lr=0.5)
+    scaler = Sharded("cpu", init_scale=2.0)
+    scaler.scale(param.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(param.detach(), torch.ones(2)) and scaler.get_skipped_steps() == 1
+
+
 def test_maybe_opt_step_override_is_honoured():
     class Counting(GradScaler):
         seen = []
