@@ -72,20 +72,23 @@ def _train_rank(rank, optimizer_name):
     }
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, port, out_dir, train):
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
     try:
-        results = {name: _train_rank(rank, name) for name in OPTIMIZERS}
+        results = {name: train(rank, name) for name in OPTIMIZERS}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_two_ranks_stay_identical_and_skip_together(tmp_path):
-    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
+def _run_ranks(train, tmp_path):
+    """Runs train(rank, optimizer name) for every optimizer on WORLD_SIZE processes; returns
+    each rank's results."""
+    context = mp.spawn(_worker, args=(free_port(), str(tmp_path), train), nprocs=WORLD_SIZE,
+                       join=False)
     deadline = time.monotonic() + TIMEOUT_S
     finished = False
     try:
@@ -97,8 +100,11 @@ def test_ddp_two_ranks_stay_identical_and_skip_together(tmp_path):
             if process.is_alive():
                 process.kill()
     assert finished, f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+
+def test_ddp_two_ranks_stay_identical_and_skip_together(tmp_path):
+    ranks = _run_ranks(_train_rank, tmp_path)
     for name in OPTIMIZERS:
         r0, r1 = ranks[0][name], ranks[1][name]
         assert r0["param_dtypes"] == [torch.bfloat16] * 4
@@ -127,3 +133,33 @@ def test_initialize_after_ddp_wrapping_is_an_error(tmp_path):
         assert model.fc1.weight.dtype == torch.float32
     finally:
         dist.destroy_process_group()
+
+
+def _local_grads_rank(rank, optimizer_name):
+    """Each rank steps on its own gradients, never all-reduced (what sharded gradients or
+    DDP's no_sync look like to amp); at step 2 only rank 1 overflows. Only an all-reduced
+    overflow flag makes rank 0 skip that step too and keep the same loss scale."""
+    model, batches = make_model("mlp", seed=0)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                      all_reduce_found_inf=True)
+    scales = []
+    for step in range(4):
+        inputs, targets = batches(step, seed=100 + rank)
+        loss = F.cross_entropy(model(inputs), targets)
+        if step == 2 and rank == 1:
+            loss = loss * float("inf")
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        scales.append(amp.state_dict(optimizer)["loss_scaler0"]["scale"])
+    return {"scales": scales, "skipped": amp.skipped_steps(optimizer)}
+
+
+def test_overflow_on_one_rank_skips_on_every_rank_with_all_reduce_found_inf(tmp_path):
+    ranks = _run_ranks(_local_grads_rank, tmp_path)
+    for name in OPTIMIZERS:
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert r0["skipped"] == r1["skipped"] == 1, name
+        assert r0["scales"] == r1["scales"] == [2.0**16] * 2 + [2.0**15] * 2, name

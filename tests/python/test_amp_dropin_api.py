@@ -118,3 +118,55 @@ def test_o1_loss_outside_the_forward_is_fp32():
     assert output.dtype == torch.float32 and loss.dtype == torch.float32
     # The head still ran in low precision: its output is bf16-representable.
     assert torch.equal(output, output.to(torch.bfloat16).float())
+
+
+def test_a_misspelled_custom_list_entry_is_an_error_at_initialize():
+    model, _ = make_model("mlp")
+    with raises_naming("lineer", "linear"):
+        amp.initialize(model, make_optimizer("AdamW", model.parameters()), opt_level="O1",
+                       custom_black_list=["lineer"])
+
+
+def test_disable_casts_also_stops_decorated_functions():
+    @amp.half_function
+    def project(x, w):
+        return x @ w
+
+    seen = {}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            seen["cast"] = project(x, self.w).dtype
+            with amp.disable_casts():
+                seen["disabled"] = project(x, self.w).dtype
+            return project(x, self.w).float().sum()
+
+    model = Model()
+    model, _ = amp.initialize(model, make_optimizer("SGD", model.parameters()), opt_level="O1",
+                              verbosity=0)
+    model(torch.randn(2, 4))
+    assert seen == {"cast": torch.bfloat16, "disabled": torch.float32}
+
+
+def test_user_registered_norm_type_stays_fp32_at_o2():
+    class MyNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * self.gain.to(x.dtype) / x.float().pow(2).mean(-1, keepdim=True).sqrt()
+
+    handle = amp.register_norm_type(MyNorm)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), MyNorm())
+        model, _ = amp.initialize(model, make_optimizer("AdamW", model.parameters()),
+                                  opt_level="O2", verbosity=0)
+        assert model[1].gain.dtype == torch.float32
+        assert model[0].weight.dtype == torch.bfloat16
+    finally:
+        handle.remove()

@@ -23,9 +23,10 @@ import weakref
 
 import torch
 
-from ampfuse.amp import casting
+from ampfuse.amp import casting, per_op
 from ampfuse.amp.apex_state import AmpStash, AmpStateView
 from ampfuse.amp.binding import hookable, optimizer_params
+from ampfuse.amp.casting import register_norm_type
 from ampfuse.amp.handle import AmpHandle
 from ampfuse.amp.opt_levels import resolve
 
@@ -33,7 +34,7 @@ __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "skipped_steps", "register_half_function", "register_float_function",
     "register_promote_function", "half_function", "float_function", "promote_function",
-    "disable_casts",
+    "disable_casts", "register_norm_type",
 ]
 
 _ATTR = "_ampfuse_amp"
@@ -167,6 +168,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     optimizer_list, optimizers_were_list = _as_list(optimizers)
     _check_models(model_list)
     _check_optimizers(optimizer_list)
+    casting.check_custom_lists(custom_white_list, custom_black_list)
     device = _model_device(model_list)
     low = _low_dtype(dtype, device)
     if cast_model_type is False:
@@ -193,7 +195,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         for model in model_list:
             if model_dtype in (torch.float16, torch.bfloat16):
                 for p in model.parameters():
-                    if p.dtype == torch.float32:
+                    # A lazy param has no value yet; cast_model says what to do about it.
+                    lazy = isinstance(p, torch.nn.parameter.UninitializedParameter)
+                    if p.dtype == torch.float32 and not lazy:
                         originals[p] = p.detach().clone()
                 keep_norms = bool(props.keep_batchnorm_fp32)
                 handle.hooks += casting.cast_model(model, model_dtype, keep_norms)
@@ -278,7 +282,14 @@ def disable_casts():
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         if isinstance(torch.overrides._get_current_function_mode(), casting.CastMode):
             stack.enter_context(torch.overrides._pop_mode_temporarily())
-        yield
+        # Functions decorated with @amp.half_function & co. look at this stack.
+        active = per_op._active_stack()
+        suspended = active[:]
+        active.clear()
+        try:
+            yield
+        finally:
+            active[:] = suspended
 
 
 def _handle_for(optimizer, what):
