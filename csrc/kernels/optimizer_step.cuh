@@ -98,8 +98,18 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
     if (has_master) state.master[i] = p;
     param[i] = DeviceElement<Param>::store(p);
   };
+  // The grads are unscaled (and written back) before the state is loaded, so the grad pack is
+  // dead while the update runs: that keeps Adam with AMSGrad and write-back within 64
+  // registers (2 blocks of 512 threads per SM) without spilling.
   const auto pack = [&](int i) {
     Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
+    float g[kPack];
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), grad_scale);
+      if (kWriteGrad) gg.v[j] = DeviceElement<Grad>::store(g[j]);
+    }
+    if (kWriteGrad) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
     // With a master the param is only written: its old value is not read.
     Pack<Param, kPack> pp = has_master ? Pack<Param, kPack>{}
                                        : *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
@@ -109,19 +119,16 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
     for (int k = 0; k < K; ++k) ss[k] = *reinterpret_cast<const F4*>(state.arrays[k] + i);
 #pragma unroll
     for (int j = 0; j < kPack; ++j) {
-      const float g = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), grad_scale);
-      if (kWriteGrad) gg.v[j] = DeviceElement<Grad>::store(g);
       float p = has_master ? ww.v[j] : DeviceElement<Param>::load(pp.v[j]);
       float s[K > 0 ? K : 1];
 #pragma unroll
       for (int k = 0; k < K; ++k) s[k] = ss[k].v[j];
-      update(p, g, s);
+      update(p, g[j], s);
 #pragma unroll
       for (int k = 0; k < K; ++k) ss[k].v[j] = s[k];
       ww.v[j] = p;
       pp.v[j] = DeviceElement<Param>::store(p);
     }
-    if (kWriteGrad) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
     *reinterpret_cast<Pack<Param, kPack>*>(param + i) = pp;
 #pragma unroll
     for (int k = 0; k < K; ++k) *reinterpret_cast<F4*>(state.arrays[k] + i) = ss[k];
