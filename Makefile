@@ -49,5 +49,13 @@ catch2:
 	  apt-get update -qq && apt-get install -y -qq catch2 >/dev/null; } || { \
 	  echo "error: the C++ tests need Catch2 2.x: run 'apt-get install catch2' as root"; exit 1; }
 
+# The GPU machine has no network and no Catch2: this downloads Debian's catch2 package into
+# .gpu/ (git-ignored) for benchmarks/gpu_check.sh, which unpacks it there with dpkg -x.
+.PHONY: gpu-deps
+gpu-deps:
+	mkdir -p .gpu
+	rm -f .gpu/catch2_*.deb
+	cd .gpu && apt-get download catch2
+
 clean:
 	rm -rf build python/ampfuse/_C*.so

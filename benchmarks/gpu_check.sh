@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check (docs: GPU.md): build ampfuse in place for Hopper, run the CUDA tests, run the
-# GPU benchmarks, and print the benchmark table last. Results go to $OUT (default
-# benchmarks/out): build.log, pytest_cuda.log, bench.json, bench_table.txt.
+# The GPU check: build ampfuse in place for Hopper, run the C++ CUDA kernel
+# tests (ctest) and the CUDA pytest tests, run the GPU benchmarks, and print the benchmark
+# table last. Results go to $OUT (default benchmarks/out): build.log, ctest_cuda.log,
+# pytest_cuda.log, bench.json, bench_table.txt.
+# The GPU machine has no network and no Catch2: run `make gpu-deps` beforehand on a machine
+# that has one, which puts Debian's catch2 package into .gpu/, and bring .gpu/ along (it is
+# git-ignored: name it in the run's carried paths). Without it the C++ tests are reported as
+# not run and the check fails.
 # Exit status: non-zero if the build or any CUDA test failed (the benchmarks still run after
 # failing tests, so that a failure and the figures come back together).
 set -uo pipefail
@@ -22,6 +27,28 @@ if ! TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
 fi
 tail -n 3 "$out/build.log"
 
+echo "== C++ CUDA kernel tests: ctest (Catch2 from .gpu/)"
+ctest_status=0
+catch2_deb=$(ls .gpu/catch2_*.deb 2>/dev/null | head -n 1)
+if [[ -z "$catch2_deb" ]]; then
+  echo "gpu_check: no .gpu/catch2_*.deb: run 'make gpu-deps' and carry .gpu/ (C++ tests not run)"
+  ctest_status=1
+else
+  rm -rf .gpu/catch2 && dpkg -x "$catch2_deb" .gpu/catch2
+  if cmake -S . -B build/gpu-tests -DAMPFUSE_BUILD_PYTHON_MODULE=OFF -DAMPFUSE_BUILD_TESTS=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DCatch2_DIR="$PWD/.gpu/catch2/usr/lib/cmake/Catch2" \
+        >"$out/ctest_cuda.log" 2>&1 &&
+      cmake --build build/gpu-tests -j 16 >>"$out/ctest_cuda.log" 2>&1; then
+    ctest --test-dir build/gpu-tests --output-on-failure 2>&1 | tee -a "$out/ctest_cuda.log" |
+      tail -n 40
+    ctest_status=${PIPESTATUS[0]}
+  else
+    tail -n 40 "$out/ctest_cuda.log"
+    echo "gpu_check: the C++ tests did not build (full log: $out/ctest_cuda.log)"
+    ctest_status=1
+  fi
+fi
+
 echo "== CUDA tests: python3 -m pytest -m cuda -q tests/python"
 python3 -m pytest -m cuda -q tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
 tests_status=${PIPESTATUS[0]}
@@ -30,10 +57,10 @@ echo "== benchmarks"
 bench_status=0
 python3 benchmarks/run.py --device cuda --out "$out" >/dev/null || bench_status=$?
 
-echo "== CUDA tests exit status: $tests_status; benchmarks exit status: $bench_status"
+echo "== exit status: ctest $ctest_status; CUDA pytest $tests_status; benchmarks $bench_status"
 if [[ -f "$out/bench_table.txt" ]]; then
   cat "$out/bench_table.txt"
 fi
-if [[ $tests_status -ne 0 || $bench_status -ne 0 ]]; then
+if [[ $ctest_status -ne 0 || $tests_status -ne 0 || $bench_status -ne 0 ]]; then
   exit 1
 fi
