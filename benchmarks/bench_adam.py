@@ -10,8 +10,13 @@ bytes:
 
   ampfuse FusedAdam         the optimizer step alone: FusedAdamW(master_weights=True) on the
                             half-precision model, grad_scale and found_inf given as tensors (as
-                            torch.amp.GradScaler hands them over). Floor 24 + 2h bytes/param:
-                            grad read, master, exp_avg, exp_avg_sq read and written, param written.
+                            torch.amp.GradScaler hands them over). It leaves the grads unscaled,
+                            as torch does (write_unscaled_grads=True, the default). Floor 24 + 3h
+                            bytes/param: grad read and written, master, exp_avg, exp_avg_sq read
+                            and written, param written.
+  ampfuse FusedAdam scaled  the same with write_unscaled_grads=False: the grads keep their scale
+                            and are only read. Floor 24 + 2h. Its ratio to the row above is the
+                            cost of writing the grads back.
   ampfuse unscale+FusedAdam the whole AMP step: multi_tensor_unscale_ of the half grads (which
                             also finds inf/nan), then FusedAdamW with found_inf. Floor 24 + 4h.
   torch masters pipeline    what torch offers for fp32 masters of a half model: copy the grads
@@ -20,7 +25,12 @@ bytes:
                             on the masters, skipping on found_inf without a host sync, copy the
                             masters down to the model. Floor 44 + 2h.
   torch fused fp32          AdamW(fused=True) on a plain fp32 model (no masters needed), grad_scale
-                            and found_inf given as GradScaler does. Floor 28.
+                            and found_inf given as GradScaler does; it writes the unscaled grads
+                            back too. Floor 32.
+
+Rows whose step writes the grads back are given a loss scale of 1, so that the same data is
+timed at every call (the division and the write are the same work for any scale); the others
+use 1024.
 
 Each torch row's ratio is its time over the matching ampfuse row's (full AMP step for the masters
 pipeline, optimizer step alone for fused fp32); above 1 means ampfuse is faster. ms are medians;
@@ -76,8 +86,8 @@ class Pipeline:
     baseline: str = None  # label of the ampfuse row a torch row is compared with
 
 
-def scalars(device):
-    return torch.full((), SCALE, device=device), torch.zeros((), device=device)
+def scalars(device, scale=SCALE):
+    return torch.full((), scale, device=device), torch.zeros((), device=device)
 
 
 def half_model(shapes, dtype, device, gen):
@@ -88,11 +98,18 @@ def half_model(shapes, dtype, device, gen):
     return params
 
 
-def ampfuse_adam(dtype, device, unscale_first):
+def ampfuse_pipeline(name, make_optimizer, state_bytes, dtype, device, unscale_first,
+                     write_unscaled_grads=True):
+    """An ampfuse row: make_optimizer(params, write_unscaled_grads) on a half model of `dtype`;
+    state_bytes is the fp32 state read and written per param (master and moments)."""
+    # A step that writes the grads back divides them by the scale: 1 keeps them as they are.
+    writes_back = write_unscaled_grads and not unscale_first
+
     def make(shapes, gen):
         params = half_model(shapes, dtype, device, gen)
-        opt = FusedAdamW(params, lr=LR, weight_decay=0.01, master_weights=True)
-        return opt, [p.grad for p in params], *scalars(device), torch.full((), 1.0, device=device)
+        opt = make_optimizer(params, write_unscaled_grads)
+        scale, found_inf = scalars(device, 1.0 if writes_back else SCALE)
+        return opt, [p.grad for p in params], scale, found_inf, torch.full((), 1.0, device=device)
 
     def call(s):
         opt, grads, scale, found_inf, one = s
@@ -104,8 +121,20 @@ def ampfuse_adam(dtype, device, unscale_first):
             opt.step(grad_scale=scale, found_inf=found_inf)
 
     h = dtype.itemsize
-    label = "ampfuse unscale+FusedAdam" if unscale_first else "ampfuse FusedAdam"
-    return Pipeline(label, 24 + (4 if unscale_first else 2) * h, make, call)
+    if unscale_first:
+        return Pipeline(f"ampfuse unscale+{name}", state_bytes + 4 * h, make, call)
+    if writes_back:
+        return Pipeline(f"ampfuse {name}", state_bytes + 3 * h, make, call)
+    return Pipeline(f"ampfuse {name} scaled", state_bytes + 2 * h, make, call)
+
+
+def ampfuse_adam(dtype, device, unscale_first, write_unscaled_grads=True):
+    def make_optimizer(params, write):
+        return FusedAdamW(params, lr=LR, weight_decay=0.01, master_weights=True,
+                          write_unscaled_grads=write)
+
+    return ampfuse_pipeline("FusedAdam", make_optimizer, 24, dtype, device, unscale_first,
+                            write_unscaled_grads)
 
 
 def torch_optimizer(params, cls=torch.optim.AdamW, **kwargs):
@@ -145,14 +174,15 @@ def torch_masters(dtype, device, baseline, floor_per_param=None, **optimizer):
     return Pipeline("torch masters pipeline", floor, make, call, baseline)
 
 
-def torch_fp32(device, baseline, floor_per_param=28, **optimizer):
+def torch_fp32(device, baseline, floor_per_param=32, **optimizer):
     optimizer = optimizer or dict(lr=LR, weight_decay=0.01)
 
     def make(shapes, gen):
         params = half_model(shapes, torch.float32, device, gen)
         opt, fused = torch_optimizer(params, **optimizer)
         if fused:
-            opt.grad_scale, opt.found_inf = scalars(device)
+            # torch's fused step writes the unscaled grads back: a scale of 1 keeps them.
+            opt.grad_scale, opt.found_inf = scalars(device, 1.0)
         return opt
 
     def call(opt):
@@ -230,7 +260,9 @@ def run(args):
             dtype = DTYPES[name]
             full = ampfuse_adam(dtype, args.device, unscale_first=True)
             alone = ampfuse_adam(dtype, args.device, unscale_first=False)
-            pipelines = [alone, full, torch_masters(dtype, args.device, full.label),
+            scaled = ampfuse_adam(dtype, args.device, unscale_first=False,
+                                  write_unscaled_grads=False)
+            pipelines = [alone, scaled, full, torch_masters(dtype, args.device, full.label),
                          torch_fp32(args.device, alone.label)]
             rows += compare_pipelines("adam", pipelines, shapes, name, args)
     return rows

@@ -5,23 +5,21 @@ on transformer-shaped parameter sets, side by side in one run.
         [--total-elements 1.25e8 3.5e8] [--json PATH]
 
 Same sizes, rows and method as bench_adam.py (read its docstring), with SGD's byte floors for a
-model dtype of h bytes: ampfuse FusedSGD 16 + 2h (grad read, master and momentum buffer read and
-written, param written); with the unscale pass 16 + 4h; torch's masters pipeline (copy up,
-unscale, SGD(fused=True) on the masters, copy down) 36 + 2h; SGD(fused=True) on fp32 params 20.
+model dtype of h bytes: ampfuse FusedSGD 16 + 3h (grad read and written back unscaled, master
+and momentum buffer read and written, param written); with write_unscaled_grads=False 16 + 2h;
+with the unscale pass 16 + 4h; torch's masters pipeline (copy up, unscale, SGD(fused=True) on
+the masters, copy down) 36 + 2h; SGD(fused=True) on fp32 params 24 (it writes the grads back).
 """
 
 import torch
 
-import ampfuse
 from ampfuse.optimizers import FusedSGD
 from bench_adam import (
-    Pipeline,
+    ampfuse_pipeline,
     compare_pipelines,
-    half_model,
     layers_for,
     main_for,
     model_like_shapes,
-    scalars,
     torch_fp32,
     torch_masters,
 )
@@ -31,23 +29,13 @@ LR = 1e-4
 MOMENTUM = 0.9
 
 
-def ampfuse_sgd(dtype, device, unscale_first):
-    def make(shapes, gen):
-        params = half_model(shapes, dtype, device, gen)
-        opt = FusedSGD(params, lr=LR, momentum=MOMENTUM, master_weights=True)
-        return opt, [p.grad for p in params], *scalars(device), torch.full((), 1.0, device=device)
+def ampfuse_sgd(dtype, device, unscale_first, write_unscaled_grads=True):
+    def make_optimizer(params, write):
+        return FusedSGD(params, lr=LR, momentum=MOMENTUM, master_weights=True,
+                        write_unscaled_grads=write)
 
-    def call(s):
-        opt, grads, scale, found_inf, one = s
-        if unscale_first:
-            ampfuse.multi_tensor_unscale_(grads, found_inf, one)
-            opt.step(found_inf=found_inf)
-        else:
-            opt.step(grad_scale=scale, found_inf=found_inf)
-
-    h = dtype.itemsize
-    label = "ampfuse unscale+FusedSGD" if unscale_first else "ampfuse FusedSGD"
-    return Pipeline(label, 16 + (4 if unscale_first else 2) * h, make, call)
+    return ampfuse_pipeline("FusedSGD", make_optimizer, 16, dtype, device, unscale_first,
+                            write_unscaled_grads)
 
 
 def run(args):
@@ -60,10 +48,12 @@ def run(args):
             dtype = DTYPES[name]
             full = ampfuse_sgd(dtype, args.device, unscale_first=True)
             alone = ampfuse_sgd(dtype, args.device, unscale_first=False)
+            scaled = ampfuse_sgd(dtype, args.device, unscale_first=False,
+                                 write_unscaled_grads=False)
             masters_floor = 36 + 2 * dtype.itemsize
-            pipelines = [alone, full,
+            pipelines = [alone, scaled, full,
                          torch_masters(dtype, args.device, full.label, masters_floor, **sgd),
-                         torch_fp32(args.device, alone.label, 20, **sgd)]
+                         torch_fp32(args.device, alone.label, 24, **sgd)]
             rows += compare_pipelines("sgd", pipelines, shapes, name, args)
     return rows
 
