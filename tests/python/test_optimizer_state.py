@@ -370,3 +370,38 @@ def test_capturable_groups_save_the_step_on_the_device():
         assert entry["step"].device.type == "cuda" and float(entry["step"]) == 2
     torch_opt = torch.optim.Adam(clone_params(params), capturable=True)
     torch_opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedSGD"])
+def test_masters_follow_weights_loaded_into_the_model_between_steps(name):
+    """A torch user's FusedAdam(master_weights=True): weights loaded into the model after some
+    steps (fine-tuning from a checkpoint) must not be overwritten by the stale masters."""
+    from ampfuse.optimizers import FusedAdam, FusedSGD
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    cls = {"FusedAdam": FusedAdam, "FusedSGD": FusedSGD}[name]
+    optimizer = cls(model.parameters(), lr=1e-3, master_weights=True)
+    for _ in range(2):
+        model(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    pretrained = {k: torch.full_like(v, 0.25, dtype=torch.float32)
+                  for k, v in model.state_dict().items()}
+    model.load_state_dict(pretrained)
+    model(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    optimizer.step()
+    for p in model.parameters():
+        assert (p.float() - 0.25).abs().max().item() < 0.01, "stale masters were written back"
+    # The model's own rounded weights loaded back: the masters keep their extra bits, so the
+    # next step is the one a run without the load takes.
+    twin_model, twin_optimizer = copy.deepcopy((model, optimizer))
+    model.load_state_dict(model.state_dict())
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    for m, o in ((model, optimizer), (twin_model, twin_optimizer)):
+        o.zero_grad()
+        m(x).float().pow(2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        master, twin = optimizer.state[p]["master_param"], twin_optimizer.state[q]["master_param"]
+        assert torch.equal(master, twin)

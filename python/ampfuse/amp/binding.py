@@ -69,7 +69,8 @@ def hookable(optimizer):
         return optimizer
     for name in ("optim", "optimizer", "_optimizer", "base_optimizer"):
         inner = getattr(optimizer, name, None)
-        if isinstance(inner, torch.optim.Optimizer) and inner.param_groups is optimizer.param_groups:
+        shares_groups = getattr(inner, "param_groups", None) is optimizer.param_groups
+        if isinstance(inner, torch.optim.Optimizer) and shares_groups:
             return inner
     return None
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _mark(param):
-    return (param._version, param.data_ptr())
+from ampfuse.optimizers._masters import param_mark, refresh_master  # noqa: F401
 
 
 class MasterTracker:
@@ -38,37 +36,15 @@ class MasterTracker:
         """Records the current state of `params` as written by amp or the optimizer."""
         marks = self._marks
         for p in params:
-            marks[id(p)] = _mark(p)
+            marks[id(p)] = param_mark(p)
 
     def changed(self, params):
         """The params written by someone else since they were last marked."""
         marks = self._marks
-        return [p for p in params if marks.get(id(p)) != _mark(p)]
+        return [p for p in params if marks.get(id(p)) != param_mark(p)]
 
     def forget(self) -> None:
         self._marks.clear()
-
-
-@torch.no_grad()
-def refresh_master(master: torch.Tensor, model_param: torch.Tensor, source=None) -> None:
-    """Makes `master` follow the model: from `source` (a tensor loaded into the model, any
-    float dtype) when given, else from the model param's value. A source that is exactly the
-    master rounded to the model's dtype is the model's own state coming back (a checkpoint of
-    this model, an identical copy), so the master keeps its extra bits."""
-    if source is None:
-        source = model_param.detach()
-    source = source.to(device=master.device)
-    if source.shape != master.shape:
-        raise ValueError(
-            f"amp: a model param of shape {tuple(master.shape)} was replaced by a tensor of "
-            f"shape {tuple(source.shape)}; load weights of the same architecture."
-        )
-    rounded = master.to(model_param.dtype)
-    if source.dtype == model_param.dtype and torch.equal(source, rounded):
-        return
-    if source.dtype == torch.float32 and torch.equal(source, rounded.float()):
-        return
-    master.copy_(source)
 
 
 class LoadCapture:

@@ -27,6 +27,8 @@ import copy
 
 import torch
 
+from ampfuse.optimizers._masters import param_mark, refresh_master
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -96,6 +98,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         # param -> its strides when its state was last checked to share its layout (see
         # _match_layout); not part of the state, so state_dict() keeps torch's layout.
         self._layouts = {}
+        # param with a master -> param_mark(param) right after the last step wrote it; a
+        # different mark at the next step means someone else wrote the param (see _masters).
+        self._master_marks = {}
         super().__init__(params, defaults)
 
     def __getstate__(self):
@@ -110,6 +115,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("_lr_tensors", {})
         self.__dict__.setdefault("_layouts", {})
+        self.__dict__.setdefault("_master_marks", {})
 
     # ---- param groups and validation ----------------------------------------------------------
 
@@ -197,6 +203,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     _on_device(grad_scale, device, scales, "grad_scale"),
                     _on_device(found_inf, device, infs, "found_inf"),
                 )
+                if call.has_master and not torch.compiler.is_compiling():
+                    for p in call.params:
+                        self._master_marks[p] = param_mark(p)
         return loss
 
     def _calls(self, index, group):
@@ -211,6 +220,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         new_steps = {}  # (device, has_master) -> the step tensor of params starting now
         all_state = self.state
         master_weights = bool(group["master_weights"])
+        # Host-side bookkeeping that torch.compile cannot trace; compiled steps skip it.
+        follow_params = not torch.compiler.is_compiling()
         call = None
         for i, p in enumerate(group["params"]):
             grad = p.grad
@@ -234,6 +245,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_param" not in state:
                     self._check_not_capturing(index, i)
                     state["master_param"] = p.detach().to(torch.float32, copy=True)
+                elif follow_params:
+                    mark = self._master_marks.get(p)
+                    if mark is not None and mark != param_mark(p):
+                        refresh_master(state["master_param"], p)
                 # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
                 # they then take the place of the params' low-precision ones for this step.
                 if self._step_on_master_grads and state["master_param"].grad is not None:
