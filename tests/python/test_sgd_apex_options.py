@@ -54,7 +54,7 @@ def test_wd_after_momentum_matches_apex_math(device, case):
     expected, bufs = apex_sgd_reference(start, grads_per_step, LR, **kwargs)
     for i, (p, e, b) in enumerate(zip(params, expected, bufs)):
         torch.testing.assert_close(p.detach().double(), e, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"params[{i}]: {m}")
+                                   msg=lambda m, i=i: f"params[{i}]: {m}")
         if p.numel():
             # The buffer holds only the grads: decay is added after it.
             torch.testing.assert_close(opt.state[p]["momentum_buffer"].double(), b, rtol=1e-5,
