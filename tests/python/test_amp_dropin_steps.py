@@ -257,3 +257,28 @@ def test_initialized_optimizers_carry_apex_amp_stash():
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
     assert hasattr(optimizer, "_amp_stash")
     assert optimizer._amp_stash.all_fp32_from_fp16_params[0].dtype == torch.float32
+
+
+@pytest.mark.cuda
+def test_the_o2_fused_path_never_syncs_on_cuda():
+    """Over 250 O2 steps with overflows and the verbosity=1 summary, CUDA's sync debug mode
+    raises on any host sync."""
+    model, batches = make_model("mlp", seed=0, device="cuda")
+    optimizer = make_optimizer("FusedAdam", model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=1)
+    batch = [batches(s, device="cuda") for s in range(4)]
+    poison = torch.tensor(float("inf"), device="cuda")
+    one = torch.tensor(1.0, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(250):
+            x, y = batch[step % 4]
+            loss = F.cross_entropy(model(x), y) * (poison if step in (10, 150) else one)
+            optimizer.zero_grad()
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert amp.skipped_steps(optimizer) == 2

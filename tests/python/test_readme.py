@@ -13,6 +13,17 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 2
 
 
+@pytest.fixture(autouse=True)
+def _no_apex_alias_left_behind():
+    """The migration example installs the apex alias in this process; later tests must not
+    find `import apex` resolving to ampfuse."""
+    yield
+    from ampfuse import apex_compat
+
+    if apex_compat.apex_alias_installed():
+        apex_compat.uninstall_apex_alias()
+
+
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index):
     exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {"__name__": "readme"})
