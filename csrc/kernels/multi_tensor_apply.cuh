@@ -15,6 +15,7 @@
 namespace ampfuse::kernels::cuda {
 
 constexpr int kThreadsPerBlock = 512;
+constexpr int kMinBlocksPerSm = 2;
 
 template <typename T>
 struct DeviceElement;
@@ -106,8 +107,10 @@ __device__ T block_sum(T value) {
 
 // The table travels as a __grid_constant__ kernel parameter, so blocks read it
 // straight from constant parameter space without a per-thread copy.
+// At least two blocks per SM: that caps registers at 64 per thread, which Adam (72
+// without the cap on sm_90) meets without spilling; the other kernels use fewer anyway.
 template <int Depth, typename Functor, typename... Args>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
     multi_tensor_kernel(const __grid_constant__ ChunkTable<Depth> table, Functor functor,
                         Args... args) {
   functor(table, args...);
