@@ -90,7 +90,9 @@ __device__ void visit_chunk(int n, bool aligned, PackOp&& pack_op, ElementOp&& e
   for (int i = packed_end + threadIdx.x; i < n; i += blockDim.x) element_op(i);
 }
 
-// Sum over the block; the result is valid in thread 0.
+// Sum over the block; the result is valid in thread 0. Every thread of the block must
+// call it. It may be called again right after: the second barrier keeps the next call's
+// writes to warp_sums from overtaking this call's reads of it.
 template <typename T>
 __device__ T block_sum(T value) {
   __shared__ T warp_sums[kThreadsPerBlock / 32];
@@ -99,6 +101,7 @@ __device__ T block_sum(T value) {
   if (threadIdx.x % 32 == 0) warp_sums[warp] = value;
   __syncthreads();
   value = threadIdx.x < blockDim.x / 32 ? warp_sums[threadIdx.x] : T(0);
+  __syncthreads();
   if (warp == 0) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
   }
