@@ -15,6 +15,7 @@
 namespace ampfuse::kernels::cuda {
 
 constexpr int kThreadsPerBlock = 512;
+constexpr int kMinBlocksPerSm = 2;
 
 template <typename T>
 struct DeviceElement;
@@ -74,10 +75,10 @@ struct BlockChunk {
 
 template <int Depth>
 __device__ BlockChunk block_chunk(const ChunkTable<Depth>& table) {
-  const int slot = table.block_tensor[blockIdx.x];
-  const std::int64_t start = static_cast<std::int64_t>(table.block_chunk[blockIdx.x]) * kChunkSize;
-  const std::int64_t left = table.numel[slot] - start;
-  return {slot, start, static_cast<int>(left < kChunkSize ? left : kChunkSize)};
+  const SlotChunk owned = chunk_of_block(table, static_cast<std::int32_t>(blockIdx.x));
+  const std::int64_t start = owned.chunk * kChunkSize;
+  const std::int64_t left = table.numel[owned.slot] - start;
+  return {owned.slot, start, static_cast<int>(left < kChunkSize ? left : kChunkSize)};
 }
 
 // Visits elements [0, n) of a chunk: full packs of N at offsets that are
@@ -89,7 +90,9 @@ __device__ void visit_chunk(int n, bool aligned, PackOp&& pack_op, ElementOp&& e
   for (int i = packed_end + threadIdx.x; i < n; i += blockDim.x) element_op(i);
 }
 
-// Sum over the block; the result is valid in thread 0.
+// Sum over the block; the result is valid in thread 0. Every thread of the block must
+// call it. It may be called again right after: the second barrier keeps the next call's
+// writes to warp_sums from overtaking this call's reads of it.
 template <typename T>
 __device__ T block_sum(T value) {
   __shared__ T warp_sums[kThreadsPerBlock / 32];
@@ -98,6 +101,7 @@ __device__ T block_sum(T value) {
   if (threadIdx.x % 32 == 0) warp_sums[warp] = value;
   __syncthreads();
   value = threadIdx.x < blockDim.x / 32 ? warp_sums[threadIdx.x] : T(0);
+  __syncthreads();
   if (warp == 0) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
   }
@@ -106,8 +110,10 @@ __device__ T block_sum(T value) {
 
 // The table travels as a __grid_constant__ kernel parameter, so blocks read it
 // straight from constant parameter space without a per-thread copy.
+// At least two blocks per SM: that caps registers at 64 per thread, which Adam (72
+// without the cap on sm_90) meets without spilling; the other kernels use fewer anyway.
 template <int Depth, typename Functor, typename... Args>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
     multi_tensor_kernel(const __grid_constant__ ChunkTable<Depth> table, Functor functor,
                         Args... args) {
   functor(table, args...);
@@ -121,10 +127,33 @@ inline void throw_on_launch_error(const char* what) {
   }
 }
 
+// Kernel parameters over 4 KB need a driver for CUDA 12.1 or newer. An older driver can
+// still load a CUDA 12.x build (minor-version compatibility), so say what is wrong here
+// rather than leave it to a failed launch.
+inline void require_large_kernel_parameters() {
+  static const int driver = [] {
+    int version = 0;
+    return cudaDriverGetVersion(&version) == cudaSuccess ? version : 0;
+  }();
+  if (driver < 12010) {
+    throw std::runtime_error(
+        "ampfuse: the installed NVIDIA driver supports CUDA " + std::to_string(driver / 1000) +
+        "." + std::to_string(driver % 1000 / 10) +
+        ", but ampfuse's multi-tensor kernels pass 32 KB kernel parameters, which need CUDA "
+        "12.1 (driver 530) or newer. Update the NVIDIA driver.");
+  }
+}
+
 // Runs functor over every chunk of `lists` (Depth parallel lists) on `stream`.
 template <int Depth, typename Functor, typename... Args>
 void launch_multi_tensor(const char* what, const std::vector<TensorRef>* const lists[Depth],
                          StreamHandle stream, Functor functor, Args... args) {
+  // Padding between parameters is at most 8 bytes each (no argument is over-aligned).
+  static_assert(sizeof(ChunkTable<Depth>) + sizeof(Functor) + (sizeof(Args) + ... + 0) +
+                        8 * (sizeof...(Args) + 1) <=
+                    kMaxKernelParamBytes,
+                "kernel parameters over CUDA's 32,764-byte limit: shrink kChunkTableBytes");
+  require_large_kernel_parameters();
   plan_launches<Depth>(lists, [&](const ChunkTable<Depth>& table, int blocks) {
     multi_tensor_kernel<Depth><<<blocks, kThreadsPerBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         table, functor, args...);

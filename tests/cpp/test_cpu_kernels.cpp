@@ -3,12 +3,14 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
 #include "cpu/half_convert.h"
+#include "cpu/span_variants.h"
 
 using namespace ampfuse::kernels;
 using namespace ampfuse::kernels::cpu;
@@ -130,3 +132,38 @@ TEST_CASE("sum_of_squares_span matches a float64 reference") {
     }
   }
 }
+
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+TEST_CASE("the portable and AVX2+F16C span kernels return the same bits") {
+  if (!cpu_has_avx2_f16c()) {
+    WARN("this CPU has no AVX2+F16C: only the portable kernels run here");
+    return;
+  }
+  const std::int64_t sizes[] = {1, 15, 16, 17, 255, 256, 257, 4099, 65537};
+  for (DType from : kDtypes) {
+    for (std::int64_t n : sizes) {
+      auto values = random_floats(n, 9, 1.0e4f);  // overflows fp16 at times: inf in the data
+      if (n > 16) values[static_cast<std::size_t>(n / 3)] = std::numeric_limits<float>::quiet_NaN();
+      const Buffer src(from, values);
+      INFO("dtype " << int(from) << " n " << n);
+      Buffer a = src, b = src;
+      // In place, as unscale_span runs them.
+      REQUIRE(portable::scale(a.data(), from, a.data(), from, n, 0.37f) ==
+              avx2::scale(b.data(), from, b.data(), from, n, 0.37f));
+      REQUIRE(a.half == b.half);
+      REQUIRE(std::memcmp(a.single.data(), b.single.data(), a.single.size() * 4) == 0);
+      const double sum_portable = portable::sum_of_squares(Buffer(src).data(), from, n);
+      const double sum_avx2 = avx2::sum_of_squares(Buffer(src).data(), from, n);
+      REQUIRE(std::memcmp(&sum_portable, &sum_avx2, sizeof(double)) == 0);
+      for (DType to : kDtypes) {
+        Buffer x(to, std::vector<float>(static_cast<std::size_t>(n), 0.0f)), y = x;
+        INFO("to " << int(to));
+        REQUIRE(portable::scale(Buffer(src).data(), from, x.data(), to, n, 1.5f) ==
+                avx2::scale(Buffer(src).data(), from, y.data(), to, n, 1.5f));
+        REQUIRE(x.half == y.half);
+        REQUIRE(std::memcmp(x.single.data(), y.single.data(), x.single.size() * 4) == 0);
+      }
+    }
+  }
+}
+#endif

@@ -1,85 +1,89 @@
-// CPU span kernels. Loops are branch-free over fixed-width blocks so that the
-// compiler vectorizes them; each hot function is also cloned for AVX2 and the
-// best clone is picked when the library loads.
+// CPU span kernels: the portable loops, and the choice between them and the AVX2+F16C
+// loops of cpu_kernels_avx2.cpp, made at run time from what the processor supports.
+// The portable loops are branch-free so that the compiler vectorizes them for the
+// baseline instruction set.
 #include "cpu_kernels.h"
 
 #include "half_convert.h"
-#include "storage_dispatch.h"
+#include "span_variants.h"
 
 namespace ampfuse::kernels::cpu {
+namespace portable {
 namespace {
 
-// Elements per inner block: one AVX2 register of floats, twice, so the flag and
-// accumulator reductions stay out of the per-element work.
-constexpr std::int64_t kBlock = 16;
+struct Kernels {
+  // dst = src * factor; also serves unscale in place (src == dst).
+  template <typename Src, typename Dst>
+  static bool scale(const Src* src, Dst* dst, std::int64_t n, float factor);
 
-template <typename Storage>
-AMPFUSE_CPU_CLONES bool unscale_typed(Storage* data, std::int64_t n, float inv_scale) {
-  std::uint32_t nonfinite = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float x = Element<Storage>::load(data[i]);
-    nonfinite |= static_cast<std::uint32_t>(is_nonfinite(x));
-    data[i] = Element<Storage>::store(x * inv_scale);
-  }
-  return nonfinite != 0;
-}
+  template <typename Storage>
+  static double sum_of_squares(const Storage* data, std::int64_t n);
+};
 
 template <typename Src, typename Dst>
-AMPFUSE_CPU_CLONES bool scale_typed(const Src* src, Dst* dst, std::int64_t n, float scale) {
+bool Kernels::scale(const Src* src, Dst* dst, std::int64_t n, float factor) {
   std::uint32_t nonfinite = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const float x = Element<Src>::load(src[i]);
     nonfinite |= static_cast<std::uint32_t>(is_nonfinite(x));
-    dst[i] = Element<Dst>::store(x * scale);
+    dst[i] = Element<Dst>::store(x * factor);
   }
   return nonfinite != 0;
 }
 
 template <typename Storage>
-AMPFUSE_CPU_CLONES double sum_of_squares_typed(const Storage* data, std::int64_t n) {
-  // kBlock fp32 lanes keep the vector units busy; every kFold elements the lanes
-  // are folded into double accumulators, so no fp32 sum ever holds more than
-  // kFold / kBlock squares and the result stays within ~1e-7 of float64.
-  constexpr std::int64_t kFold = 256;
-  double totals[kBlock] = {};
-  const std::int64_t whole = n - n % kFold;
-  for (std::int64_t start = 0; start < whole; start += kFold) {
-    float lanes[kBlock] = {};
-    for (std::int64_t i = start; i < start + kFold; i += kBlock) {
-      for (std::int64_t k = 0; k < kBlock; ++k) {
+double Kernels::sum_of_squares(const Storage* data, std::int64_t n) {
+  // kSquareLanes fp32 lanes keep the vector units busy; every kSquareFold elements the
+  // lanes are folded into double accumulators, so no fp32 sum ever holds more than
+  // 16 squares and the result stays within ~1e-7 of float64.
+  double totals[kSquareLanes] = {};
+  const std::int64_t whole = n - n % kSquareFold;
+  for (std::int64_t start = 0; start < whole; start += kSquareFold) {
+    float lanes[kSquareLanes] = {};
+    for (std::int64_t i = start; i < start + kSquareFold; i += kSquareLanes) {
+      for (std::int64_t k = 0; k < kSquareLanes; ++k) {
         const float x = Element<Storage>::load(data[i + k]);
         lanes[k] += x * x;
       }
     }
-    for (std::int64_t k = 0; k < kBlock; ++k) totals[k] += lanes[k];
+    for (std::int64_t k = 0; k < kSquareLanes; ++k) totals[k] += lanes[k];
   }
-  double total = 0.0;
-  for (std::int64_t k = 0; k < kBlock; ++k) total += totals[k];
-  for (std::int64_t i = whole; i < n; ++i) {
-    const double x = Element<Storage>::load(data[i]);
-    total += x * x;
-  }
-  return total;
+  return finish_sum_of_squares(totals, data, whole, n);
 }
 
 }  // namespace
 
+bool scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
+           float factor) {
+  return scale_any<Kernels>(src, src_dtype, dst, dst_dtype, n, factor);
+}
+
+double sum_of_squares(const void* data, DType dtype, std::int64_t n) {
+  return sum_of_squares_any<Kernels>(data, dtype, n);
+}
+
+}  // namespace portable
+
+// Without AVX2 and F16C (or off x86), fp16 takes the portable loops' software conversion.
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+#define AMPFUSE_SPAN_VARIANT(call) (cpu_has_avx2_f16c() ? avx2::call : portable::call)
+#else
+#define AMPFUSE_SPAN_VARIANT(call) portable::call
+#endif
+
 bool unscale_span(void* data, DType dtype, std::int64_t n, float inv_scale) {
-  return with_storage(dtype, data, [&](auto* typed) { return unscale_typed(typed, n, inv_scale); });
+  return AMPFUSE_SPAN_VARIANT(scale(data, dtype, data, dtype, n, inv_scale));
 }
 
 bool scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
                 float scale) {
-  return with_storage(src_dtype, const_cast<void*>(src), [&](auto* typed_src) {
-    return with_storage(dst_dtype, dst, [&](auto* typed_dst) {
-      return scale_typed(typed_src, typed_dst, n, scale);
-    });
-  });
+  return AMPFUSE_SPAN_VARIANT(scale(src, src_dtype, dst, dst_dtype, n, scale));
 }
 
 double sum_of_squares_span(const void* data, DType dtype, std::int64_t n) {
-  return with_storage(dtype, const_cast<void*>(data),
-                      [&](auto* typed) { return sum_of_squares_typed(typed, n); });
+  return AMPFUSE_SPAN_VARIANT(sum_of_squares(data, dtype, n));
 }
+
+#undef AMPFUSE_SPAN_VARIANT
 
 }  // namespace ampfuse::kernels::cpu
