@@ -81,7 +81,7 @@ const std::int64_t kSizes[] = {1, 7, 65535, 65536, 65537, 3 * 65536 + 5};
 TEST_CASE("CUDA unscale is bit-identical to the CPU kernel, over many tensors") {
   std::vector<std::unique_ptr<DeviceTensor>> tensors;
   std::vector<TensorRef> refs;
-  for (int i = 0; i < 250; ++i) {  // past the per-launch tensor cap
+  for (int i = 0; i < 1300; ++i) {  // past the per-launch tensor cap (1268 at depth 1)
     tensors.push_back(std::make_unique<DeviceTensor>(kDtypes[i % 3], kSizes[i % 6], i));
     refs.push_back(tensors.back()->ref());
   }

@@ -50,11 +50,23 @@ def random_values(shape, dtype, device, gen, magnitude=100.0):
     return values.to(dtype).to(device)
 
 
+# More tensors than one CUDA launch takes at any depth (1268 at depth 1, the largest cap), twice.
+MANY_TENSORS = 2600
+# Chunks one CUDA launch covers (8192 blocks of one chunk each).
+BLOCKS_PER_LAUNCH = 8192
+
+
+def chunks_past_the_block_cap(device):
+    """A tensor size in chunks that needs two CUDA launches; on the CPU, where there are no
+    launches, a smaller tensor that still spans many of the CPU's 64K-element spans."""
+    return BLOCKS_PER_LAUNCH + 1 if torch.device(device).type == "cuda" else 321
+
+
 def mixed_shapes(count, gen):
     """`count` shapes drawn from a pool of empty, scalar, tiny, chunk-straddling and 2-D
-    shapes. A list of 1000 draws only tiny shapes: it outruns any per-launch tensor cap
-    many times over without costing time."""
-    if count == 1000:
+    shapes. A list of MANY_TENSORS draws only tiny shapes: it outruns every per-launch tensor
+    cap without costing time."""
+    if count == MANY_TENSORS:
         pool = [(), (0,), (1,), (3,), (17,), (2, 5)]
     else:
         pool = [(), (0,), (1,), (7,), (4099,), (CHUNK - 1,), (CHUNK + 1,), (3, 5), (0, 4),

@@ -15,7 +15,9 @@ from helpers import (
     CHUNK,
     CHUNK_SIZES,
     FLOAT_DTYPES,
+    MANY_TENSORS,
     Guarded,
+    chunks_past_the_block_cap,
     dtype_id,
     filled,
     make_generator,
@@ -88,7 +90,7 @@ def test_norms_at_chunk_boundaries(device, dtype, size, offset, per_tensor):
     guarded.assert_guards_intact()
 
 
-@pytest.mark.parametrize("count", [1, 3, 230, 1000])
+@pytest.mark.parametrize("count", [1, 3, 230, MANY_TENSORS])
 def test_lists_of_mixed_dtypes_with_empty_tensors(device, count):
     gen = make_generator(count)
     shapes = mixed_shapes(count, gen)
@@ -144,7 +146,7 @@ def test_tensor_past_the_per_launch_block_cap(device):
     gen = make_generator(41)
     tensors = [
         random_values(3, torch.float32, device, gen),
-        random_values(321 * CHUNK + 3, torch.float16, device, gen, magnitude=1.0),
+        random_values(chunks_past_the_block_cap(device) * CHUNK + 3, torch.float16, device, gen, magnitude=1.0),
     ]
     check_norms(l2norm(tensors, True), tensors, True, device)
 

@@ -16,9 +16,11 @@ from helpers import (
     CHUNK_SIZES,
     FLOAT_DTYPES,
     INJECTION_SIZES,
+    MANY_TENSORS,
     NON_FINITE,
     POSITIONS,
     Guarded,
+    chunks_past_the_block_cap,
     dtype_id,
     filled,
     make_generator,
@@ -145,7 +147,7 @@ def test_some_pairs_in_place_others_not(device):
         assert_close_report(src[i], before[i], exact=True, msg=f"src[{i}] must not change")
 
 
-@pytest.mark.parametrize("count", [1, 3, 230, 1000])
+@pytest.mark.parametrize("count", [1, 3, 230, MANY_TENSORS])
 def test_lists_of_mixed_pairings(device, count):
     gen = make_generator(count)
     shapes = mixed_shapes(count, gen)
@@ -317,7 +319,7 @@ def test_tensor_past_the_per_launch_block_cap(device):
     gen = make_generator(9)
     src = [
         random_values(5, torch.float16, device, gen),
-        random_values(321 * CHUNK + 3, torch.float32, device, gen),
+        random_values(chunks_past_the_block_cap(device) * CHUNK + 3, torch.float32, device, gen),
     ]
     dst = fresh_dst(src, [torch.bfloat16], device, gen)
     scale = scalar_tensor(1.0 / 3.0, device)

@@ -13,9 +13,11 @@ from helpers import (
     CHUNK_SIZES,
     FLOAT_DTYPES,
     INJECTION_SIZES,
+    MANY_TENSORS,
     NON_FINITE,
     POSITIONS,
     Guarded,
+    chunks_past_the_block_cap,
     dtype_id,
     filled,
     make_generator,
@@ -88,7 +90,7 @@ def test_matches_torch_at_chunk_boundaries(device, dtype, size, offset, inv):
         assert_close_report(grad, reference, exact=True, msg="power of two vs float64")
 
 
-@pytest.mark.parametrize("count", [1, 3, 230, 1000])
+@pytest.mark.parametrize("count", [1, 3, 230, MANY_TENSORS])
 def test_lists_of_mixed_dtypes_and_shapes(device, count):
     gen = make_generator(count)
     shapes = mixed_shapes(count, gen)
@@ -242,9 +244,9 @@ def test_dense_permuted_layouts_are_accepted(device, dtype, layout):
 
 
 def test_tensor_past_the_per_launch_block_cap(device):
-    # 321 chunks: more than the 320 blocks one CUDA launch carries.
+    # More chunks than the blocks one CUDA launch carries (on CUDA; see helpers).
     gen = make_generator(14)
-    big = random_values(321 * CHUNK + 3, torch.float16, device, gen)
+    big = random_values(chunks_past_the_block_cap(device) * CHUNK + 3, torch.float16, device, gen)
     grads = [random_values(5, torch.float32, device, gen), big]
     before = [g.clone() for g in grads]
     found_inf = scalar_tensor(0.0, device)
