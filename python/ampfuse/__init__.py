@@ -16,6 +16,7 @@ from ampfuse._ops import (
 )
 
 from ampfuse import optimizers  # noqa: E402  (needs the ops registered above)
+from ampfuse.apex_compat import install_apex_alias, uninstall_apex_alias  # noqa: E402
 from ampfuse import amp  # noqa: E402
 from ampfuse.grad_scaler import GradScaler  # noqa: E402
 from ampfuse.loss_scaler import LossScaler  # noqa: E402
@@ -30,9 +31,11 @@ __all__ = [
     "cuda_status",
     "fused_adam_",
     "fused_sgd_",
+    "install_apex_alias",
     "multi_tensor_l2norm",
     "multi_tensor_scale_",
     "multi_tensor_unscale_",
     "optimizers",
+    "uninstall_apex_alias",
     "update_scale_",
 ]

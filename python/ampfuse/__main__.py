@@ -99,6 +99,12 @@ def main(argv=None) -> int:
         "doctor", help="check that ampfuse works here (versions, kernels, GPU, every op)",
         description="Reports versions, registered kernels, the GPU and its fp16/bf16 support, "
         "runs every op once against torch, and exits non-zero with the fix if anything is broken.")
+    from ampfuse.apex_compat.__main__ import add_arguments as add_apex_alias_arguments
+
+    add_apex_alias_arguments(commands.add_parser(
+        "apex-alias", help="make `import apex` give ampfuse in this environment (opt-in)",
+        description="install / uninstall / status of ampfuse's apex alias in site-packages, for "
+        "libraries that import apex themselves or check its package metadata"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _run_demo(args, demo)
@@ -106,6 +112,10 @@ def main(argv=None) -> int:
         from ampfuse.doctor import run as run_doctor
 
         return run_doctor()
+    if args.command == "apex-alias":
+        from ampfuse.apex_compat.__main__ import run as run_apex_alias
+
+        return run_apex_alias(args)
     return 2
 
 

@@ -224,3 +224,14 @@ def test_command_line(no_apex, tmp_path, capsys):
     assert cli_main(["install", "--site", str(site)]) == 1
     assert "error: apex-alias install: another apex is installed" in capsys.readouterr().err
 
+
+
+def test_the_ampfuse_cli_has_the_apex_alias_command(tmp_path, capsys):
+    from ampfuse.__main__ import main
+
+    assert main(["apex-alias", "status", "--site", str(tmp_path)]) == 0
+    assert "not installed" in capsys.readouterr().out
+    assert main(["apex-alias", "install", "--site", str(tmp_path)]) == 0
+    assert (tmp_path / "apex").is_dir()
+    assert main(["apex-alias", "uninstall", "--site", str(tmp_path)]) == 0
+    assert not (tmp_path / "apex").exists()
