@@ -146,7 +146,10 @@ def test_tensor_past_the_per_launch_block_cap(device):
     gen = make_generator(41)
     tensors = [
         random_values(3, torch.float32, device, gen),
-        random_values(chunks_past_the_block_cap(device) * CHUNK + 3, torch.float16, device, gen, magnitude=1.0),
+        random_values(
+            chunks_past_the_block_cap(device) * CHUNK + 3, torch.float16, device, gen,
+            magnitude=1.0,
+        ),
     ]
     check_norms(l2norm(tensors, True), tensors, True, device)
 

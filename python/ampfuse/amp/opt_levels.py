@@ -86,7 +86,8 @@ def _check(props: Properties) -> None:
             "amp.initialize: per-op casting (patch_torch_functions, O1) runs on an fp32 model; "
             "it cannot be combined with cast_model_type float16/bfloat16. Use O1 or O2, not both."
         )
-    if props.opt_level == "O2" and not props.master_weights and props.cast_model_type == torch.float16:
+    fp16_model = props.cast_model_type == torch.float16
+    if props.opt_level == "O2" and not props.master_weights and fp16_model:
         raise ValueError(
             "amp.initialize: O2 with master_weights=False would update fp16 weights directly "
             "with fp16 gradients, which loses small updates. Keep master_weights=True, or use "

@@ -5,7 +5,7 @@ apex's constructor arguments, in apex's order, and run on ampfuse and torch.
 """
 
 from ampfuse import amp
-from ampfuse.apex_compat import ALIAS_VERSION as __version__
+from ampfuse.apex_compat import ALIAS_VERSION as __version__  # noqa: F401  (apex.__version__)
 from ampfuse.apex_compat.apex import normalization, optimizers, parallel
 
 __all__ = ["amp", "normalization", "optimizers", "parallel"]
