@@ -87,7 +87,8 @@ def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor) 
 
 
 def multi_tensor_l2norm(tensors, per_tensor: bool = False):
-    """Returns ``(global_norm, per_tensor_norms)`` in fp32."""
+    """Returns ``(global_norm, per_tensor_norms)`` in fp32. For DTensors (e.g. FSDP2 grads)
+    both are the norms of the whole tensors, as Replicate DTensors (see ampfuse.distributed)."""
     _dtensor_rules()
     return torch.ops.ampfuse.multi_tensor_l2norm(list(tensors), per_tensor)
 
