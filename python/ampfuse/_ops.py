@@ -7,6 +7,8 @@ module calls torch.ops.ampfuse.* through the functions defined here.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 try:
@@ -58,21 +60,36 @@ def cuda_available() -> bool:
     return _has_cuda_kernels() and torch.cuda.is_available()
 
 
+def _dtensor_rules() -> None:
+    """Registers the ops' DTensor rules (ampfuse.distributed) once torch.distributed.tensor is
+    loaded. No DTensor exists before that, and importing it eagerly would cost every ampfuse
+    import over a second, so each wrapper checks: one dict lookup (skipped while torch.compile
+    traces; eager calls register the rules)."""
+    if torch.compiler.is_compiling():
+        return
+    if "torch.distributed.tensor" in sys.modules and "ampfuse.distributed" not in sys.modules:
+        import ampfuse.distributed  # noqa: F401  (registers the rules)
+
+
 # ---- typed wrappers ----------------------------------------------------------------
 
 
 def multi_tensor_unscale_(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """In place ``g *= inv_scale`` (fp32 math); ``found_inf`` set to 1 on any inf/nan."""
+    _dtensor_rules()
     torch.ops.ampfuse.multi_tensor_unscale_(list(grads), found_inf, inv_scale)
 
 
 def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``dst[i] = src[i] * scale`` cast to ``dst[i].dtype``; flags non-finite sources."""
+    _dtensor_rules()
     torch.ops.ampfuse.multi_tensor_scale_(list(src), list(dst), scale, found_inf)
 
 
 def multi_tensor_l2norm(tensors, per_tensor: bool = False):
-    """Returns ``(global_norm, per_tensor_norms)`` in fp32."""
+    """Returns ``(global_norm, per_tensor_norms)`` in fp32. For DTensors (e.g. FSDP2 grads)
+    both are the norms of the whole tensors, as Replicate DTensors (see ampfuse.distributed)."""
+    _dtensor_rules()
     return torch.ops.ampfuse.multi_tensor_l2norm(list(tensors), per_tensor)
 
 
@@ -112,6 +129,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
     write_unscaled_grads and a grad_scale, the grads are left divided by grad_scale (unless the
     step is skipped), as torch's fused optimizers leave them."""
     lr = _lr_tensor(lr, step)
+    _dtensor_rules()
     torch.ops.ampfuse.fused_adam_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
         list(master_params), step, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
@@ -128,6 +146,7 @@ def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentu
     as for fused_adam_; wd_after_momentum adds the weight decay to the update after the
     momentum step (apex's option) instead of to the grad before it."""
     lr = _lr_tensor(lr, step)
+    _dtensor_rules()
     torch.ops.ampfuse.fused_sgd_(
         list(params), list(grads), list(momentum_buffers), list(master_params), step, lr,
         momentum, dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,

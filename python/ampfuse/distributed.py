@@ -1,0 +1,165 @@
+"""The ampfuse ops on DTensors (FSDP2's sharded params, grads and optimizer state).
+
+Every list op of ampfuse is element-wise: element j of tensor i of each list meets only element
+j of tensor i of the other lists. When tensor i of every list is sharded alike (the same device
+mesh, placements and global shape), each rank therefore runs the op on its local shards and gets
+exactly its shard of the unsharded result, with no communication. That is what torch's own
+sharding strategy for its fused Adam (list_pointwise_strategy) concludes for FSDP2 too; here it
+is a torch_dispatch rule for DTensor (torch.library.register_torch_dispatch, public API), see
+docs/DESIGN-NOTES.md for why not a sharding strategy.
+
+multi_tensor_l2norm is the one reduction: the local sums of squares become a DTensor whose
+sharded mesh dimensions are Partial("sum"), and DTensor's own redistribution to Replicate
+all-reduces them, so every rank gets the global norms.
+
+Importing this module registers the rules; ampfuse._ops imports it as soon as
+torch.distributed.tensor is loaded (no DTensor can exist before that), so the wrappers in
+ampfuse._ops, the optimizers and the scalers take DTensors without further setup. Code that
+calls torch.ops.ampfuse.* directly on DTensors imports ampfuse.distributed first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+# The element-wise ops; each mutates some of its lists in place and returns nothing.
+POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "fused_adam_", "fused_sgd_")
+
+
+def _is_tensor_list(value):
+    return isinstance(value, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in value)
+
+
+def _refuse_partial(op, what, t):
+    if any(p.is_partial() for p in t.placements):
+        raise RuntimeError(
+            f"ampfuse.{op}: {what} is a DTensor with placements {tuple(t.placements)}, i.e. it "
+            "still holds a pending reduction (Partial); ampfuse ops read its values, so reduce "
+            "it first, e.g. t.redistribute(placements=[Shard(0)]) or [Replicate()]."
+        )
+
+
+def _local_scalar(op, name, t):
+    """A one-element argument (step, lr, a scale or a flag): its local tensor, which must be the
+    same value on every rank."""
+    if not isinstance(t, DTensor):
+        return t
+    if not all(p.is_replicate() for p in t.placements):
+        raise RuntimeError(
+            f"ampfuse.{op}: {name} is a DTensor with placements {tuple(t.placements)}; a "
+            "one-element argument must be a plain tensor or a Replicate() DTensor."
+        )
+    return t.to_local()
+
+
+def _local_lists(op, names, lists):
+    """The lists with each DTensor replaced by its local shard, after checking that tensor i of
+    every non-empty list is sharded like tensor i of the first one (otherwise their local shards
+    would not line up element by element)."""
+    leading = lists[0]
+    for name, tensors in zip(names[1:], lists[1:]):
+        for i, (t, ref) in enumerate(zip(tensors, leading)):
+            if isinstance(t, DTensor) != isinstance(ref, DTensor):
+                kinds = [
+                    "a DTensor" if isinstance(x, DTensor) else "a plain tensor" for x in (t, ref)
+                ]
+                raise RuntimeError(
+                    f"ampfuse.{op}: {name}[{i}] is {kinds[0]} but {names[0]}[{i}] is {kinds[1]}; "
+                    "the tensors that go together (a param, its grad and its state) must all be "
+                    "DTensors sharded alike, or all plain tensors."
+                )
+            if isinstance(t, DTensor) and (
+                t.device_mesh != ref.device_mesh
+                or t.placements != ref.placements
+                or t.shape != ref.shape
+            ):
+                raise RuntimeError(
+                    f"ampfuse.{op}: {name}[{i}] is sharded as {tuple(t.placements)} on "
+                    f"{t.device_mesh} with shape {tuple(t.shape)}, but {names[0]}[{i}] as "
+                    f"{tuple(ref.placements)} on {ref.device_mesh} with shape "
+                    f"{tuple(ref.shape)}; they must be sharded alike (make the state with "
+                    "torch.zeros_like(param) or redistribute the grad to the param's placements)."
+                )
+    out = []
+    for name, tensors in zip(names, lists):
+        local = []
+        for i, t in enumerate(tensors):
+            if isinstance(t, DTensor):
+                _refuse_partial(op, f"{name}[{i}]", t)
+                t = t.to_local()
+            local.append(t)
+        out.append(local)
+    return out
+
+
+def _pointwise_rule(op):
+    overload = getattr(torch.ops.ampfuse, op).default
+    arg_names = [a.name for a in overload._schema.arguments]
+
+    def rule(cls, func, types, args=(), kwargs=None):
+        bound = dict(zip(arg_names, args))
+        bound.update(kwargs or {})
+        list_names = [n for n in arg_names if _is_tensor_list(bound.get(n))]
+        if list_names:
+            local = _local_lists(op, list_names, [bound[n] for n in list_names])
+            bound.update(zip(list_names, local))
+        for name, value in bound.items():
+            if isinstance(value, torch.Tensor):
+                bound[name] = _local_scalar(op, name, value)
+        return func(**bound)
+
+    return rule
+
+
+def _l2norm_rule(cls, func, types, args=(), kwargs=None):
+    """Global norms of DTensors: the local shards' squared norms, summed over the ranks that
+    hold different shards by DTensor's own Partial -> Replicate redistribution."""
+    op = "multi_tensor_l2norm"
+    bound = dict(zip(("tensors", "per_tensor"), args))
+    bound.update(kwargs or {})
+    tensors, per_tensor = list(bound["tensors"]), bool(bound.get("per_tensor", False))
+    mesh = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            # RuntimeError, as every ampfuse op reports a tensor it cannot take.
+            raise RuntimeError(  # noqa: TRY004
+                f"ampfuse.{op}: tensors[{i}] is a plain tensor among DTensors; its norm could "
+                "be local or global. Pass only DTensors (e.g. DTensor.from_local(t, mesh, "
+                "[Replicate()]) for a replicated tensor) or norm the plain ones separately."
+            )
+        _refuse_partial(op, f"tensors[{i}]", t)
+        mesh = mesh or t.device_mesh
+        if t.device_mesh != mesh:
+            raise RuntimeError(
+                f"ampfuse.{op}: tensors[{i}] is on {t.device_mesh} but tensors[0] on {mesh}; "
+                "take the norm of each device mesh's tensors in a separate call."
+            )
+    _, local_norms = func([t.to_local() for t in tensors], True)
+    # float64 so that squaring a large fp32 norm cannot overflow before the sqrt.
+    squares = local_norms.double().square()
+    groups = {}  # placements -> indices of the tensors sharded that way
+    for i, t in enumerate(tensors):
+        groups.setdefault(tuple(t.placements), []).append(i)
+    total = torch.empty_like(squares)
+    for placements, indices in groups.items():
+        index = torch.tensor(indices, device=squares.device)
+        # Ranks along a Shard dimension hold different parts (sum them); along a Replicate one
+        # they hold the same part, counted once.
+        partial = [Partial("sum") if p.is_shard() else Replicate() for p in placements]
+        summed = DTensor.from_local(squares[index], mesh, partial, run_check=False)
+        total[index] = summed.full_tensor()
+    per_tensor_norms = total.sqrt().float()
+    global_norm = total.sum().sqrt().float()
+    if not per_tensor:
+        per_tensor_norms = per_tensor_norms.new_empty((0,))
+    replicate = [Replicate()] * mesh.ndim
+    return (
+        DTensor.from_local(global_norm, mesh, replicate, run_check=False),
+        DTensor.from_local(per_tensor_norms, mesh, replicate, run_check=False),
+    )
+
+
+for _op in POINTWISE_OPS:
+    torch.library.register_torch_dispatch(f"ampfuse::{_op}", DTensor, _pointwise_rule(_op))
+torch.library.register_torch_dispatch("ampfuse::multi_tensor_l2norm", DTensor, _l2norm_rule)

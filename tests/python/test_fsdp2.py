@@ -1,0 +1,351 @@
+"""The fused optimizers, GradScaler and multi_tensor_l2norm under FSDP2 (fully_shard): two CPU
+processes (gloo), a bf16 model whose params, grads and optimizer state are DTensors sharded on
+dim 0 (the 7-row layer is sharded unevenly, 4 + 3 rows).
+
+Every rank trains on the same batches, so FSDP2's averaged gradients are the single-process
+gradients and a sharded run must equal an unsharded single-process run of the same optimizer to
+fp32 rounding: the ops run on each rank's local shards with no gather.
+"""
+
+import os
+import time
+
+import ampfuse
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from helpers import raises_naming
+from test_amp_ddp import free_port
+from torch import nn
+
+WORLD_SIZE = 2
+STEPS = 4
+TIMEOUT_S = 60
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 7)).to(torch.bfloat16)
+
+
+def _batch(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    inputs = torch.randn(8, 16, generator=generator).to(torch.bfloat16)
+    return inputs, torch.randn(8, 7, generator=generator)
+
+
+def _shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _full(t):
+    """The whole tensor of a DTensor (an all-gather; test only), or t itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+OPTIMIZERS = {
+    "FusedAdamW": lambda params: ampfuse.optimizers.FusedAdamW(
+        params, lr=1e-2, weight_decay=0.1, master_weights=True
+    ),
+    "FusedSGD": lambda params: ampfuse.optimizers.FusedSGD(
+        params, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, master_weights=True
+    ),
+}
+
+
+def _train(optimizer_name, sharded):
+    """STEPS steps; returns the whole params, state and first-step grad norms."""
+    model = _model()
+    if sharded:
+        _shard(model)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    norms = None
+    for step in range(STEPS):
+        inputs, targets = _batch(step)
+        F.mse_loss(model(inputs).float(), targets).backward()
+        if norms is None:
+            total, per_tensor = ampfuse.multi_tensor_l2norm(
+                [p.grad for p in model.parameters()], per_tensor=True
+            )
+            norms = (_full(total), _full(per_tensor))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = list(model.parameters())
+    states = [optimizer.state[p] for p in params]
+    if sharded:
+        for p, state in zip(params, states):
+            for key, value in state.items():
+                if key != "step":
+                    assert type(value) is type(p) and value.placements == p.placements, key
+    return {
+        "params": [_full(p.detach()) for p in params],
+        "state": [{k: _full(v) for k, v in state.items()} for state in states],
+        "norms": norms,
+    }
+
+
+def _mixed_precision_policy_run(optimizer_factory):
+    """An fp32 model under FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 sharded params and
+    reduced grads); returns the whole params and first moments after STEPS steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 7))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mp_policy=policy)
+    optimizer = optimizer_factory(model.parameters())
+    for step in range(STEPS):
+        inputs, targets = _batch(step)
+        F.mse_loss(model(inputs.float()).float(), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = list(model.parameters())
+    return [_full(p.detach()) for p in params] + [
+        _full(optimizer.state[p]["exp_avg"]) for p in params
+    ]
+
+
+def _scaler_skips(all_reduce_found_inf):
+    """At step 1 only rank 1's shard of one grad overflows (what sharded grads look like to
+    the scaler: the reduce-scatter gives the inf to one rank only). Returns, per step, whether
+    this rank's params and state were left unchanged, and the scales."""
+    rank = dist.get_rank()
+    model = _shard(_model())
+    optimizer = OPTIMIZERS["FusedAdamW"](model.parameters())
+    scaler = ampfuse.GradScaler(
+        "cpu", init_scale=2.0**10, all_reduce_found_inf=all_reduce_found_inf
+    )
+    unchanged, scales = [], []
+    for step in range(3):
+        inputs, targets = _batch(step)
+        scaler.scale(F.mse_loss(model(inputs).float(), targets)).backward()
+        if step == 1 and rank == 1:
+            next(iter(model.parameters())).grad.to_local()[0, 0] = float("inf")
+        before = [_local(p).clone() for p in model.parameters()] + [
+            _local(v).clone() for p in model.parameters() for v in optimizer.state[p].values()
+        ]
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        after = [_local(p) for p in model.parameters()] + [
+            _local(v) for p in model.parameters() for v in optimizer.state[p].values()
+        ]
+        unchanged.append(
+            len(before) == len(after) and all(torch.equal(b, a) for b, a in zip(before, after))
+        )
+        scales.append(scaler.get_scale())
+    return {"unchanged": unchanged, "scales": scales}
+
+
+def _worker(rank, port, out_dir, scenario, args):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        result = globals()[scenario](*args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(tmp_path, scenario, *args):
+    """Runs scenario(*args) on WORLD_SIZE processes; returns each rank's result."""
+    context = mp.spawn(
+        _worker, args=(free_port(), str(tmp_path), scenario, args), nprocs=WORLD_SIZE, join=False
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    finished = False
+    try:
+        while not finished and time.monotonic() < deadline:
+            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    assert finished, f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+
+
+def _assert_fp32_close(actual, expected, what, rtol=4e-7):
+    # fp32 rounding: a few ulps of the values (more where the order of operations differs).
+    torch.testing.assert_close(
+        actual.float(), expected.float(), rtol=rtol, atol=1e-7, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _checkpoint_round_trip():
+    """torch.distributed.checkpoint's optimizer state dict of a stepped FusedAdamW, loaded into
+    a fresh one: returns the saved state's types and whether every local shard came back."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _shard(_model())
+    optimizer = OPTIMIZERS["FusedAdamW"](model.parameters())
+    inputs, targets = _batch(0)
+    F.mse_loss(model(inputs).float(), targets).backward()
+    optimizer.step()
+    saved = get_optimizer_state_dict(model, optimizer)
+    loaded = OPTIMIZERS["FusedAdamW"](model.parameters())
+    set_optimizer_state_dict(model, loaded, saved)
+    same = all(
+        torch.equal(_local(value), _local(loaded.state[p][key]))
+        for p in model.parameters()
+        for key, value in optimizer.state[p].items()
+    )
+    types = {key: type(value).__name__ for key, value in saved["state"]["0.weight"].items()}
+    return {"types": types, "same": same}
+
+
+def _master_follows_loaded_weights():
+    """model.load_state_dict on the sharded model after some steps, then a step with lr 0: the
+    masters must follow the loaded params rather than write the old weights back."""
+    model = _shard(_model())
+    optimizer = OPTIMIZERS["FusedAdamW"](model.parameters())
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for step in range(3):
+        if step == 2:
+            model.load_state_dict(initial)
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+        inputs, targets = _batch(step)
+        F.mse_loss(model(inputs).float(), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weight = model[0].weight
+    return torch.equal(
+        _local(optimizer.state[weight]["master_param"]), _local(initial["0.weight"]).float()
+    ) and torch.equal(_local(weight), _local(initial["0.weight"]))
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _all_scenarios():
+    """Everything the tests check, in one pair of processes (a spawn costs seconds)."""
+    return {
+        "train": {name: _train(name, sharded=True) for name in OPTIMIZERS},
+        # The reference in the same process (same threads, same kernels), with no FSDP2.
+        "reference": {name: _train(name, sharded=False) for name in OPTIMIZERS},
+        "scaler": {flag: _scaler_skips(flag) for flag in (True, False)},
+        "checkpoint": _checkpoint_round_trip(),
+        "master_follows": _master_follows_loaded_weights(),
+        "mixed_precision": [
+            _mixed_precision_policy_run(
+                lambda params: ampfuse.optimizers.FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+            ),
+            _mixed_precision_policy_run(
+                lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+            ),
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _run_ranks(tmp_path_factory.mktemp("fsdp2"), "_all_scenarios")
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_fsdp2_master_weights_step_equals_single_process(ranks, optimizer_name):
+    for rank, ranks_results in enumerate(ranks):
+        result = ranks_results["train"][optimizer_name]
+        reference = ranks_results["reference"][optimizer_name]
+        for i, (p, q) in enumerate(zip(result["params"], reference["params"])):
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p, q), f"rank {rank}: param {i} differs from the reference"
+        for i, (state, expected) in enumerate(zip(result["state"], reference["state"])):
+            assert sorted(state) == sorted(expected)
+            assert "master_param" in state
+            for key in state:
+                _assert_fp32_close(state[key], expected[key], f"rank {rank} state {i} {key}")
+        # Training moved the params.
+        assert not torch.equal(reference["params"][0], _model()[0].weight.detach())
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_fsdp2_l2norm_of_sharded_grads_is_the_global_norm(ranks, optimizer_name):
+    for rank, ranks_results in enumerate(ranks):
+        total, per_tensor = ranks_results["train"][optimizer_name]["norms"]
+        reference = ranks_results["reference"][optimizer_name]["norms"]
+        assert per_tensor.shape == (4,)
+        _assert_fp32_close(total, reference[0], f"rank {rank} global grad norm")
+        _assert_fp32_close(per_tensor, reference[1], f"rank {rank} per-tensor norms")
+
+
+def test_fsdp2_grad_scaler_overflow_on_one_rank_skips_on_both(ranks):
+    for rank, ranks_results in enumerate(ranks):
+        result = ranks_results["scaler"][True]
+        assert result["unchanged"] == [False, True, False], f"rank {rank}"
+        assert result["scales"] == [2.0**10, 2.0**9, 2.0**9], f"rank {rank}"
+    # Without the all-reduce the rank whose shard is finite steps alone: the option matters.
+    assert ranks[0]["scaler"][False]["unchanged"] == [False, False, False]
+    assert ranks[1]["scaler"][False]["unchanged"] == [False, True, False]
+
+
+def test_fsdp2_optimizer_state_dict_round_trips_through_distributed_checkpoint(ranks):
+    for rank, ranks_results in enumerate(ranks):
+        result = ranks_results["checkpoint"]
+        assert result["types"] == {
+            "step": "Tensor",
+            "exp_avg": "DTensor",
+            "exp_avg_sq": "DTensor",
+            "master_param": "DTensor",
+        }, f"rank {rank}"
+        assert result["same"], f"rank {rank}"
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    """A one-rank CPU device mesh in this process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensors_whose_shards_do_not_line_up_are_refused(mesh):
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    flag, one = torch.zeros(()), torch.ones(())
+    src = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    dst = distribute_tensor(torch.zeros(4, 4), mesh, [Shard(1)])
+    with raises_naming(r"dst\[0\] is sharded as", "sharded alike"):
+        ampfuse.multi_tensor_scale_([src], [dst], one, flag)
+    with raises_naming(r"dst\[0\] is a plain tensor but src\[0\] is a DTensor"):
+        ampfuse.multi_tensor_scale_([src], [torch.zeros(4, 4)], one, flag)
+    pending = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+    with raises_naming(r"grads\[0\].*Partial", "redistribute"):
+        ampfuse.multi_tensor_unscale_([pending], flag, one)
+    with raises_naming(r"tensors\[1\] is a plain tensor among DTensors"):
+        ampfuse.multi_tensor_l2norm([src, torch.ones(3)])
+    assert torch.equal(dst.to_local(), torch.zeros(4, 4)) and flag.item() == 0
+
+
+def test_fsdp2_masters_follow_model_load_state_dict(ranks):
+    assert [r["master_follows"] for r in ranks] == [True, True]
+
+
+def test_fsdp2_mixed_precision_policy_matches_torch_fused_adamw(ranks):
+    """Against torch's own fused AdamW on the same FSDP2 model: fp32 rounding apart."""
+    for rank, ranks_results in enumerate(ranks):
+        ours, torchs = ranks_results["mixed_precision"]
+        for i, (a, b) in enumerate(zip(ours, torchs)):
+            _assert_fp32_close(a, b, f"rank {rank} tensor {i}", rtol=1e-6)
