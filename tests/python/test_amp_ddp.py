@@ -12,30 +12,22 @@ step and back the scale off together.
 """
 
 import os
-import socket
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_models import TinyMLP, assert_same_snapshot, make_model, make_optimizer, snapshot
 from ampfuse import amp
 from helpers import raises_naming
+from ranks import free_port, spawn_ranks
 
 WORLD_SIZE = 2
 STEPS = 12
 OVERFLOW_STEP = 6
 OPTIMIZERS = ("FusedAdam", "AdamW")
 TIMEOUT_S = 90
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_rank(rank, optimizer_name):
@@ -87,19 +79,7 @@ def _worker(rank, port, out_dir, train):
 def _run_ranks(train, tmp_path):
     """Runs train(rank, optimizer name) for every optimizer on WORLD_SIZE processes; returns
     each rank's results."""
-    context = mp.spawn(_worker, args=(free_port(), str(tmp_path), train), nprocs=WORLD_SIZE,
-                       join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    finished = False
-    try:
-        # join() returns as soon as one more process is done (and raises if one failed).
-        while not finished and time.monotonic() < deadline:
-            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    assert finished, f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
+    spawn_ranks(_worker, (free_port(), str(tmp_path), train), WORLD_SIZE, TIMEOUT_S)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 

@@ -8,16 +8,14 @@ fp32 rounding: the ops run on each rank's local shards with no gather.
 """
 
 import os
-import time
 
 import ampfuse
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import raises_naming
-from test_amp_ddp import free_port
+from ranks import free_port, spawn_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -160,19 +158,7 @@ def _worker(rank, port, out_dir, scenario, args):
 
 def _run_ranks(tmp_path, scenario, *args):
     """Runs scenario(*args) on WORLD_SIZE processes; returns each rank's result."""
-    context = mp.spawn(
-        _worker, args=(free_port(), str(tmp_path), scenario, args), nprocs=WORLD_SIZE, join=False
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    finished = False
-    try:
-        while not finished and time.monotonic() < deadline:
-            finished = context.join(timeout=max(deadline - time.monotonic(), 0.1))
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    assert finished, f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
+    spawn_ranks(_worker, (free_port(), str(tmp_path), scenario, args), WORLD_SIZE, TIMEOUT_S)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
