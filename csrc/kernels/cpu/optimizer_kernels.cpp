@@ -1,103 +1,85 @@
 // CPU Adam/AdamW and SGD span kernels: one pass reads the gradient, updates the
-// fp32 state and writes the parameter (and its master) back.
+// fp32 state and writes the parameter (and its master) back. This file holds the
+// portable loops and the choice between them and the AVX2+F16C loops of
+// optimizer_kernels_avx2.cpp, made at run time from what the processor supports.
 #include "cpu_kernels.h"
-#include "half_convert.h"
-#include "storage_dispatch.h"
-
-#include <type_traits>
+#include "optimizer_variants.h"
 
 namespace ampfuse::kernels::cpu {
+namespace portable {
 namespace {
 
-// Options that change which arrays are touched are template parameters, so each
-// loop is straight-line code the compiler vectorizes. kWriteGrad stores the unscaled
-// grad back in its own dtype (torch's fused optimizers leave p.grad unscaled).
-// (No clones here: it is inlined into the cloned loops, which a clone dispatch would prevent.)
-template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
-inline float load_param_and_grad(const Param* __restrict param, Grad* __restrict grad,
-                                 const float* __restrict master, std::int64_t i, float grad_scale,
-                                 float& g) {
-  g = unscale_grad(Element<Grad>::load(grad[i]), grad_scale);
-  if (kWriteGrad) grad[i] = Element<Grad>::store(g);
-  return kMaster ? master[i] : Element<Param>::load(param[i]);
-}
-
-template <bool kMaster, bool kWriteGrad, bool kAmsgrad, typename Param, typename Grad>
-AMPFUSE_CPU_CLONES void adam_typed(Param* __restrict param, Grad* __restrict grad,
-                                   float* __restrict exp_avg, float* __restrict exp_avg_sq,
-                                   float* __restrict max_exp_avg_sq, float* __restrict master,
-                                   std::int64_t n, const AdamStep step) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    float g;
-    float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
-    float unused = 0.0f;
-    adam_update<kAmsgrad>(p, g, exp_avg[i], exp_avg_sq[i], kAmsgrad ? max_exp_avg_sq[i] : unused,
-                          step);
-    if (kMaster) master[i] = p;
-    param[i] = Element<Param>::store(p);
+// The element loops with an AVX2 clone (target_clones): fp32 vectorizes fully there, and
+// fp16/bf16 convert in software on CPUs without F16C.
+struct Kernels {
+  template <bool kMaster, bool kWriteGrad, bool kAmsgrad, typename Param, typename Grad>
+  AMPFUSE_CPU_CLONES static void adam(Param* __restrict param, Grad* __restrict grad,
+                                      float* __restrict exp_avg, float* __restrict exp_avg_sq,
+                                      float* __restrict max_exp_avg_sq, float* __restrict master,
+                                      std::int64_t n, const AdamStep step) {
+    adam_loop<kMaster, kWriteGrad, kAmsgrad>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                                             master, n, step);
   }
-}
 
-template <bool kMaster, bool kWriteGrad, bool kMomentum, typename Param, typename Grad>
-AMPFUSE_CPU_CLONES void sgd_typed(Param* __restrict param, Grad* __restrict grad,
-                                  float* __restrict momentum_buffer, float* __restrict master,
-                                  std::int64_t n, const SgdStep step) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    float g;
-    float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
-    float unused = 0.0f;
-    sgd_update<kMomentum>(p, g, kMomentum ? momentum_buffer[i] : unused, step);
-    if (kMaster) master[i] = p;
-    param[i] = Element<Param>::store(p);
+  template <bool kMaster, bool kWriteGrad, bool kMomentum, typename Param, typename Grad>
+  AMPFUSE_CPU_CLONES static void sgd(Param* __restrict param, Grad* __restrict grad,
+                                     float* __restrict momentum_buffer, float* __restrict master,
+                                     std::int64_t n, const SgdStep step) {
+    sgd_loop<kMaster, kWriteGrad, kMomentum>(param, grad, momentum_buffer, master, n, step);
   }
+};
+
+}  // namespace
+
+void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
+          std::int64_t n, const AdamStep& step) {
+  adam_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                    max_exp_avg_sq, master, n, step);
 }
 
-// Calls f with std::integral_constant<bool, flag>, turning a runtime flag into a template one.
-template <typename F>
-void with_flag(bool flag, F&& f) {
-  if (flag) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
+void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+         float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step) {
+  sgd_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, momentum_buffer, master, n,
+                   step);
 }
 
-// Calls f(param, grad, has_master, write_grad) with typed pointers and flag constants.
-template <typename F>
-void with_span_types(void* param, DType param_dtype, void* grad, DType grad_dtype, bool has_master,
-                     bool write_grad, F&& f) {
-  with_storage(param_dtype, param, [&](auto* p) {
-    with_storage(grad_dtype, grad, [&](auto* g) {
-      with_flag(has_master, [&](auto master) {
-        with_flag(write_grad, [&](auto write) { f(p, g, master, write); });
-      });
-    });
-  });
+}  // namespace portable
+
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+namespace {
+
+// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them.
+bool use_avx2(DType param_dtype, DType grad_dtype) {
+  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
 }
 
 }  // namespace
+#endif
 
 void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
                float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
                std::int64_t n, const AdamStep& step) {
-  with_span_types(param, param_dtype, grad, grad_dtype, master != nullptr, write_grad,
-                  [&](auto* p, auto* g, auto has_master, auto write) {
-                    with_flag(step.amsgrad, [&](auto amsgrad) {
-                      adam_typed<has_master, write, amsgrad>(p, g, exp_avg, exp_avg_sq,
-                                                             max_exp_avg_sq, master, n, step);
-                    });
-                  });
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+  if (use_avx2(param_dtype, grad_dtype)) {
+    avx2::adam(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+               max_exp_avg_sq, master, n, step);
+    return;
+  }
+#endif
+  portable::adam(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                 max_exp_avg_sq, master, n, step);
 }
 
 void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
               float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step) {
-  with_span_types(param, param_dtype, grad, grad_dtype, master != nullptr, write_grad,
-                  [&](auto* p, auto* g, auto has_master, auto write) {
-                    with_flag(momentum_buffer != nullptr, [&](auto has_momentum) {
-                      sgd_typed<has_master, write, has_momentum>(p, g, momentum_buffer, master, n,
-                                                                 step);
-                    });
-                  });
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+  if (use_avx2(param_dtype, grad_dtype)) {
+    avx2::sgd(param, param_dtype, grad, grad_dtype, write_grad, momentum_buffer, master, n, step);
+    return;
+  }
+#endif
+  portable::sgd(param, param_dtype, grad, grad_dtype, write_grad, momentum_buffer, master, n, step);
 }
 
 }  // namespace ampfuse::kernels::cpu
