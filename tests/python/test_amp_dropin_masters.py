@@ -61,14 +61,15 @@ def test_loading_fp32_weights_gives_the_masters_their_exact_values(name):
         assert torch.equal(master, value), f"{key}: the master is not the loaded fp32 value"
 
 
+@pytest.mark.parametrize("steps_before", [0, 3])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_masters_follow_weights_written_in_place(name):
-    """A weight written under no_grad (weight surgery, EMA swap-in) between steps."""
+def test_masters_follow_weights_written_in_place(name, steps_before):
+    """A weight written under no_grad (weight surgery, EMA swap-in) before or between steps."""
     model, optimizer, batches = _o2(0, name)
-    train_steps(model, optimizer, amp, batches, 0, 3)
+    train_steps(model, optimizer, amp, batches, 0, steps_before)
     with torch.no_grad():
         model.fc1.weight.fill_(0.5)
-    train_steps(model, optimizer, amp, batches, 3, 4)
+    train_steps(model, optimizer, amp, batches, steps_before, steps_before + 1)
     assert (model.fc1.weight.float() - 0.5).abs().max().item() < 0.08
 
 

@@ -89,11 +89,13 @@ class Binding:
         self.kind = kind
         self.device = device
         self.masters = masters or []  # (model param, fp32 master) pairs, "masters" kind only
+        # Writes to the model params behind the "masters" kind's masters; a fused optimizer
+        # keeps its own marks and follows the model in its step.
         self.tracker = MasterTracker()
         self.skipped = None  # device count of skipped optimizer steps
         self._param_count = len(optimizer_params(optimizer))
         self._end_step()
-        self.tracker.mark(p for p, _ in self.master_pairs())
+        self._mark(p for p, _ in self.master_pairs())
         self._hooks = [
             self.inner.register_step_pre_hook(self._before_step),
             self.inner.register_step_post_hook(self._after_step),
@@ -157,11 +159,19 @@ class Binding:
                 self.masters.append((p, master))
                 self.tracker.mark([p])
 
+    def _mark(self, params):
+        """Records `params` as in step with their masters."""
+        if self.kind == "masters":
+            self.tracker.mark(params)
+        elif self.fused:
+            self.inner.mark_masters(params)
+
     def follow_model(self):
-        """Remakes the masters of model params that something other than a step wrote."""
-        pairs = self.master_pairs()
-        if not pairs:
+        """Remakes the masters of model params that something other than a step wrote (a
+        fused optimizer does this itself, in its step)."""
+        if self.kind != "masters" or not self.masters:
             return
+        pairs = self.masters
         changed = {id(p) for p in self.tracker.changed(p for p, _ in pairs)}
         for p, master in pairs:
             if id(p) in changed:
@@ -177,7 +187,7 @@ class Binding:
             if value is not None:
                 refresh_master(master, p, value)
                 done.append(p)
-        self.tracker.mark(done)
+        self._mark(done)
 
     # ---- scale_loss ---------------------------------------------------------------------
 
@@ -308,7 +318,8 @@ class Binding:
             self.inner._step_on_master_grads = False
             for p, master in self.master_pairs():
                 master.grad = None
-        self.tracker.mark(p for p, _ in self.master_pairs())
+        elif self.kind == "masters":
+            self.tracker.mark(p for p, _ in self.masters)
         self._end_step()
 
     def _count_skip(self):

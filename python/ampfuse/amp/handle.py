@@ -50,10 +50,10 @@ class AmpHandle:
     def watch_model(self, model):
         """Masters follow weights loaded into `model` with load_state_dict."""
         self.models.append(model)
-        self.hooks.append(LoadCapture(model, self._has_master, self._loaded))
+        self.hooks.append(LoadCapture(model, self._mastered, self._loaded))
 
-    def _has_master(self, param):
-        return any(p is param for b in self.bindings for p, _ in b.master_pairs())
+    def _mastered(self):
+        return {id(p) for b in self.bindings for p, _ in b.master_pairs()}
 
     def _loaded(self, pairs):
         loaded = {id(p): value for p, value in pairs}
@@ -113,7 +113,10 @@ class AmpHandle:
         """New param groups get masters; masters follow model weights written by others."""
         for b in self.bindings:
             b.adopt_new_params(self.new_master)
-            b.follow_model()
+            if b.fused:
+                b.inner.follow_masters()
+            else:
+                b.follow_model()
 
     # ---- scale_loss -----------------------------------------------------------------------
 

@@ -48,11 +48,12 @@ class MasterTracker:
 
 
 class LoadCapture:
-    """Hooks on a model's load_state_dict that hand the tensors loaded into the params that
-    `wants(param)` picks to `on_loaded(list of (param, loaded tensor))` once the load is done."""
+    """Hooks on a model's load_state_dict that hand the tensors loaded into the params whose
+    ids `mastered()` returns to `on_loaded(list of (param, loaded tensor))` once the load is
+    done."""
 
-    def __init__(self, model: torch.nn.Module, wants, on_loaded):
-        self._wants = wants
+    def __init__(self, model: torch.nn.Module, mastered, on_loaded):
+        self._mastered = mastered
         self._on_loaded = on_loaded
         self._pending = []
         self._handles = [
@@ -61,10 +62,11 @@ class LoadCapture:
         ]
 
     def _before(self, module, state_dict, prefix, *args):
+        mastered = self._mastered()  # once per load: a set, not a scan per param
         for name, param in module.named_parameters():
             value = state_dict.get(prefix + name)
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and self._wants(param)):
+                    and id(param) in mastered):
                 self._pending.append((param, value.detach()))
 
     def _after(self, module, incompatible_keys):

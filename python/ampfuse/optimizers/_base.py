@@ -204,9 +204,32 @@ class FusedOptimizer(torch.optim.Optimizer):
                     _on_device(found_inf, device, infs, "found_inf"),
                 )
                 if call.has_master and not torch.compiler.is_compiling():
-                    for p in call.params:
-                        self._master_marks[p] = param_mark(p)
+                    self.mark_masters(call.params)
         return loss
+
+    def _follow(self, p, master):
+        """Remakes `master` if something other than a step wrote `p` since it was marked."""
+        mark = self._master_marks.get(p)
+        if mark is not None and mark != param_mark(p):
+            refresh_master(master, p)
+            self._master_marks[p] = param_mark(p)
+
+    def follow_masters(self):
+        """What each step does for the params it updates, for every param with a master now
+        (before its masters are saved, say)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                master = self.state.get(p, {}).get("master_param")
+                if master is not None:
+                    self._follow(p, master)
+
+    def mark_masters(self, params):
+        """Records that `params` now hold what their masters say (the step just wrote them, or
+        a caller such as amp set the masters from them): until something else writes one of
+        them, its master is not looked at again."""
+        marks = self._master_marks
+        for p in params:
+            marks[p] = param_mark(p)
 
     def _calls(self, index, group):
         """Sorts the params of `group` that have grads into op calls (see the module docstring),
@@ -246,9 +269,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     self._check_not_capturing(index, i)
                     state["master_param"] = p.detach().to(torch.float32, copy=True)
                 elif follow_params:
-                    mark = self._master_marks.get(p)
-                    if mark is not None and mark != param_mark(p):
-                        refresh_master(state["master_param"], p)
+                    self._follow(p, state["master_param"])
                 # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
                 # they then take the place of the params' low-precision ones for this step.
                 if self._step_on_master_grads and state["master_param"].grad is not None:
