@@ -26,6 +26,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
 POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "fused_adam_", "fused_sgd_")
 
+# The ops that raise an overflow flag from what they read, and the list they read it from. A
+# rank sees only its shards, so the flag is MAX-reduced over the mesh afterwards: every rank then
+# skips the same steps, as with torch's GradScaler on DTensor grads (an inf in one rank's shard
+# of a grad would otherwise make only that rank skip, and the ranks would drift apart).
+FOUND_INF_READS = {"multi_tensor_unscale_": "grads", "multi_tensor_scale_": "src"}
+
 
 def _is_tensor_list(value):
     return isinstance(value, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in value)
@@ -93,13 +99,32 @@ def _local_lists(op, names, lists):
     return out
 
 
+def _max_over_shards(flag, tensors):
+    """Sets the local one-element `flag` to its maximum over the ranks that hold different
+    shards of `tensors` (DTensor's own Partial("max") -> Replicate redistribution); ranks along
+    a Replicate dimension saw the same values and need no reduction."""
+    reduced = set()
+    for t in tensors:
+        if not isinstance(t, DTensor):
+            continue
+        key = (t.device_mesh, tuple(t.placements))
+        if key in reduced or all(p.is_replicate() for p in t.placements):
+            continue
+        reduced.add(key)
+        placements = [Replicate() if p.is_replicate() else Partial("max") for p in t.placements]
+        partial = DTensor.from_local(flag, t.device_mesh, placements, run_check=False)
+        flag.copy_(partial.full_tensor())
+
+
 def _pointwise_rule(op):
     overload = getattr(torch.ops.ampfuse, op).default
     arg_names = [a.name for a in overload._schema.arguments]
+    flag_source = FOUND_INF_READS.get(op)
 
     def rule(cls, func, types, args=(), kwargs=None):
         bound = dict(zip(arg_names, args))
         bound.update(kwargs or {})
+        flag_tensors = bound.get(flag_source, ()) if flag_source else ()  # still DTensors
         list_names = [n for n in arg_names if _is_tensor_list(bound.get(n))]
         if list_names:
             local = _local_lists(op, list_names, [bound[n] for n in list_names])
@@ -107,7 +132,10 @@ def _pointwise_rule(op):
         for name, value in bound.items():
             if isinstance(value, torch.Tensor):
                 bound[name] = _local_scalar(op, name, value)
-        return func(**bound)
+        result = func(**bound)
+        if flag_source is not None:
+            _max_over_shards(bound["found_inf"], flag_tensors)
+        return result
 
     return rule
 
