@@ -108,14 +108,28 @@ class LossScaler:
         """Adds one to skipped_steps if the overflow flag is set (update() does this too)."""
         self.skipped_steps += self.found_inf.clamp(max=1.0)
 
-    def update(self) -> None:
-        """Ends a step: counts it if it overflowed and, for a dynamic scale, applies the rule."""
+    def update(self, counted_already=None) -> None:
+        """Ends a step: counts it if it overflowed and, for a dynamic scale, applies the rule.
+
+        counted_already: an optional device flag; where it is set, this call leaves the scale,
+        its trackers and the skipped count as they were (the overflow it saw was counted by an
+        earlier call of the same optimizer step). No host read either way."""
+        saved = None
+        if counted_already is not None:
+            saved = [t.clone() for t in self._update_state()]
         self.count_skipped()
         if self.dynamic:
             _ops.update_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker,
                                self.found_inf, self.growth_factor, self.backoff_factor,
                                self.growth_interval, self.hysteresis, self.min_scale,
                                self.max_scale)
+        if saved is not None:
+            keep = counted_already.reshape(1) != 0
+            for current, before in zip(self._update_state(), saved):
+                current.copy_(torch.where(keep.to(current.device), before, current))
+
+    def _update_state(self):
+        return (self.scale, self.growth_tracker, self.hysteresis_tracker, self.skipped_steps)
 
     # ---- reading and checkpoints (these read values back to the host) ---------------------
 

@@ -11,6 +11,7 @@ its backward looks like) reaches rank 0 through the gradient all-reduce: both ra
 step and back the scale off together.
 """
 
+import contextlib
 import os
 
 import torch
@@ -143,3 +144,92 @@ def test_overflow_on_one_rank_skips_on_every_rank_with_all_reduce_found_inf(tmp_
         r0, r1 = ranks[0][name], ranks[1][name]
         assert r0["skipped"] == r1["skipped"] == 1, name
         assert r0["scales"] == r1["scales"] == [2.0**16] * 2 + [2.0**15] * 2, name
+
+
+ACCUMULATION_VARIANTS = {
+    # apex's recipe: the no_sync micro-batch keeps its grads scaled (delay_unscale=True), so
+    # the synced backward all-reduces them, an inf included.
+    "FusedAdam, delay_unscale": ("FusedAdam", True, False),
+    "AdamW, delay_unscale": ("AdamW", True, False),
+    # A fused optimizer keeps the grads scaled until its step whatever delay_unscale says; the
+    # inf the later checks see again is counted once.
+    "FusedAdam": ("FusedAdam", False, False),
+    # The all-reduced flag makes every rank see the overflow at once.
+    "FusedAdam, all_reduce_found_inf": ("FusedAdam", False, True),
+}
+
+
+def _no_sync_rank(rank, variant):
+    """Two micro-batches per step, the first under DDP's no_sync; at step 2 only rank 1's first
+    micro-batch overflows. The overflow reaches rank 0 through the second micro-batch's
+    all-reduce, so both ranks skip that step and stay identical."""
+    optimizer_name, delay_unscale, all_reduce = ACCUMULATION_VARIANTS[variant]
+    model, batches = make_model("mlp", seed=0)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                      all_reduce_found_inf=all_reduce)
+    ddp_model = DistributedDataParallel(model)
+    scales = []
+    for step in range(4):
+        optimizer.zero_grad()
+        for micro in range(2):
+            inputs, targets = batches(2 * step + micro, seed=100 + rank)
+            synced = micro == 1
+            with contextlib.nullcontext() if synced else ddp_model.no_sync():
+                loss = F.cross_entropy(ddp_model(inputs), targets)
+                if step == 2 and rank == 1 and not synced:
+                    loss = loss * float("inf")
+                with amp.scale_loss(loss, optimizer,
+                                    delay_unscale=delay_unscale and not synced) as scaled_loss:
+                    scaled_loss.backward()
+        optimizer.step()
+        scales.append(amp.state_dict(optimizer)["loss_scaler0"]["scale"])
+    return {"final": snapshot(model, optimizer, amp), "scales": scales,
+            "skipped": amp.skipped_steps(optimizer)}
+
+
+def _no_sync_worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        results = {variant: _no_sync_rank(rank, variant) for variant in ACCUMULATION_VARIANTS}
+        results["refusal"] = _unsynced_unscale_rank(rank)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_sync_accumulation_with_an_overflow_on_one_rank_keeps_ranks_identical(tmp_path):
+    spawn_ranks(_no_sync_worker, (free_port(), str(tmp_path)), WORLD_SIZE, TIMEOUT_S)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    for variant in ACCUMULATION_VARIANTS:
+        assert r0[variant]["skipped"] == r1[variant]["skipped"] == 1, variant
+        assert r0[variant]["scales"] == r1[variant]["scales"] == [2.0**16] * 2 + [2.0**15] * 2
+        assert_same_snapshot(r1[variant]["final"], r0[variant]["final"], f"{variant}: rank 1")
+    # Where ranks would drift apart silently, amp refuses (_unsynced_unscale_rank).
+    assert r0["refusal"] == r1["refusal"] == {"refused": True}
+
+
+def _unsynced_unscale_rank(rank):
+    """A torch.optim optimizer at O2 unscales into its fp32 masters on scale_loss's exit, out of
+    reach of DDP's all-reduce: under no_sync, without delay_unscale, amp refuses."""
+    model, batches = make_model("mlp", seed=0)
+    optimizer = make_optimizer("AdamW", model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    ddp_model = DistributedDataParallel(model)
+    inputs, targets = batches(0, seed=100 + rank)
+    with ddp_model.no_sync():
+        loss = F.cross_entropy(ddp_model(inputs), targets)
+        with raises_naming("no_sync", "delay_unscale=True"):  # noqa: SIM117 (the order matters)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+    # The grads were left as they were (scaled, in .grad) and the synced forward is accepted.
+    assert all(p.grad is not None for p in model.parameters())
+    optimizer.zero_grad()
+    loss = F.cross_entropy(ddp_model(inputs), targets)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    return {"refused": True}

@@ -43,6 +43,25 @@ def test_accumulation_is_exact_when_the_scale_grows_between_micro_batches(name, 
         assert torch.equal(dynamic, static), f"param {i} differs from the static-scale run"
 
 
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedSGD", "AdamW"])
+def test_an_overflowing_micro_batch_backs_the_scale_off_once(name):
+    """An inf in the first of three micro-batches: a fused optimizer's grads keep it through
+    the later checks of the step, which must not count it again (under DDP's no_sync only the
+    rank that overflowed would). One backoff, one skipped step, for every optimizer kind."""
+    model, batches = make_model("mlp", seed=0)
+    optimizer = make_optimizer(name, model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    optimizer.zero_grad()
+    for m in range(3):
+        x, y = batches(m)
+        loss = F.cross_entropy(model(x), y) * (float("inf") if m == 0 else 1.0)
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+    optimizer.step()
+    state = amp.state_dict()["loss_scaler0"]
+    assert (state["scale"], amp.skipped_steps(optimizer)) == (2.0**15, 1)
+
+
 def test_plain_step_after_an_amp_step_uses_its_own_grads():
     """After an overflowing amp step, a plain backward + step must step, with unscaled grads."""
     model, batches = make_model("mlp", seed=0)

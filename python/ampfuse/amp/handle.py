@@ -14,12 +14,29 @@ import torch
 
 from ampfuse.amp import checkpoint
 from ampfuse.amp.binding import Binding, grads_of
+from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
 from ampfuse.amp.reporting import OverflowReporter
 from ampfuse.loss_scaler import LossScaler
 from ampfuse.optimizers._base import FusedOptimizer
 
 log = logging.getLogger("ampfuse.amp")
+
+
+def _overflow_counted_this_step(bindings):
+    """A device flag set when every optimizer of a scale_loss call is a fused one whose
+    accumulated grads already overflowed earlier in this optimizer step, else None.
+
+    Fused optimizers keep the grads scaled and accumulating until their step ("fold"), so an
+    inf from an earlier micro-batch is seen again by every later check of the same step. It was
+    counted (the scale backed off) when it appeared; counting it again would back off twice,
+    and under DDP's no_sync, where only the rank that overflowed sees the first inf, on that
+    rank only, so the ranks' scales would drift apart."""
+    if not bindings or any(b.kind != "fold" or b.window_inf is None for b in bindings):
+        return None
+    device = bindings[0].window_inf.device
+    flags = [b.window_inf.reshape(1).to(device) for b in bindings]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).amin(dim=0)
 
 
 class AmpHandle:
@@ -34,6 +51,7 @@ class AmpHandle:
         self.bindings = []
         self.hooks = []
         self.models = []
+        self.no_sync_watches = []
         self.all_reduce = bool(all_reduce_found_inf) or process_group is not None
         self.process_group = process_group
         dynamic = props.loss_scale == "dynamic"
@@ -48,9 +66,13 @@ class AmpHandle:
     # ---- binding models and optimizers ---------------------------------------------------
 
     def watch_model(self, model):
-        """Masters follow weights loaded into `model` with load_state_dict."""
+        """Masters follow weights loaded into `model` with load_state_dict; DDP's no_sync
+        around its forward is noticed."""
         self.models.append(model)
         self.hooks.append(LoadCapture(model, self._mastered, self._loaded))
+        watch = NoSyncWatch(model)
+        self.no_sync_watches.append(watch)
+        self.hooks.append(watch)
 
     def _mastered(self):
         return {id(p) for b in self.bindings for p, _ in b.master_pairs()}
@@ -153,8 +175,10 @@ class AmpHandle:
             b.delayed = delayed
         if delayed:
             return
+        self._refuse_unsynced_unscale(bindings)
         scaler = self.scalers[loss_id]
         scaler.begin_step()
+        counted = _overflow_counted_this_step(bindings)
         for b in bindings:
             b.unscale(scaler, scale)
         if self.all_reduce:
@@ -164,8 +188,26 @@ class AmpHandle:
             host_inf = bool(scaler.found_inf.item() != 0.0)
         for b in bindings:
             b.decide(scaler, scale, host_inf)
-        scaler.update()
+        scaler.update(counted_already=counted)
         self.reporter.step()
+
+    def _refuse_unsynced_unscale(self, bindings):
+        """Unscaling moves a micro-batch's grads out of .grad (into fp32 master grads or a
+        stash), where DDP's all-reduce of a later synced backward never sees them: the ranks
+        would silently train on different gradients. Fused optimizers keep grads in place."""
+        if not any(w.unsynced for w in self.no_sync_watches):
+            return
+        if all(b.kind == "fold" for b in bindings):
+            return
+        raise RuntimeError(
+            "amp.scale_loss: this loss's forward ran under DistributedDataParallel.no_sync(), "
+            "and on exit scale_loss would unscale its gradients out of .grad (into the fp32 "
+            "master grads or amp's accumulation stash), where the next synced backward's "
+            "all-reduce never sees them, so the ranks would train on different gradients. Pass "
+            "delay_unscale=True to scale_loss for the no_sync micro-batches (apex's recipe: "
+            "only the last, synced micro-batch unscales), or use an ampfuse fused optimizer, "
+            "which keeps the gradients in place until its step."
+        )
 
     def _all_reduce(self, found_inf):
         dist = torch.distributed
