@@ -240,3 +240,18 @@ def test_plugins_are_lightnings_own_kinds(plugin, mixed, half):
     for made, kind in ((fp16, mixed), (bf16, mixed), (true, half)):
         assert isinstance(made, plugin) and isinstance(made, kind), type(made).__mro__
     assert isinstance(fp16.scaler, GradScaler) and bf16.scaler is None
+
+
+def test_lightning_runs_16_mixed_as_bf16_on_the_cpu_and_the_plugin_does_not():
+    """What the README says about the CPU: Lightning's own '16-mixed' turns into bf16-mixed with
+    a warning; AmpfusePrecision('16-mixed', device='cpu') autocasts to fp16."""
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        trainer = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)
+    assert trainer.precision_plugin.precision == "bf16-mixed"
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        fabric = L.Fabric(accelerator="cpu", precision="16-mixed")
+    assert fabric.strategy.precision.precision == "bf16-mixed"
+    for plugin in (AmpfusePrecision, AmpfuseFabricPrecision):
+        with plugin("16-mixed", device="cpu").forward_context():
+            assert torch.is_autocast_enabled("cpu")
+            assert torch.get_autocast_dtype("cpu") == torch.float16
