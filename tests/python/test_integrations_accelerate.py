@@ -146,6 +146,23 @@ def test_hf_trainer_scheduler_holds_on_a_skipped_fused_step():
     assert type(trainer.optimizer) is AcceleratedOptimizer
 
 
+def test_accelerate_gradscaler_path_sees_a_fused_skip():
+    """Accelerate's fp16 path, which it takes on GPUs only, built here with a CPU GradScaler: the
+    scaler calls the fused optimizer's step() even when the grads overflowed (the optimizer
+    skips inside), so Accelerate's own verdict is "not skipped"."""
+    accelerate.Accelerator(cpu=True)  # the process state AcceleratedOptimizer reads
+    model = TinyRegressor()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    optimizer = AcceleratedOptimizer(FusedAdamW(model.parameters(), lr=LR), scaler=scaler)
+    track_skipped_steps(optimizer)
+    before = snapshot(model)
+    scaler.scale(model(**Pairs()[0])["loss"]).backward()
+    plant_inf(model)
+    optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, snapshot(model)))
+    assert optimizer.step_was_skipped is True
+
+
 def test_track_skipped_steps_switches_the_prepared_object_and_back():
     """The Accelerator and the prepared scheduler hold the prepared optimizer, so tracking keeps
     the object and changes only its class; normal steps still read as not skipped."""
