@@ -6,6 +6,7 @@ compared with the same loop written by hand with torch.optim.AdamW and torch's c
 own arithmetic differs).
 """
 
+import copy
 import warnings
 
 import pytest
@@ -42,10 +43,10 @@ def make_net():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def batches():
+def batches(count=STEPS):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS * BATCH, 8, generator=gen)
-    y = torch.randn(STEPS * BATCH, 1, generator=gen)
+    x = torch.randn(count * BATCH, 8, generator=gen)
+    y = torch.randn(count * BATCH, 1, generator=gen)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
@@ -112,11 +113,11 @@ class TinyModule(L.LightningModule):
         self.skipped_flags.append(None if flag is None else bool(flag))
 
 
-def fit(module, plugin):
+def fit(module, plugin, data=None, max_steps=STEPS, ckpt_path=None):
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=STEPS,
+        max_steps=max_steps,
         gradient_clip_val=CLIP,
         plugins=[plugin],
         logger=False,
@@ -124,7 +125,7 @@ def fit(module, plugin):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, batches())
+    trainer.fit(module, batches() if data is None else data, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -255,3 +256,40 @@ def test_lightning_runs_16_mixed_as_bf16_on_the_cpu_and_the_plugin_does_not():
         with plugin("16-mixed", device="cpu").forward_context():
             assert torch.is_autocast_enabled("cpu")
             assert torch.get_autocast_dtype("cpu") == torch.float16
+
+
+def test_trainer_resume_restores_the_ampfuse_scaler_and_fused_state(tmp_path):
+    """Lightning checkpoints the plugin's scaler (the plugin is a MixedPrecision) and the fused
+    optimizer's state: a run resumed from a checkpoint starts from exactly the saved params,
+    moments, step counts, loss scale and growth tracker."""
+
+    class Resumed(TinyModule):
+        def on_train_start(self):
+            super().on_train_start()
+            # state_dict() holds the live moments, which the next steps change: copy them.
+            optimizer_state = copy.deepcopy(self.trainer.optimizers[0].state_dict())
+            self.started_with = (optimizer_state, scaler.state_dict())
+
+    def run(module, max_steps, ckpt_path=None):
+        plugin = AmpfusePrecision("16-mixed", device="cpu", scaler=scaler)
+        return fit(module, plugin, batches(STEPS // 2), max_steps, ckpt_path)
+
+    # growth_interval=1: the scale doubles every clean step, so a scale that was not restored
+    # shows.
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    first = TinyModule(lambda params: FusedAdamW(params, lr=LR))
+    trainer = run(first, STEPS // 2)
+    trainer.save_checkpoint(tmp_path / "half.ckpt")
+    saved = (trainer.optimizers[0].state_dict(), scaler.state_dict())
+    assert saved[1]["scale"] == 2.0**8 * 2 ** (STEPS // 2)
+
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    resumed = Resumed(lambda params: FusedAdamW(params, lr=LR))
+    run(resumed, STEPS, tmp_path / "half.ckpt")
+    assert all(torch.equal(p, q) for p, q in zip(resumed.snapshots[0], first.snapshots[-1]))
+    (optimizer_state, scaler_state), (saved_optimizer, saved_scaler) = resumed.started_with, saved
+    assert scaler_state == saved_scaler
+    assert optimizer_state["state"].keys() == saved_optimizer["state"].keys()
+    for index, state in optimizer_state["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, saved_optimizer["state"][index][key]), (index, key)
