@@ -40,3 +40,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request):
     return request.param
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo group in this process (FSDP2 and DCP on world size 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

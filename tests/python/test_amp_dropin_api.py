@@ -170,3 +170,31 @@ def test_user_registered_norm_type_stays_fp32_at_o2():
         assert model[0].weight.dtype == torch.bfloat16
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "AdamW"])
+def test_o2_with_cast_model_type_false_scales_the_loss_and_keeps_the_model_dtype(name):
+    """apex's O2 with cast_model_type=False casts nothing (no weights, inputs or outputs) and
+    keeps fp32 masters for the params the user already made low precision."""
+    model, batches = make_model("mlp")
+    model.to(torch.bfloat16)  # the user's own choice
+    optimizer = make_optimizer(name, model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", cast_model_type=False,
+                                      verbosity=0)
+    assert model.fc1.weight.dtype == torch.bfloat16
+    for step in range(3):
+        x, y = batches(step)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            model(x)  # no input cast
+        out = model(x.to(torch.bfloat16))
+        assert out.dtype == torch.bfloat16  # no output cast
+        optimizer.zero_grad()
+        with amp.scale_loss(F.cross_entropy(out.float(), y), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    masters = {tuple(m.shape): m for m in amp.master_params(optimizer)}
+    fc1_master = masters[tuple(model.fc1.weight.shape)]
+    assert fc1_master.dtype == torch.float32 and fc1_master is not model.fc1.weight
+    assert torch.equal(fc1_master.to(torch.bfloat16), model.fc1.weight)
+    assert not torch.equal(fc1_master, fc1_master.to(torch.bfloat16).float())  # fp32 bits kept
+    assert amp.state_dict()["loss_scaler0"]["scale"] == 2.0**16  # dynamic scaling

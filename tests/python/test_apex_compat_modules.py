@@ -208,14 +208,6 @@ def test_amp_o2_keeps_fused_layer_norm_fp32():
 # ---- apex.parallel -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store",
-                                         rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 def test_ddp_takes_apex_arguments_and_reduces_as_asked(one_rank, monkeypatch):
     reduced = []
     all_reduce = torch.distributed.all_reduce

@@ -295,17 +295,11 @@ def test_fsdp2_optimizer_state_dict_round_trips_through_distributed_checkpoint(r
 
 
 @pytest.fixture
-def mesh(tmp_path):
+def mesh(one_rank):
     """A one-rank CPU device mesh in this process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def test_dtensors_whose_shards_do_not_line_up_are_refused(mesh):

@@ -203,17 +203,6 @@ def test_dcp_resume_on_the_same_world_size_is_bit_for_bit(two_ranks, config):
                            results[1][config]["straight"]["param0"])
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("config", CONFIGS)
 def test_dcp_checkpoint_of_two_ranks_resumes_on_one(two_ranks, one_rank, config):
     """DCP reshards the two-rank checkpoint onto one rank; the run continues to the same whole

@@ -19,6 +19,7 @@ instead of printed every time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import torch
@@ -29,6 +30,7 @@ from ampfuse.amp.binding import hookable, optimizer_params
 from ampfuse.amp.casting import register_norm_type
 from ampfuse.amp.handle import AmpHandle
 from ampfuse.amp.opt_levels import resolve
+from ampfuse.amp.sharded import refuse_casting_sharded_models
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -171,8 +173,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     casting.check_custom_lists(custom_white_list, custom_black_list)
     device = _model_device(model_list)
     low = _low_dtype(dtype, device)
-    if cast_model_type is False:
-        cast_model_type = None  # apex: False means "leave the model's dtype alone", like None
+    # apex: False leaves the model's dtype alone at every level (None takes the level's own).
+    leave_model_dtype = cast_model_type is False
+    if leave_model_dtype:
+        cast_model_type = None
     if cast_model_type is not None and cast_model_type not in (torch.float16, torch.bfloat16,
                                                                torch.float32):
         raise ValueError(f"amp.initialize: cast_model_type {cast_model_type} is not a float type.")
@@ -180,10 +184,15 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
+    if leave_model_dtype:
+        # No model cast means no input or output casts either, unless outputs are asked for.
+        props = dataclasses.replace(props, cast_model_type=None,
+                                    cast_model_outputs=cast_model_outputs)
     if num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be >= 1, got {num_losses}.")
     if enabled:
         _check_param_dtypes(model_list, props)
+        refuse_casting_sharded_models(model_list, props.cast_model_type, props.opt_level)
         _check_lists(props, custom_white_list, custom_black_list)
     handle = AmpHandle(props, low, device, num_losses, min_loss_scale, max_loss_scale,
                        hysteresis, verbosity, enabled=enabled, growth_interval=growth_interval,
@@ -205,6 +214,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                                       props.cast_model_outputs)
             elif model_dtype == torch.float32:
                 model.float()
+            elif props.master_weights:
+                # cast_model_type=False: params the user made low precision get fp32 masters,
+                # as apex gave them.
+                originals.update((p, p.detach().float()) for p in model.parameters()
+                                 if p.dtype in (torch.float16, torch.bfloat16))
+            if (leave_model_dtype and props.cast_model_outputs is not None
+                    and not props.patch_torch_functions):
+                handle.hooks += casting.cast_model_io(model, None, props.cast_model_outputs)
             if props.patch_torch_functions:
                 lists = casting.CastLists(
                     low=_pending_lists["low"] | set(custom_white_list or ()),

@@ -86,8 +86,10 @@ class AmpHandle:
         """Decides how `optimizer` is unscaled and skipped; `fp32_originals` maps each model
         param cast to the low dtype to a copy of its fp32 value from before the cast."""
         fused = isinstance(optimizer, FusedOptimizer)
-        wants_masters = self.props.master_weights and self.props.cast_model_type in (
-            torch.float16, torch.bfloat16)
+        # Masters for the params amp cast down, or (cast_model_type=False) for the params the
+        # user made low precision.
+        wants_masters = self.props.master_weights and (
+            self.props.cast_model_type in (torch.float16, torch.bfloat16) or bool(fp32_originals))
         if fused:
             if wants_masters:
                 # New groups (add_param_group) get masters too, as apex gave them.
