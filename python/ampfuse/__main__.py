@@ -58,6 +58,9 @@ def _add_demo_parser(commands):
     demo.add_argument("--out", default="demo_out", metavar="DIR",
                       help="where the plot is saved (default: ./demo_out)")
     demo.add_argument("--seed", type=int, default=0, help="model and batch-order seed")
+    demo.add_argument("--ranks", type=_positive_int, default=1, metavar="N",
+                      help="train with FSDP2 (fully_shard) on N CPU processes (default: 1, "
+                      "no sharding)")
     demo.add_argument("--inject-overflow", type=_overflow_step, default=None, metavar="STEP",
                       help="write an inf into a gradient at STEP, which every run must skip "
                       "(default: the middle step; 'off' to disable)")
@@ -76,6 +79,9 @@ def _run_demo(args, demo) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         demo.error("argument --device: torch sees no CUDA device on this machine; "
                    "use --device cpu")
+    if args.ranks > 1 and device.type != "cpu":
+        demo.error("argument --ranks: the sharded demo runs on CPU processes (gloo); "
+                   "add --device cpu")
     inject = args.inject_overflow
     if inject is None:
         inject = args.steps // 2
@@ -88,7 +94,7 @@ def _run_demo(args, demo) -> int:
 
     return demo_main(steps=args.steps, device=str(device), dtype=args.dtype,
                      opt_levels=args.opt_levels, out=args.out, seed=args.seed,
-                     inject_overflow=inject)
+                     inject_overflow=inject, ranks=args.ranks)
 
 
 def main(argv=None) -> int:

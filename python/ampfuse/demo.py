@@ -88,10 +88,13 @@ def evaluate(model, x, y) -> tuple[float, float]:
 
 
 def state_bytes(model, optimizer) -> int:
-    """Bytes of params, grads and optimizer state (moments, fp32 masters, step counts)."""
+    """Bytes of params, grads and optimizer state (moments, fp32 masters, step counts) that
+    this process holds: its own shards of sharded (DTensor) ones."""
     tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors
+               if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _sync(device) -> None:
@@ -100,19 +103,26 @@ def _sync(device) -> None:
 
 
 def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device, dtype,
-              inject_overflow: int | None = None, progress: bool = True) -> dict:
+              inject_overflow: int | None = None, progress: bool = True,
+              sharding=None) -> dict:
     """Trains one model at `opt_level` ("O0" is the fp32 baseline) and returns its results:
     name, opt_level, test accuracy (%) and loss, final loss (the mean training loss of the
     last FINAL_LOSS_STEPS steps), per-step losses and loss scales, ms per step after warm-up,
-    memory, skipped steps and the final loss scale."""
+    memory, skipped steps and the final loss scale.
+
+    sharding: None, or the FSDP2 set-up of a multi-process run (demo_fsdp2.Sharding), which
+    shards the model, gives this process its rows of each batch and averages the losses."""
     from tqdm import tqdm
 
     device = torch.device(device)
     x_train, y_train, x_test, y_test = data
     model = make_model(seed).to(device)
+    amp_options = {}
+    if sharding is not None:
+        model, amp_options = sharding.shard(model, opt_level, dtype)
     optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype,
-                                      verbosity=0)
+                                      verbosity=0, **amp_options)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     order = batch_order(steps, len(x_train), seed, device)
     if device.type == "cuda":
@@ -126,13 +136,17 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
         if step == warmup:
             _sync(device)
             start = time.perf_counter()
-        index = order[step]
+        index = order[step] if sharding is None else sharding.rows(order[step])
         loss = torch.nn.functional.cross_entropy(model(x_train[index]), y_train[index])
         optimizer.zero_grad(set_to_none=True)
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
             if step == inject_overflow:
-                next(model.parameters()).grad.view(-1)[0] = float("inf")
+                grad = next(model.parameters()).grad
+                if sharding is not None:
+                    grad = sharding.overflowing_shard(grad)  # one rank's shard only
+                if grad is not None:
+                    grad.view(-1)[0] = float("inf")
         optimizer.step()
         scheduler.step()
         losses.append(loss.detach())
@@ -143,10 +157,13 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
     ms_per_step = 1e3 * (time.perf_counter() - start) / max(steps - warmup, 1)
     bar.close()
 
-    losses = torch.stack(losses).float().cpu()
+    losses, scaled_losses = torch.stack(losses).float(), torch.stack(scaled_losses).float()
     # apex's contract: the scaled loss is loss * loss_scale. The scale is a power of two, so
     # the ratio recovers the scale each step's backward used exactly, without a host read.
-    scales = torch.stack(scaled_losses).float().cpu() / losses
+    scales = (scaled_losses / losses).cpu()
+    if sharding is not None:
+        losses = sharding.mean_over_ranks(losses)  # the whole batch's loss
+    losses = losses.cpu()
     accuracy, test_loss = evaluate(model, x_test, y_test)
     return {
         "name": name, "opt_level": opt_level, "accuracy": accuracy, "test_loss": test_loss,
@@ -209,10 +226,15 @@ def save_plot(results: list[dict], path: Path, inject_overflow: int | None = Non
 
 def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = None,
              opt_levels=("O1", "O2"), out: str | Path = "demo_out", seed: int = 0,
-             inject_overflow: int | None = None, progress: bool = True) -> list[dict]:
+             inject_overflow: int | None = None, progress: bool = True,
+             ranks: int = 1) -> list[dict]:
     """Runs the fp32 baseline and each opt level, prints the table, saves the plot under `out`
-    and returns one result dict per run (see train_run)."""
+    and returns one result dict per run (see train_run). ranks > 1: FSDP2 on that many CPU
+    processes (demo_fsdp2)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if ranks > 1 and device.type != "cpu":
+        raise ValueError("the sharded demo (ranks > 1) runs on CPU processes (gloo); "
+                         "use --device cpu")
     low = DTYPES[dtype] if dtype else (torch.float16 if device.type == "cuda" else torch.bfloat16)
     low_name = {v: k for k, v in DTYPES.items()}[low]
     data = load_digits(device)
@@ -226,9 +248,16 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
         print(f"  an inf is written into a gradient at step {inject_overflow}: every run must "
               "skip that step")
     runs = [("fp32", "O0")] + [(f"{level} {low_name}", level) for level in opt_levels]
-    results = [train_run(name, level, data, steps=steps, seed=seed, device=device, dtype=low,
-                         inject_overflow=inject_overflow, progress=progress)
-               for name, level in runs]
+    options = dict(steps=steps, seed=seed, device=device, dtype=low,
+                   inject_overflow=inject_overflow, progress=progress)
+    if ranks > 1:
+        from ampfuse.demo_fsdp2 import train_sharded
+
+        print(f"  FSDP2 (fully_shard) on {ranks} CPU processes (gloo), {BATCH_SIZE // ranks} "
+              "rows of each batch per process; memory: one process's shards")
+        results = train_sharded(runs, ranks, **options)
+    else:
+        results = [train_run(name, level, data, **options) for name, level in runs]
     print(format_table(results, device))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +280,7 @@ def failures(results: list[dict], inject_overflow: int | None) -> list[str]:
     return problems
 
 
-def main(steps, device, dtype, opt_levels, out, seed, inject_overflow) -> int:
+def main(steps, device, dtype, opt_levels, out, seed, inject_overflow, ranks=1) -> int:
     """The `python -m ampfuse demo` command: runs the demo and returns the exit status."""
     missing = [pip for module, pip in REQUIREMENTS.items()
                if importlib.util.find_spec(module) is None]
@@ -260,7 +289,7 @@ def main(steps, device, dtype, opt_levels, out, seed, inject_overflow) -> int:
               file=sys.stderr)
         return 2
     results = run_demo(steps=steps, device=device, dtype=dtype, opt_levels=opt_levels, out=out,
-                       seed=seed, inject_overflow=inject_overflow)
+                       seed=seed, inject_overflow=inject_overflow, ranks=ranks)
     problems = failures(results, inject_overflow)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)

@@ -76,6 +76,34 @@ def test_run_demo_results(tmp_path, capsys):
     assert "KiB params+grads+opt" in capsys.readouterr().out
 
 
+def test_sharded_demo_on_two_processes_matches_the_single_process_run(tmp_path, capsys):
+    """--ranks 2: FSDP2 on two CPU processes. The overflow written into rank 0's shard only is
+    skipped by both; each process holds about half of the params, grads and state; and the
+    runs train like the single-process ones (BatchNorm's per-process batch statistics apart)."""
+    options = dict(steps=16, device="cpu", dtype="bf16", opt_levels=("O1", "O2"), seed=1,
+                   inject_overflow=5, progress=False)
+    sharded = demo.run_demo(out=tmp_path / "sharded", ranks=2, **options)
+    assert "FSDP2 (fully_shard) on 2 CPU processes" in capsys.readouterr().out
+    single = demo.run_demo(out=tmp_path / "single", **options)
+    assert demo.failures(sharded, inject_overflow=5) == []
+    for two, one in zip(sharded, single):
+        assert two["opt_level"] == one["opt_level"]
+        assert (two["skipped"], two["final_scale"]) == (one["skipped"], one["final_scale"])
+        assert two["loss_scales"] == one["loss_scales"]
+        # Step counts (one per param) are not sharded; everything else is halved.
+        assert 0.5 <= two["state_kib"] / one["state_kib"] < 0.52, two["name"]
+        # The first step's loss is the whole batch's, averaged over the processes.
+        assert math.isclose(two["losses"][0], one["losses"][0], rel_tol=2e-2), two["name"]
+        assert two["losses"][-1] < 0.5 * two["losses"][0], f"{two['name']} did not train"
+
+
+def test_ranks_need_the_cpu(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        main(["demo", "--ranks", "2", "--device", "cuda"])
+    assert "--device cpu" in capsys.readouterr().err
+
+
 def test_same_seed_same_run():
     data = demo.load_digits("cpu")
     first, second = (demo.train_run("O2", "O2", data, steps=5, seed=3, device="cpu",
@@ -145,9 +173,11 @@ def test_flags_reach_the_demo(monkeypatch):
     assert main(["demo", "--opt-levels", "o2, O1,O2", "--inject-overflow", "off", "--dtype",
                  "fp16", "--seed", "7", "--out", "elsewhere"]) == 0
     assert main(["demo"]) == 0
+    assert main(["demo", "--ranks", "4", "--device", "cpu"]) == 0
     default_steps = inspect.signature(demo.run_demo).parameters["steps"].default
     assert calls[2]["steps"] == default_steps and calls[2]["inject_overflow"] == default_steps // 2
     assert calls[0] == dict(steps=40, device="cpu", dtype=None, opt_levels=("O1", "O2"),
-                            out="demo_out", seed=0, inject_overflow=20)
+                            out="demo_out", seed=0, inject_overflow=20, ranks=1)
+    assert calls[3]["ranks"] == 4
     assert calls[1]["opt_levels"] == ("O2", "O1") and calls[1]["inject_overflow"] is None
     assert (calls[1]["dtype"], calls[1]["seed"], calls[1]["out"]) == ("fp16", 7, "elsewhere")
