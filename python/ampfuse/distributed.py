@@ -10,7 +10,9 @@ docs/DESIGN-NOTES.md for why not a sharding strategy.
 
 multi_tensor_l2norm is the one reduction: the local sums of squares become a DTensor whose
 sharded mesh dimensions are Partial("sum"), and DTensor's own redistribution to Replicate
-all-reduces them, so every rank gets the global norms.
+all-reduces them, so every rank gets the global norms. multi_tensor_nonfinite_check_ checks the
+local shards and all-reduces its flag (MAX) over the tensors' meshes, so every rank gets the
+same verdict.
 
 Importing this module registers the rules; ampfuse._ops imports it as soon as
 torch.distributed.tensor is loaded (no DTensor can exist before that), so the wrappers in
@@ -21,6 +23,7 @@ calls torch.ops.ampfuse.* directly on DTensors imports ampfuse.distributed first
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
@@ -160,6 +163,30 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
     )
 
 
+def _nonfinite_check_rule(cls, func, types, args=(), kwargs=None):
+    """The check on each rank's local shards, then found_inf all-reduced (MAX) over every device
+    mesh the tensors live on: a shard's inf must skip the step on every rank, or the ranks'
+    params would drift apart. (FSDP2's reduce-scatter leaves an overflow on one rank only.)"""
+    op = "multi_tensor_nonfinite_check_"
+    bound = dict(zip(("tensors", "found_inf"), args))
+    bound.update(kwargs or {})
+    tensors = list(bound["tensors"])
+    (local,) = _local_lists(op, ["tensors"], [tensors])
+    found_inf = _local_scalar(op, "found_inf", bound["found_inf"])
+    func(local, found_inf)
+    meshes = []
+    for t in tensors:
+        if isinstance(t, DTensor) and all(t.device_mesh != m for m in meshes):
+            meshes.append(t.device_mesh)
+    for mesh in meshes:
+        # MAX over each mesh dimension in turn is the MAX over the whole mesh.
+        for dim in range(mesh.ndim):
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
 for _op in POINTWISE_OPS:
     torch.library.register_torch_dispatch(f"ampfuse::{_op}", DTensor, _pointwise_rule(_op))
 torch.library.register_torch_dispatch("ampfuse::multi_tensor_l2norm", DTensor, _l2norm_rule)
+torch.library.register_torch_dispatch(
+    "ampfuse::multi_tensor_nonfinite_check_", DTensor, _nonfinite_check_rule
+)
