@@ -37,6 +37,18 @@ class FusedAdam(FusedOptimizer):
             leave p.grad unscaled, as torch's optimizers do (default). False keeps the scaled
             grads and saves writing them, one pass over the grads' bytes per step; a skipped
             step leaves them scaled either way, as torch does.
+        skip_nonfinite: skip the whole step (params, moments, masters, step counts all left as
+            they were) when any grad holds inf/nan, decided on the device with no host sync.
+            None (default): on for a param group with fp16/bf16 params when no loss scaler
+            drives the step (step() gets no found_inf; a GradScaler or amp has already checked
+            the grads and hands over its verdict instead), off for fp32 groups. True: check
+            every step, also on top of a scaler's found_inf. False: never check. If any checked
+            grad of any group is non-finite, every group skips: one verdict per step.
+
+    Skipped steps: `last_step_skipped` is a 0-dim bool tensor on the params' device saying
+    whether the last step() was skipped (by skip_nonfinite or a scaler's found_inf; None before
+    the first step), and get_skipped_steps() counts them (on the device; reading syncs).
+    state_dict() saves the count as 'skipped_steps'.
 
     Arguments after weight_decay are keyword-only: torch.optim.Adam's sixth positional argument
     is amsgrad, apex's order differs again, and a silent mix-up would change the math.
@@ -73,6 +85,7 @@ class FusedAdam(FusedOptimizer):
         capturable=False,
         set_grad_none=True,
         write_unscaled_grads=True,
+        skip_nonfinite=None,
     ):
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             # Tensor betas are read once here rather than at every step.
@@ -89,6 +102,7 @@ class FusedAdam(FusedOptimizer):
             "bias_correction": bias_correction,
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
+            "skip_nonfinite": skip_nonfinite,
         }
         super().__init__(params, defaults, set_grad_none)
 
@@ -200,6 +214,7 @@ class FusedAdamW(FusedAdam):
         capturable=False,
         set_grad_none=True,
         write_unscaled_grads=True,
+        skip_nonfinite=None,
     ):
         super().__init__(
             params,
@@ -215,6 +230,7 @@ class FusedAdamW(FusedAdam):
             capturable=capturable,
             set_grad_none=set_grad_none,
             write_unscaled_grads=write_unscaled_grads,
+            skip_nonfinite=skip_nonfinite,
         )
 
     def __setstate__(self, state):
