@@ -3,7 +3,7 @@ whole on the device, with `last_step_skipped` and get_skipped_steps() reporting 
 
 Without a loss scaler (every bf16 run in the frameworks), one inf grad would otherwise turn
 every param into NaN; with a scaler driving the step, the scaler's found_inf is the verdict and
-the grads are not checked a second time."""
+the grads are not checked a second time. The default is off (False); None is the bf16 guard."""
 
 import copy
 import os
@@ -85,7 +85,7 @@ def check_calls(monkeypatch):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_planted_non_finite_grad_skips_the_whole_step(name, where, value):
     model = make_model()
-    optimizer = OPTIMIZERS[name](model.parameters())
+    optimizer = OPTIMIZERS[name](model.parameters(), skip_nonfinite=None)
     assert optimizer.last_step_skipped is None
     backward(model, 0)
     optimizer.step()
@@ -108,7 +108,7 @@ def test_next_clean_step_equals_a_run_that_never_saw_the_bad_step(name, bad_step
     runs = []
     for with_bad_step in (True, False):
         model = make_model()
-        optimizer = OPTIMIZERS[name](model.parameters())
+        optimizer = OPTIMIZERS[name](model.parameters(), skip_nonfinite=None)
         for step in range(3):
             if step == bad_step and with_bad_step:
                 backward(model, 50)
@@ -126,7 +126,8 @@ def test_next_clean_step_equals_a_run_that_never_saw_the_bad_step(name, bad_step
 def test_a_bad_grad_in_one_group_skips_every_group():
     model = make_model()
     first, second = list(model.parameters())[:2], list(model.parameters())[2:]
-    optimizer = FusedAdamW([{"params": first}, {"params": second, "lr": 0.1}])
+    optimizer = FusedAdamW([{"params": first}, {"params": second, "lr": 0.1}],
+                           skip_nonfinite=None)
     backward(model, 0)
     optimizer.step()
     backward(model, 1)
@@ -137,15 +138,42 @@ def test_a_bad_grad_in_one_group_skips_every_group():
     assert optimizer.get_skipped_steps() == 1
 
 
-def test_fp32_params_are_not_checked_by_default(check_calls):
-    model = make_model(torch.float32)
-    optimizer = FusedAdamW(model.parameters())
+@pytest.mark.parametrize(("dtype", "skip"), [(torch.float32, None), (torch.bfloat16, False)])
+def test_none_leaves_fp32_unchecked_and_the_default_checks_nothing(dtype, skip, check_calls):
+    # The default is off: the check is one more read of every grad (docs/DESIGN-NOTES.md).
+    model = make_model(dtype)
+    optimizer = FusedAdamW(model.parameters()) if skip is False else FusedAdamW(
+        model.parameters(), skip_nonfinite=skip)
+    assert optimizer.param_groups[0]["skip_nonfinite"] is skip
     backward(model, 0)
     plant(model, "first", float("inf"))
     optimizer.step()
     assert check_calls == []
     assert not torch.isfinite(next(model.parameters())).all()  # as torch.optim.AdamW does
     assert not optimizer.last_step_skipped and optimizer.get_skipped_steps() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bad_device", ["cpu", "cuda"])
+def test_one_verdict_for_params_on_two_devices(bad_device):
+    """An inf on one device skips the params on the other too (the verdict is summed across
+    devices, and copied to the CPU before its kernels read it)."""
+    model = make_model()
+    params = list(model.parameters())
+    for p in params[1::2]:
+        p.data = p.data.cuda()
+    optimizer = FusedAdamW(params, skip_nonfinite=None)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    next(p for p in params if p.device.type == bad_device).grad[0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert optimizer.last_step_skipped.device == params[0].device
+    assert bool(optimizer.last_step_skipped) and optimizer.get_skipped_steps() == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -164,7 +192,7 @@ def test_true_and_false_force_the_check(dtype):
 @pytest.mark.parametrize("driver", ["ampfuse", "torch", "found_inf_argument"])
 def test_a_scaler_driving_the_step_is_the_verdict_without_a_second_check(driver, check_calls):
     model = make_model(torch.float16)
-    optimizer = FusedAdamW(model.parameters())
+    optimizer = FusedAdamW(model.parameters(), skip_nonfinite=None)
     scaler = {"ampfuse": lambda: ampfuse.GradScaler("cpu", init_scale=2.0**8),
               "torch": lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8)}.get(driver)
     scaler = scaler() if scaler else None
@@ -201,7 +229,7 @@ def test_true_checks_on_top_of_a_scaler_and_leaves_its_flag_alone(check_calls):
 
 def test_last_step_skipped_is_a_new_tensor_each_step():
     model = make_model()
-    optimizer = FusedAdamW(model.parameters())
+    optimizer = FusedAdamW(model.parameters(), skip_nonfinite=None)
     backward(model, 0)
     plant(model, "first", float("inf"))
     optimizer.step()
@@ -262,7 +290,8 @@ def test_state_dict_keeps_the_option_and_the_count():
 
 def test_compiled_step_skips_like_the_eager_one():
     models = [make_model(), make_model()]
-    optimizers = [FusedAdamW(m.parameters(), master_weights=True) for m in models]
+    optimizers = [FusedAdamW(m.parameters(), master_weights=True, skip_nonfinite=None)
+                  for m in models]
 
     @torch.compile(backend="eager", fullgraph=True)
     def compiled_step():
@@ -292,7 +321,7 @@ def _fsdp2_worker(rank, port, out_dir):
         model = make_model()
         for layer in (model[0], model[2], model):
             fully_shard(layer)
-        optimizer = FusedAdamW(model.parameters(), lr=1e-2)
+        optimizer = FusedAdamW(model.parameters(), lr=1e-2, skip_nonfinite=None)
         unchanged = []
         for step in range(3):
             backward(model, step)

@@ -13,8 +13,8 @@ import torch
 
 from ampfuse import _ops
 
-# skip_nonfinite=None (the default) checks the grads of a group that steps fp16/bf16 params
-# when no loss scaler drives the step; True checks every step; False never does.
+# skip_nonfinite=None checks the grads of a group that steps fp16/bf16 params when no loss
+# scaler drives the step; True checks every step; False (the default) never does.
 SKIP_NONFINITE_VALUES = (None, True, False)
 
 

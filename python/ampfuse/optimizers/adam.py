@@ -39,11 +39,13 @@ class FusedAdam(FusedOptimizer):
             step leaves them scaled either way, as torch does.
         skip_nonfinite: skip the whole step (params, moments, masters, step counts all left as
             they were) when any grad holds inf/nan, decided on the device with no host sync.
-            None (default): on for a param group with fp16/bf16 params when no loss scaler
-            drives the step (step() gets no found_inf; a GradScaler or amp has already checked
-            the grads and hands over its verdict instead), off for fp32 groups. True: check
-            every step, also on top of a scaler's found_inf. False: never check. If any checked
-            grad of any group is non-finite, every group skips: one verdict per step.
+            False (default): never check; the check is one more read of every grad, measurably
+            slower (docs/DESIGN-NOTES.md). None: check a param group with fp16/bf16 params when
+            no loss scaler drives the step (step() gets no found_inf; a GradScaler or amp has
+            already checked the grads and hands over its verdict instead), not fp32 groups: the
+            guard a bf16 run without a scaler wants. True: check every step, also on top of a
+            scaler's found_inf. If any checked grad of any group is non-finite, every group
+            skips: one verdict per step.
 
     Skipped steps: `last_step_skipped` is a 0-dim bool tensor on the params' device saying
     whether the last step() was skipped (by skip_nonfinite or a scaler's found_inf; None before
@@ -85,7 +87,7 @@ class FusedAdam(FusedOptimizer):
         capturable=False,
         set_grad_none=True,
         write_unscaled_grads=True,
-        skip_nonfinite=None,
+        skip_nonfinite=False,
     ):
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             # Tensor betas are read once here rather than at every step.
@@ -214,7 +216,7 @@ class FusedAdamW(FusedAdam):
         capturable=False,
         set_grad_none=True,
         write_unscaled_grads=True,
-        skip_nonfinite=None,
+        skip_nonfinite=False,
     ):
         super().__init__(
             params,

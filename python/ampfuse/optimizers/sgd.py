@@ -32,8 +32,8 @@ class FusedSGD(FusedOptimizer):
         set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
         write_unscaled_grads: leave p.grad unscaled after a step that divides out a loss scale,
             as torch does (default); see FusedAdam.
-        skip_nonfinite: None, True or False: skip a step whose grads hold inf/nan, on the
-            device; see FusedAdam (the default checks fp16/bf16 groups when no loss scaler
+        skip_nonfinite: False (default), None or True: skip a step whose grads hold inf/nan,
+            on the device; see FusedAdam (None checks fp16/bf16 groups when no loss scaler
             drives the step). `last_step_skipped` and get_skipped_steps() as in FusedAdam.
 
     Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
@@ -62,7 +62,7 @@ class FusedSGD(FusedOptimizer):
         master_weights=False,
         set_grad_none=True,
         write_unscaled_grads=True,
-        skip_nonfinite=None,
+        skip_nonfinite=False,
     ):
         defaults = {
             "lr": lr,
