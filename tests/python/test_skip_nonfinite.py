@@ -284,6 +284,16 @@ def test_state_dict_keeps_the_option_and_the_count():
 
     restored = pickle.loads(pickle.dumps(fresh))
     assert restored.get_skipped_steps() == 1
+    # An optimizer pickled before the option existed never checked, and still does not.
+    state = fresh.__getstate__()
+    del state["skipped_steps"], state["defaults"]["skip_nonfinite"]
+    for group in state["param_groups"]:
+        del group["skip_nonfinite"]
+    unpickled = FusedAdamW.__new__(FusedAdamW)
+    unpickled.__setstate__(state)
+    unpickled.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    assert [g["skip_nonfinite"] for g in unpickled.param_groups] == [False, False]
+    assert unpickled.get_skipped_steps() == 0
     with raises_naming("skipped_steps must be an int >= 0"):
         fresh.load_state_dict({**saved, "skipped_steps": -1})
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import numbers
 
 import torch
 
@@ -64,13 +65,12 @@ def fp32_copy(value, p):
 class _Call:
     """The tensors of one op call: params sharing one step tensor and master-ness."""
 
-    __slots__ = ("step", "has_master", "params", "grads", "states", "low_precision")
+    __slots__ = ("step", "has_master", "params", "grads", "states")
 
     def __init__(self, step, has_master):
         self.step = step
         self.has_master = has_master
         self.params, self.grads, self.states = [], [], []
-        self.low_precision = False  # whether any of the params is fp16/bf16
 
     def masters(self):
         return [s["master_param"] for s in self.states] if self.has_master else []
@@ -125,8 +125,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_master_marks", {})
         skipped = self.__dict__.pop("skipped_steps", 0)
         self.__dict__.setdefault("_skips", SkipRecord(skipped))
+        # Pickled before the option existed: such optimizers never checked.
+        self.defaults.setdefault("skip_nonfinite", False)
         for group in self.param_groups:
-            group.setdefault("skip_nonfinite", None)  # pickled before the option existed
+            group.setdefault("skip_nonfinite", False)
 
     # ---- param groups and validation ----------------------------------------------------------
 
@@ -231,7 +233,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def last_step_skipped(self):
         """Whether the last step() was skipped, by skip_nonfinite's check or by a found_inf
         from a loss scaler: a 0-dim bool tensor on the params' device (reading its value
-        syncs), a new one each step. None before the first step and after load_state_dict()."""
+        syncs). A step that could be skipped gets a new tensor; one that nothing could skip (no
+        check, no found_inf) reports False. None before the first step and after
+        load_state_dict()."""
         return self._skips.last
 
     def get_skipped_steps(self):
@@ -294,8 +298,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             if grad.layout != torch.strided or p.dtype not in _FLOAT_DTYPES:
                 self._reject(index, i, p, grad)
-            low_precision = p.dtype in _LOW_PRECISION
-            has_master = master_weights and low_precision
+            has_master = master_weights and p.dtype in _LOW_PRECISION
             state = all_state[p]
             if "step" not in state or self._starts_over(group, state):
                 self._check_not_capturing(index, i)
@@ -331,7 +334,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             call.params.append(p)
             call.grads.append(grad)
             call.states.append(state)
-            call.low_precision = call.low_precision or low_precision
         # A step tensor must advance once per step, for exactly the params that stepped.
         launched = []
         for call in calls:
@@ -525,12 +527,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if skipped_steps is None:  # a torch or older checkpoint: the count goes on from its value
             skipped_steps = self.get_skipped_steps()
         elif isinstance(skipped_steps, bool) or not (
-            isinstance(skipped_steps, int) and skipped_steps >= 0
+            isinstance(skipped_steps, numbers.Integral) and skipped_steps >= 0
         ):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: skipped_steps must be an int >= 0, got "
                 f"{skipped_steps!r}."
             )
+        skipped_steps = int(skipped_steps)
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
             raise ValueError(

@@ -13,6 +13,8 @@ import torch
 
 from ampfuse import _ops
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 # skip_nonfinite=None checks the grads of a group that steps fp16/bf16 params when no loss
 # scaler drives the step; True checks every step; False (the default) never does.
 SKIP_NONFINITE_VALUES = (None, True, False)
@@ -58,7 +60,9 @@ def _checks(group, calls, driven):
     """Whether step() checks this group's grads for inf/nan."""
     value = group["skip_nonfinite"]
     if value is None:
-        return not driven and any(call.low_precision for call in calls)
+        return not driven and any(
+            p.dtype in _LOW_PRECISION for call in calls for p in call.params
+        )
     return value
 
 
@@ -104,11 +108,18 @@ class SkipRecord:
         self.last = None  # 0-dim bool device tensor of the last step, None before the first
         self.counter = None  # 0-dim int64 device tensor: skips counted since the base
         self.base = skipped_before  # skips carried over from a checkpoint or a pickle
+        # device -> a False flag shared by the steps nothing could skip, which are most steps
+        # when the check is off: no allocation for them. Never written.
+        self.never = {}
 
     def record(self, verdicts, fallback_device):
         """Keeps the verdict of the step that just ran ({} when nothing could skip it)."""
         if not verdicts:
-            self.last = torch.zeros((), dtype=torch.bool, device=fallback_device)
+            never = self.never.get(fallback_device)
+            if never is None:
+                never = torch.zeros((), dtype=torch.bool, device=fallback_device)
+                self.never[fallback_device] = never
+            self.last = never
             return
         home = next(iter(verdicts))
         skipped = verdicts[home].reshape(()) != 0
