@@ -241,6 +241,19 @@ def test_last_step_skipped_is_a_new_tensor_each_step():
     assert optimizer.get_skipped_steps() == 1
 
 
+def test_capture_before_an_eager_step_with_a_verdict_is_refused_before_any_update():
+    model = make_model()
+    optimizer = FusedAdamW(model.parameters(), capturable=True)
+    backward(model, 0)
+    optimizer.step()  # eager: the state exists, and the default makes no verdict
+    optimizer.param_groups[0]["skip_nonfinite"] = None
+    optimizer._capturing = lambda: True  # as in CUDA graph capture, which needs a GPU
+    before = snapshot(model, optimizer)
+    with raises_naming("captured in a CUDA graph", "run one step eagerly"):
+        optimizer.step()
+    assert_same(snapshot(model, optimizer), before, "after the refused capture")
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0, "auto"])
 def test_unknown_values_are_refused_with_the_allowed_ones(bad):
     model = make_model()

@@ -213,6 +213,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             plans.append((index, group, self._calls(index, group)))
         # Every check before any update: one verdict for the whole step.
         verdicts = step_verdicts(plans, found_inf)
+        home = self._first_device()
+        self._skips.prepare(verdicts, home, self._capturing(), type(self).__name__)
         scales = {}
         for index, group, calls in plans:
             for call in calls:
@@ -226,7 +228,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
                 if call.has_master and not torch.compiler.is_compiling():
                     self.mark_masters(call.params)
-        self._skips.record(verdicts, self._first_device())
+        self._skips.record(verdicts, home)
         return loss
 
     @property

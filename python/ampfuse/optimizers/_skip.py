@@ -112,22 +112,39 @@ class SkipRecord:
         # when the check is off: no allocation for them. Never written.
         self.never = {}
 
-    def record(self, verdicts, fallback_device):
-        """Keeps the verdict of the step that just ran ({} when nothing could skip it)."""
+    def prepare(self, verdicts, fallback_device, capturing, owner):
+        """Makes what record() will need for this step's verdicts ({} when nothing can skip
+        the step), before any param is updated. `capturing`: the step is being captured in a
+        CUDA graph, where a tensor made now holds nothing until the first replay (and a
+        counter made now would be zeroed at every replay): refused, naming `owner`."""
         if not verdicts:
-            never = self.never.get(fallback_device)
-            if never is None:
-                never = torch.zeros((), dtype=torch.bool, device=fallback_device)
-                self.never[fallback_device] = never
-            self.last = never
+            if fallback_device not in self.never:
+                _refuse_in_capture(capturing, owner)
+                self.never[fallback_device] = torch.zeros((), dtype=torch.bool,
+                                                          device=fallback_device)
+        elif self.counter is None:
+            _refuse_in_capture(capturing, owner)
+            self.counter = torch.zeros((), dtype=torch.int64, device=next(iter(verdicts)))
+
+    def record(self, verdicts, fallback_device):
+        """Keeps the verdict of the step that just ran (after prepare())."""
+        if not verdicts:
+            self.last = self.never[fallback_device]
             return
-        home = next(iter(verdicts))
-        skipped = verdicts[home].reshape(()) != 0
-        if self.counter is None:
-            self.counter = torch.zeros((), dtype=torch.int64, device=home)
+        skipped = next(iter(verdicts.values())).reshape(()) != 0
         self.counter += moved(skipped, self.counter.device)
         self.last = skipped
 
     def count(self):
         """The number of skipped steps; reading a device count syncs."""
         return self.base + (int(self.counter.item()) if self.counter is not None else 0)
+
+
+def _refuse_in_capture(capturing, owner):
+    if capturing:
+        raise RuntimeError(
+            f"{owner}: step() is being captured in a CUDA graph before any eager step with the "
+            "same skip settings made the skip record (last_step_skipped, the skipped-step "
+            "count); run one step eagerly with the same grad_scale/found_inf/skip_nonfinite, "
+            "then capture."
+        )
