@@ -12,6 +12,7 @@ namespace ampfuse::ops {
 
 void multi_tensor_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
                               const at::Tensor& inv_scale);
+void multi_tensor_nonfinite_check_cpu(at::TensorList tensors, const at::Tensor& found_inf);
 void multi_tensor_scale_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
                             const at::Tensor& found_inf);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors, bool per_tensor);
@@ -38,6 +39,7 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
                                const at::Tensor& inv_scale);
+void multi_tensor_nonfinite_check_cuda(at::TensorList tensors, const at::Tensor& found_inf);
 void multi_tensor_scale_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
                              const at::Tensor& found_inf);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,

@@ -13,6 +13,9 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def("multi_tensor_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
   // dst[i] = src[i] * scale cast to dst[i]'s dtype; found_inf = 1 if any src element is inf/nan.
   m.def("multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf) -> ()");
+  // found_inf = 1 if any element of the tensors is inf/nan; the tensors are only read, and a
+  // set found_inf is never cleared (a guard for steps no loss scaler checks, e.g. bf16).
+  m.def("multi_tensor_nonfinite_check_(Tensor[] tensors, Tensor(a!) found_inf) -> ()");
   // (global L2 norm, per-tensor L2 norms or an empty tensor), in fp32.
   m.def("multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
   // One step of the dynamic loss-scale rule with hysteresis and [min_scale, max_scale] bounds.
@@ -41,6 +44,7 @@ TORCH_LIBRARY(ampfuse, m) {
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("multi_tensor_unscale_", &ampfuse::ops::multi_tensor_unscale_cpu);
+  m.impl("multi_tensor_nonfinite_check_", &ampfuse::ops::multi_tensor_nonfinite_check_cpu);
   m.impl("multi_tensor_scale_", &ampfuse::ops::multi_tensor_scale_cpu);
   m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_cpu);
   m.impl("update_scale_", &ampfuse::ops::update_scale_cpu);
@@ -51,6 +55,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
 #ifdef AMPFUSE_WITH_CUDA
 TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("multi_tensor_unscale_", &ampfuse::ops::multi_tensor_unscale_cuda);
+  m.impl("multi_tensor_nonfinite_check_", &ampfuse::ops::multi_tensor_nonfinite_check_cuda);
   m.impl("multi_tensor_scale_", &ampfuse::ops::multi_tensor_scale_cuda);
   m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_cuda);
   m.impl("update_scale_", &ampfuse::ops::update_scale_cuda);
@@ -67,6 +72,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
     return torch::CppFunction::makeFromBoxedFunction<&ampfuse::ops::refuse_unsupported_inputs>();
   };
   m.impl("multi_tensor_unscale_", refuse());
+  m.impl("multi_tensor_nonfinite_check_", refuse());
   m.impl("multi_tensor_scale_", refuse());
   m.impl("multi_tensor_l2norm", &ampfuse::ops::multi_tensor_l2norm_fallback);
   m.impl("update_scale_", refuse());
@@ -79,8 +85,9 @@ TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
   const auto refuse = [] {
     return torch::CppFunction::makeFromBoxedFunction<&ampfuse::ops::refuse_unsupported_inputs>();
   };
-  for (const char* op : {"multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_l2norm",
-                         "update_scale_", "fused_adam_", "fused_sgd_"}) {
+  for (const char* op : {"multi_tensor_unscale_", "multi_tensor_nonfinite_check_",
+                         "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_",
+                         "fused_adam_", "fused_sgd_"}) {
     m.impl(op, refuse());
   }
 }

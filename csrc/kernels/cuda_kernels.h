@@ -16,6 +16,10 @@ namespace ampfuse::kernels::cuda {
 void unscale(const std::vector<TensorRef>& grads, float* found_inf, const float* inv_scale,
              StreamHandle stream);
 
+// *found_inf = 1 if any element of `tensors` is inf/nan; the tensors are only read.
+void nonfinite_check(const std::vector<TensorRef>& tensors, float* found_inf,
+                     StreamHandle stream);
+
 // dst[i] = src[i] * *scale cast to dst's type; *found_inf = 1 if any src element is inf/nan.
 void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
            const float* scale, float* found_inf, StreamHandle stream);

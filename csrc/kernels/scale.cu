@@ -1,6 +1,7 @@
 // multi_tensor_scale_ and multi_tensor_unscale_: one element body, dst = src * factor
 // in fp32 with a non-finite check on src, used in place (unscale) or between two
-// lists of any fp32/fp16/bf16 pairing (scale).
+// lists of any fp32/fp16/bf16 pairing (scale); multi_tensor_nonfinite_check_: the same
+// check on a list that is only read.
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 
@@ -29,6 +30,21 @@ __device__ bool scale_chunk(const Src* src, Dst* dst, int n, float factor) {
     *reinterpret_cast<Pack<Dst, kPack>*>(dst + i) = out;
   };
   visit_chunk<kPack>(n, is_aligned_16(src) && is_aligned_16(dst), pack, element);
+  return nonfinite;
+}
+
+// Returns true if this thread saw a non-finite element.
+template <typename T>
+__device__ bool check_chunk(const T* data, int n) {
+  constexpr int kPack = 16 / sizeof(T);
+  bool nonfinite = false;
+  const auto element = [&](int i) { nonfinite |= !isfinite(DeviceElement<T>::load(data[i])); };
+  const auto pack = [&](int i) {
+    const Pack<T, kPack> in = *reinterpret_cast<const Pack<T, kPack>*>(data + i);
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) nonfinite |= !isfinite(DeviceElement<T>::load(in.v[k]));
+  };
+  visit_chunk<kPack>(n, is_aligned_16(data), pack, element);
   return nonfinite;
 }
 
@@ -67,7 +83,29 @@ struct ScaleFunctor {
   }
 };
 
+struct NonfiniteCheckFunctor {
+  __device__ void operator()(const ChunkTable<1>& table, float* found_inf) const {
+    // A set flag is never cleared, so a block that finds it set has nothing left to decide
+    // and skips reading its chunk. Blocks racing with the write that sets it just read
+    // their chunk: the outcome is 1 either way.
+    if (*found_inf != 0.0f) return;
+    const BlockChunk chunk = block_chunk(table);
+    with_element_type(table.dtypes[0][chunk.slot], [&](auto* type_tag) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      const T* data = static_cast<const T*>(table.addresses[0][chunk.slot]) + chunk.start;
+      flag_nonfinite(check_chunk(data, chunk.size), found_inf);
+    });
+  }
+};
+
 }  // namespace
+
+void nonfinite_check(const std::vector<TensorRef>& tensors, float* found_inf,
+                     StreamHandle stream) {
+  const std::vector<TensorRef>* lists[1] = {&tensors};
+  launch_multi_tensor<1>("multi_tensor_nonfinite_check_", lists, stream, NonfiniteCheckFunctor{},
+                         found_inf);
+}
 
 void unscale(const std::vector<TensorRef>& grads, float* found_inf, const float* inv_scale,
              StreamHandle stream) {

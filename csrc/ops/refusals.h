@@ -20,8 +20,8 @@ namespace refusal_detail {
 
 // Element-wise ops act on a coalesced sparse tensor's values exactly as on the tensor.
 inline bool works_on_values(const std::string& op) {
-  return op == "multi_tensor_unscale_" || op == "multi_tensor_scale_" ||
-         op == "multi_tensor_l2norm";
+  return op == "multi_tensor_unscale_" || op == "multi_tensor_nonfinite_check_" ||
+         op == "multi_tensor_scale_" || op == "multi_tensor_l2norm";
 }
 
 inline std::string sparse_fix(const std::string& op, bool compressed) {

@@ -1,5 +1,5 @@
-// multi_tensor_unscale_ and multi_tensor_scale_: validation, then the CPU span
-// kernels or the CUDA launchers (csrc/kernels/scale.cu).
+// multi_tensor_unscale_, multi_tensor_scale_ and multi_tensor_nonfinite_check_: validation,
+// then the CPU span kernels or the CUDA launchers (csrc/kernels/scale.cu).
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_like.h>
 
@@ -15,6 +15,7 @@ namespace {
 
 constexpr const char* kUnscale = "multi_tensor_unscale_";
 constexpr const char* kScale = "multi_tensor_scale_";
+constexpr const char* kCheck = "multi_tensor_nonfinite_check_";
 
 struct UnscaleArgs {
   std::vector<kernels::TensorRef> grads;
@@ -28,6 +29,19 @@ UnscaleArgs check_unscale(at::TensorList grads, const at::Tensor& found_inf,
   check_scalar_tensor(kUnscale, inv_scale, "inv_scale", at::kFloat, device);
   UnscaleArgs args;
   args.grads = tensor_refs(kUnscale, grads, "grads", /*mutated=*/true, args.keep_alive);
+  return args;
+}
+
+struct CheckArgs {
+  std::vector<kernels::TensorRef> tensors;
+  std::vector<at::Tensor> keep_alive;  // contiguous copies of non-dense tensors
+};
+
+CheckArgs check_nonfinite_check(at::TensorList tensors, const at::Tensor& found_inf) {
+  const auto device = list_device(kCheck, tensors, "tensors");
+  check_scalar_tensor(kCheck, found_inf, "found_inf", at::kFloat, device);
+  CheckArgs args;
+  args.tensors = tensor_refs(kCheck, tensors, "tensors", /*mutated=*/false, args.keep_alive);
   return args;
 }
 
@@ -91,6 +105,18 @@ void multi_tensor_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
   if (nonfinite) *found_inf.data_ptr<float>() = 1.0f;
 }
 
+void multi_tensor_nonfinite_check_cpu(at::TensorList tensors, const at::Tensor& found_inf) {
+  const CheckArgs args = check_nonfinite_check(tensors, found_inf);
+  float* flag = found_inf.data_ptr<float>();
+  if (*flag != 0.0f) return;  // never cleared: nothing left to decide
+  const std::vector<Span> spans = split_into_spans(args.tensors);
+  const bool nonfinite = any_span(spans, [&](std::size_t s) {
+    const kernels::TensorRef& t = args.tensors[spans[s].tensor];
+    return kernels::cpu::nonfinite_span(element_ptr(t, spans[s].offset), t.dtype, spans[s].size);
+  });
+  if (nonfinite) *flag = 1.0f;
+}
+
 void multi_tensor_scale_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
                             const at::Tensor& found_inf) {
   const ScaleArgs args = check_scale(src, dst, scale, found_inf);
@@ -114,6 +140,14 @@ void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf
   const c10::cuda::CUDAGuard guard(found_inf.device());
   kernels::cuda::unscale(args.grads, found_inf.data_ptr<float>(), inv_scale.data_ptr<float>(),
                          current_stream(found_inf.device()));
+}
+
+void multi_tensor_nonfinite_check_cuda(at::TensorList tensors, const at::Tensor& found_inf) {
+  const CheckArgs args = check_nonfinite_check(tensors, found_inf);
+  if (args.tensors.empty()) return;
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  kernels::cuda::nonfinite_check(args.tensors, found_inf.data_ptr<float>(),
+                                 current_stream(found_inf.device()));
 }
 
 void multi_tensor_scale_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& scale,

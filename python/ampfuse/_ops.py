@@ -25,6 +25,7 @@ _OPS = (
     "multi_tensor_unscale_",
     "multi_tensor_scale_",
     "multi_tensor_l2norm",
+    "multi_tensor_nonfinite_check_",
     "update_scale_",
     "fused_adam_",
     "fused_sgd_",
@@ -78,6 +79,14 @@ def multi_tensor_unscale_(grads, found_inf: torch.Tensor, inv_scale: torch.Tenso
     """In place ``g *= inv_scale`` (fp32 math); ``found_inf`` set to 1 on any inf/nan."""
     _dtensor_rules()
     torch.ops.ampfuse.multi_tensor_unscale_(list(grads), found_inf, inv_scale)
+
+
+def multi_tensor_nonfinite_check_(tensors, found_inf: torch.Tensor) -> None:
+    """Sets ``found_inf`` to 1 if any element of ``tensors`` is inf/nan; reads them only and
+    never clears the flag. For DTensors the flag is all-reduced (MAX) over their device meshes,
+    so every rank gets the same verdict (see ampfuse.distributed)."""
+    _dtensor_rules()
+    torch.ops.ampfuse.multi_tensor_nonfinite_check_(list(tensors), found_inf)
 
 
 def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -192,6 +201,12 @@ def _unscale_fake(grads, found_inf, inv_scale):
     device = _check_list("multi_tensor_unscale_", "grads", grads)
     _check_scalar("multi_tensor_unscale_", "found_inf", found_inf, torch.float32, device)
     _check_scalar("multi_tensor_unscale_", "inv_scale", inv_scale, torch.float32, device)
+
+
+@torch.library.register_fake("ampfuse::multi_tensor_nonfinite_check_")
+def _nonfinite_check_fake(tensors, found_inf):
+    device = _check_list("multi_tensor_nonfinite_check_", "tensors", tensors)
+    _check_scalar("multi_tensor_nonfinite_check_", "found_inf", found_inf, torch.float32, device)
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_scale_")

@@ -10,7 +10,9 @@ docs/DESIGN-NOTES.md for why not a sharding strategy.
 
 multi_tensor_l2norm is the one reduction: the local sums of squares become a DTensor whose
 sharded mesh dimensions are Partial("sum"), and DTensor's own redistribution to Replicate
-all-reduces them, so every rank gets the global norms.
+all-reduces them, so every rank gets the global norms. multi_tensor_nonfinite_check_ checks the
+local shards and all-reduces its flag (MAX) over the tensors' meshes, so every rank gets the
+same verdict.
 
 Importing this module registers the rules; ampfuse._ops imports it as soon as
 torch.distributed.tensor is loaded (no DTensor can exist before that), so the wrappers in
@@ -24,13 +26,15 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
-POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "fused_adam_", "fused_sgd_")
+POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_nonfinite_check_",
+                 "fused_adam_", "fused_sgd_")
 
 # The ops that raise an overflow flag from what they read, and the list they read it from. A
 # rank sees only its shards, so the flag is MAX-reduced over the mesh afterwards: every rank then
 # skips the same steps, as with torch's GradScaler on DTensor grads (an inf in one rank's shard
 # of a grad would otherwise make only that rank skip, and the ranks would drift apart).
-FOUND_INF_READS = {"multi_tensor_unscale_": "grads", "multi_tensor_scale_": "src"}
+FOUND_INF_READS = {"multi_tensor_unscale_": "grads", "multi_tensor_scale_": "src",
+                   "multi_tensor_nonfinite_check_": "tensors"}
 
 
 def _is_tensor_list(value):

@@ -343,6 +343,17 @@ def _smoke_l2norm(ops, device):
                   _differs("per-tensor norms", per_tensor, expected))
 
 
+def _smoke_nonfinite_check(ops, device):
+    tensors = [_sample(s, d, device, i) for i, (s, d) in enumerate(zip(_SHAPES, _DTYPES))]
+    found_inf = torch.zeros(1, device=device)
+    ops.multi_tensor_nonfinite_check_(tensors, found_inf)
+    if found_inf.item() != 0.0:
+        return "found_inf was set for finite tensors"
+    tensors[1][0, 2] = math.nan
+    ops.multi_tensor_nonfinite_check_(tensors, found_inf)
+    return None if found_inf.item() == 1.0 else "a nan in the tensors did not set found_inf"
+
+
 def _smoke_update_scale(ops, device):
     def state():
         return (torch.full((1,), 1024.0, device=device), torch.zeros(1, dtype=torch.int32,
@@ -443,6 +454,7 @@ SMOKE_TESTS = {
     "multi_tensor_unscale_": _smoke_unscale,
     "multi_tensor_scale_": _smoke_scale,
     "multi_tensor_l2norm": _smoke_l2norm,
+    "multi_tensor_nonfinite_check_": _smoke_nonfinite_check,
     "update_scale_": _smoke_update_scale,
     "fused_adam_": _smoke_adam,
     "fused_sgd_": _smoke_sgd,

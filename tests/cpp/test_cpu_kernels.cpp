@@ -101,6 +101,57 @@ TEST_CASE("no false positive on the largest finite values") {
   REQUIRE_FALSE(unscale_span(b16.data(), DType::kBFloat16, 2, 1.0f));
 }
 
+TEST_CASE("nonfinite_span flags inf and nan at the first, a middle and the last element") {
+  const float bad_values[] = {std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN(),
+                              -std::numeric_limits<float>::quiet_NaN()};
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : kSizes) {
+      const Buffer clean(dtype, random_floats(n, 6));
+      Buffer copy = clean;
+      INFO("dtype " << int(dtype) << " n " << n);
+      REQUIRE_FALSE(nonfinite_span(copy.data(), dtype, n));
+      REQUIRE(copy.half == clean.half);  // read only
+      REQUIRE(copy.single == clean.single);
+      if (n == 0) continue;
+      for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
+        for (float bad : bad_values) {
+          auto values = random_floats(n, 7);
+          values[static_cast<std::size_t>(where)] = bad;
+          Buffer buf(dtype, values);
+          INFO("at " << where << " value " << bad);
+          REQUIRE(nonfinite_span(buf.data(), dtype, n));
+          // The same verdict as the check inside unscale_span.
+          REQUIRE(unscale_span(buf.data(), dtype, n, 1.0f));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("nonfinite_span: every fp16 and bf16 bit pattern, and fp32 extremes") {
+  // All 65536 16-bit patterns: flagged exactly when the value is inf or nan (NaN payloads,
+  // signed NaN, subnormals and the largest finite values included).
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (std::uint32_t bits = 0; bits <= 0xffffu; ++bits) {
+      const std::uint16_t h = static_cast<std::uint16_t>(bits);
+      const float x = dtype == DType::kFloat16 ? fp16_to_float(h) : bf16_to_float(h);
+      INFO("dtype " << int(dtype) << " bits " << bits);
+      REQUIRE(nonfinite_span(&h, dtype, 1) == !std::isfinite(x));
+    }
+  }
+  const float finite[] = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::denorm_min(), 0.0f, -0.0f};
+  REQUIRE_FALSE(nonfinite_span(finite, DType::kFloat32, 5));
+  const std::uint32_t nan_payload = 0x7f800001u, negative_nan = 0xffc00000u;
+  for (std::uint32_t bits : {nan_payload, negative_nan}) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    REQUIRE(nonfinite_span(&x, DType::kFloat32, 1));
+  }
+}
+
 TEST_CASE("scale_span casts between every pair of dtypes") {
   for (DType from : kDtypes) {
     for (DType to : kDtypes) {

@@ -120,6 +120,33 @@ TEST_CASE("CUDA unscale and scale flag inf/nan at the first, middle and last ele
   }
 }
 
+TEST_CASE("CUDA nonfinite_check reads only, and flags inf/nan at the first, middle and last") {
+  const float bad[] = {std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN()};
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : kSizes) {
+      DeviceTensor clean(dtype, n, 5);
+      std::vector<TensorRef> refs = {clean.ref()};
+      DeviceScalar<float> found(0.0f);
+      cuda::nonfinite_check(refs, found.device, nullptr);
+      REQUIRE(found.get() == 0.0f);
+      REQUIRE(clean.download() == clean.host);
+      for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
+        for (float value : bad) {
+          DeviceTensor t(dtype, n, 6);
+          t.set(where, value);
+          t.upload();
+          std::vector<TensorRef> one = {clean.ref(), t.ref()};
+          DeviceScalar<float> flag(0.0f);
+          cuda::nonfinite_check(one, flag.device, nullptr);
+          INFO("dtype " << int(dtype) << " n " << n << " at " << where);
+          REQUIRE(flag.get() == 1.0f);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("CUDA scale casts between every dtype pair like the CPU kernel, aligned or not") {
   for (DType from : kDtypes) {
     for (DType to : kDtypes) {

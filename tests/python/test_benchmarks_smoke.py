@@ -61,3 +61,17 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
     for header in ("# adam:", "# sgd:", "# train:", "# gpt:", "# cnn:", "unscale_"):
         assert header in table, table
     assert table.strip() in result.stdout
+
+
+def test_standalone_benchmarks_run(tmp_path):
+    """The scripts outside run.py, at their smallest sizes: they finish and print their rows."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_skip_nonfinite.py"),
+         "--total-elements", "2e4", "--repeats", "2", "--json", str(tmp_path / "skip.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "skip.json").read_text())["results"]
+    assert {r["master_weights"] for r in rows} == {False, True}
+    assert all(r["first_min_ms"] > 0 and r["second_min_ms"] > 0 for r in rows), rows

@@ -186,11 +186,13 @@ def test_trainer_16_mixed_scaler_skips_a_planted_inf():
 
 @pytest.mark.parametrize(
     "precision, optimizer_options",
-    [("bf16-mixed", {"skip_nonfinite": True}), ("bf16-true", {"master_weights": True})],
+    [("bf16-mixed", {"skip_nonfinite": True}),
+     ("bf16-true", {"master_weights": True, "skip_nonfinite": None})],
 )
 def test_bf16_run_skips_a_planted_inf(precision, optimizer_options):
-    """No scaler exists under bf16; the fused optimizer skips the non-finite step itself (on by
-    default for bf16 params, asked for with fp32 params under autocast) and counts it."""
+    """No scaler exists under bf16; the fused optimizer skips the non-finite step itself when
+    asked (skip_nonfinite=None checks bf16/fp16 params when no scaler drives the step; True
+    checks fp32 params under autocast too) and counts it."""
     module = TinyModule(lambda params: FusedAdamW(params, lr=LR, **optimizer_options),
                         plant_inf=True)
     kwargs = {"device": "cpu"} if precision.endswith("mixed") else {}

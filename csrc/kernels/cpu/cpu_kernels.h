@@ -17,6 +17,9 @@ bool unscale_span(void* data, DType dtype, std::int64_t n, float inv_scale);
 bool scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
                 float scale);
 
+// True if any element is inf or nan. Reads the span only.
+bool nonfinite_span(const void* data, DType dtype, std::int64_t n);
+
 // Sum of squares of the span, accumulated in fp32 lanes and returned as double.
 double sum_of_squares_span(const void* data, DType dtype, std::int64_t n);
 

@@ -17,17 +17,21 @@ grad this time is cloned (on the device) for the parameters that do step, and pa
 is created later start a step tensor of their own at zero. Params that always step together,
 the usual case, keep sharing one counter forever.
 
-Nothing on this path reads a device value back to the host.
+Nothing on this path reads a device value back to the host. Whether the step is skipped
+(found_inf from a loss scaler, skip_nonfinite's check of the grads) is decided on the device
+for the whole step before any op call updates a param (see _skip).
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import numbers
 
 import torch
 
 from ampfuse.optimizers._masters import param_mark, refresh_master
+from ampfuse.optimizers._skip import SkipRecord, check_skip_nonfinite, on_device, step_verdicts
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -101,11 +105,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         # param with a master -> param_mark(param) right after the last step wrote it; a
         # different mark at the next step means someone else wrote the param (see _masters).
         self._master_marks = {}
+        # last_step_skipped and the skipped-step count (see _skip).
+        self._skips = SkipRecord()
         super().__init__(params, defaults)
 
     def __getstate__(self):
         state = super().__getstate__()
         state["set_grad_none"] = self.set_grad_none
+        state["skipped_steps"] = self.get_skipped_steps()
         return state
 
     def __setstate__(self, state):
@@ -116,6 +123,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_lr_tensors", {})
         self.__dict__.setdefault("_layouts", {})
         self.__dict__.setdefault("_master_marks", {})
+        skipped = self.__dict__.pop("skipped_steps", 0)
+        self.__dict__.setdefault("_skips", SkipRecord(skipped))
+        # Pickled before the option existed: such optimizers never checked.
+        self.defaults.setdefault("skip_nonfinite", False)
+        for group in self.param_groups:
+            group.setdefault("skip_nonfinite", False)
 
     # ---- param groups and validation ----------------------------------------------------------
 
@@ -139,6 +152,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             self._check_param_dtype(index, i, p)
         self._check_hyperparameters(index, group)
+        check_skip_nonfinite(self, index, group)
 
     def _check_param_dtype(self, group_index, param_index, p):
         if p.dtype not in _FLOAT_DTYPES:
@@ -181,6 +195,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         count is written. Both are one-element tensors (a float is accepted for grad_scale),
         read on the device. When they are not given, the `grad_scale` and `found_inf`
         attributes that torch.amp.GradScaler sets on the optimizer during its step() are used.
+        A step with no found_inf checks the grads itself where skip_nonfinite says so.
         """
         self._check_capture()
         loss = None
@@ -191,21 +206,51 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        scales, infs = {}, {}
+        plans = []
         for index, group in enumerate(self.param_groups):
             self._check_hyperparameters(index, group)
-            for call in self._calls(index, group):
+            check_skip_nonfinite(self, index, group)
+            plans.append((index, group, self._calls(index, group)))
+        # Every check before any update: one verdict for the whole step.
+        verdicts = step_verdicts(plans, found_inf)
+        home = self._first_device()
+        self._skips.prepare(verdicts, home, self._capturing(), type(self).__name__)
+        scales = {}
+        for index, group, calls in plans:
+            for call in calls:
                 device = call.step.device
                 self._launch(
                     group,
                     call,
                     self._lr_tensor(index, group, device),
-                    _on_device(grad_scale, device, scales, "grad_scale"),
-                    _on_device(found_inf, device, infs, "found_inf"),
+                    on_device(grad_scale, device, scales, "grad_scale"),
+                    verdicts.get(device),
                 )
                 if call.has_master and not torch.compiler.is_compiling():
                     self.mark_masters(call.params)
+        self._skips.record(verdicts, home)
         return loss
+
+    @property
+    def last_step_skipped(self):
+        """Whether the last step() was skipped, by skip_nonfinite's check or by a found_inf
+        from a loss scaler: a 0-dim bool tensor on the params' device (reading its value
+        syncs). A step that could be skipped gets a new tensor; one that nothing could skip (no
+        check, no found_inf) reports False. None before the first step and after
+        load_state_dict()."""
+        return self._skips.last
+
+    def get_skipped_steps(self):
+        """How many steps were skipped so far, by skip_nonfinite or by a found_inf from a loss
+        scaler (torch.amp.GradScaler, ampfuse.GradScaler, amp). Counted on the device; reading
+        it syncs. state_dict() saves it as 'skipped_steps' and load_state_dict() restores it."""
+        return self._skips.count()
+
+    def _first_device(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
 
     def _follow(self, p, master):
         """Remakes `master` if something other than a step wrote `p` since it was marked."""
@@ -454,7 +499,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             exported = self._export_state(group, state, step_value)
             if exported:
                 packed_state[index_of[id(key)]] = exported
-        state_dict = {"state": packed_state, "param_groups": packed_groups}
+        state_dict = {
+            "state": packed_state,
+            "param_groups": packed_groups,
+            "skipped_steps": self.get_skipped_steps(),
+        }
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -476,6 +525,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
+        skipped_steps = state_dict.get("skipped_steps")
+        if skipped_steps is None:  # a torch or older checkpoint: the count goes on from its value
+            skipped_steps = self.get_skipped_steps()
+        elif isinstance(skipped_steps, bool) or not (
+            isinstance(skipped_steps, numbers.Integral) and skipped_steps >= 0
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: skipped_steps must be an int >= 0, got "
+                f"{skipped_steps!r}."
+            )
+        skipped_steps = int(skipped_steps)
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
             raise ValueError(
@@ -528,6 +588,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._lr_tensors = {}
         self._layouts = {}
+        self._skips = SkipRecord(skipped_steps)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -556,19 +617,3 @@ def _holds(tensors, t):
             return True
     return False
 
-
-def _on_device(value, device, cache, name):
-    """grad_scale / found_inf as a one-element fp32 tensor on `device` (moved at most once per
-    device per step; no copy when it is already there)."""
-    if value is None:
-        return None
-    if device not in cache:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"{name} must be a one-element tensor, got shape {tuple(value.shape)}."
-                )
-            cache[device] = value.to(device=device, dtype=torch.float32, non_blocking=True)
-        else:
-            cache[device] = torch.full((), float(value), dtype=torch.float32, device=device)
-    return cache[device]

@@ -32,6 +32,9 @@ class FusedSGD(FusedOptimizer):
         set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
         write_unscaled_grads: leave p.grad unscaled after a step that divides out a loss scale,
             as torch does (default); see FusedAdam.
+        skip_nonfinite: False (default), None or True: skip a step whose grads hold inf/nan,
+            on the device; see FusedAdam (None checks fp16/bf16 groups when no loss scaler
+            drives the step). `last_step_skipped` and get_skipped_steps() as in FusedAdam.
 
     Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
     keeps one device-side step count per group and device (the op needs it to tell the first
@@ -59,6 +62,7 @@ class FusedSGD(FusedOptimizer):
         master_weights=False,
         set_grad_none=True,
         write_unscaled_grads=True,
+        skip_nonfinite=False,
     ):
         defaults = {
             "lr": lr,
@@ -71,6 +75,7 @@ class FusedSGD(FusedOptimizer):
             "wd_after_momentum": wd_after_momentum,
             "materialize_master_grads": materialize_master_grads,
             "write_unscaled_grads": write_unscaled_grads,
+            "skip_nonfinite": skip_nonfinite,
         }
         super().__init__(params, defaults, set_grad_none)
 
