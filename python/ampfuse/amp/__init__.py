@@ -280,15 +280,16 @@ def disable_casts():
         for device_type in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
-        if isinstance(torch.overrides._get_current_function_mode(), casting.CastMode):
-            stack.enter_context(torch.overrides._pop_mode_temporarily())
-        # Functions decorated with @amp.half_function & co. look at this stack.
+        # No policy set either, should the block enter torch.autocast itself; and functions
+        # decorated with @amp.half_function & co. look at the stack of O1 forwards.
         active = per_op._active_stack()
         suspended = active[:]
         active.clear()
+        previous_set = per_op.exchange_active_set(0)
         try:
             yield
         finally:
+            per_op.exchange_active_set(previous_set)
             active[:] = suspended
 
 
@@ -358,6 +359,7 @@ def _register(kind, module, name):
             "a torch function, and ampfuse casts without replacing functions. Decorate your own "
             f"function with @amp.{kind}_function instead."
         )
+    per_op.aten_lists.check_entry(name, f"amp.register_{kind}_function")
     _pending_lists[{"half": "low", "float": "fp32", "promote": "promote"}[kind]].add(name)
 
 
