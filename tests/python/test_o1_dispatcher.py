@@ -335,3 +335,24 @@ def test_cuda_fp32_list_and_host_copies():
         x = torch.randn(4, 8, device="cuda", dtype=torch.float16)
         assert x.cpu().dtype == torch.float16  # outside the model: torch's behaviour
         assert x.softmax(-1).dtype == torch.float32  # torch's CUDA autocast keeps it fp32
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+
+def test_a_compiled_o1_model_applies_the_lists_like_eager():
+    """The hooks run eagerly around the compiled forward, which is traced with the model's
+    policy set active: black-listed linears stay fp32, so the result is eager O1's to the bit
+    and not what plain autocast (bf16 linears) gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16))
+    plain = nn.Sequential(*(m for m in model))  # the same modules, without amp's hooks
+    model = o1(model, custom_black_list=["linear"])
+    x = torch.randn(4, 16)
+    eager = model(x)
+    compiled = torch.compile(model)(x)
+    assert torch.equal(compiled, eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(plain(x).float(), eager)
+    compiled.sum().backward()
+    assert model[0].weight.grad.dtype == torch.float32

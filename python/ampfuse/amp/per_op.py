@@ -78,12 +78,17 @@ class AutocastHooks:
             model.register_forward_hook(self._exit, always_call=True),
         ]
 
+    # The hooks run eagerly under torch.compile (a graph break on each side of the forward):
+    # autocast entered in one hook and left in another is not something dynamo can trace,
+    # and the kernels read the set id when the compiled graph is traced.
+    @torch._disable_dynamo
     def _enter(self, module, args):
         autocast = torch.autocast(self.device_type, dtype=self.low)
         autocast.__enter__()
         previous = exchange_active_set(self.policy_set.id)
         _active_stack().append((self, autocast, previous))
 
+    @torch._disable_dynamo
     def _exit(self, module, args, output):
         _, autocast, previous = _active_stack().pop()
         exchange_active_set(previous)
