@@ -158,10 +158,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     torch.bfloat16, the default on CPU), hysteresis (the dynamic scale backs off on the
     hysteresis-th overflow since the last change), growth_interval (clean steps before the
     dynamic scale doubles; apex fixes it at 2000), and custom_white_list / custom_black_list:
-    names of torch functions (e.g. "matmul", "softmax") that this model runs in the low dtype
-    or in fp32 under O1; all_reduce_found_inf / process_group: the overflow flag is
-    all-reduced (MAX) over the default group / this group before each skip decision, so ranks
-    whose local gradients differ (DDP under no_sync, sharded gradients) skip together.
+    names of torch functions (e.g. "matmul", "softmax"; each stands for the aten op of that
+    name) that this model runs in the low dtype or in fp32 under O1, inside composite ops too;
+    all_reduce_found_inf / process_group: the overflow flag is all-reduced (MAX) over the
+    default group / this group before each skip decision, so ranks whose local gradients
+    differ (DDP under no_sync, sharded gradients) skip together. With dtype=torch.bfloat16, O1
+    and O2 default to loss_scale=1.0 (bad steps are still skipped); fp16 to "dynamic".
     """
     global _latest
     model_list, models_were_list = _as_list(models)
