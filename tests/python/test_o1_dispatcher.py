@@ -9,7 +9,9 @@
 - No Python runs per op inside the forward: only the two forward hooks.
 """
 
+import copy
 import gc
+import io
 import sys
 import threading
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ampfuse import amp
-from ampfuse.amp import aten_lists
+from ampfuse.amp import aten_lists, per_op
 from torch import nn
 
 
@@ -264,6 +266,49 @@ def test_registrations_are_released_when_the_models_are_collected():
     gc.collect()
     assert registered_ops() == set()
     assert not has_cpu_kernel("aten::softmax.int", "AutocastCPU")
+
+
+def test_a_copy_of_the_model_keeps_its_lists_after_the_original_is_gone():
+    """EMA helpers deepcopy the model and checkpoints pickle it: each copy registers its own
+    set, so it keeps casting when the original is collected, and releases it when it goes."""
+    model = o1(Runner(), custom_black_list=["linear"])
+    ema = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    del model
+    gc.collect()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    w = torch.randn(8, 8)
+    for copied in (ema, loaded):
+        copied.fn = lambda x, y, t: F.linear(x, w).dtype
+        copied(*inputs("cpu", torch.float32))
+        assert copied.result == torch.float32
+    del ema, loaded, copied
+    gc.collect()
+    assert registered_ops() == set()
+
+
+def test_a_failing_pre_hook_before_amps_leaves_the_outer_forward_alone():
+    """torch runs always_call forward hooks even when an earlier pre-hook raised, so amp's
+    post-hook runs without its pre-hook: it must not end the enclosing O1 forward's casting."""
+    inner = Runner()
+    inner.register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(
+        RuntimeError("user pre-hook failed")))
+    inner = o1(inner)
+    outer = o1(Runner())
+
+    def forward(x, y, t):
+        with pytest.raises(RuntimeError, match="user pre-hook failed"):
+            inner(x, y, t)
+        return x.softmax(-1).dtype, torch.is_autocast_enabled("cpu")
+
+    outer.fn = forward
+    outer(*inputs("cpu", torch.bfloat16))
+    assert outer.result == (torch.float32, True)
+    assert per_op._active_stack() == []
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.ops.ampfuse.o1_exchange_active_set(0) == 0
 
 
 def test_policy_set_errors_name_the_problem():

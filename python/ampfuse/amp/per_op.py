@@ -51,18 +51,30 @@ class CastLists:
 
 
 class PolicySet:
-    """A model's lists registered in the dispatcher. Released by release(), or when `owner`
-    (the model) is garbage collected; ops no other set lists get torch's kernels back."""
+    """A model's lists registered in the dispatcher, released by release() or when this object
+    is collected; ops no other set lists get torch's kernels back. A copy (copy.deepcopy of the
+    model, as EMA helpers make, or pickling) registers a set of its own."""
 
-    def __init__(self, lists: CastLists, owner):
-        table = lists.policy_table()
-        ops = sorted(table)
-        self.id = torch.ops.ampfuse.o1_policy_set_create(ops, [table[op] for op in ops])
-        self._finalizer = weakref.finalize(owner, torch.ops.ampfuse.o1_policy_set_release,
+    def __init__(self, table: dict):
+        self.table = table
+        self._register()
+
+    def _register(self):
+        ops = sorted(self.table)
+        self.id = torch.ops.ampfuse.o1_policy_set_create(ops, [self.table[op] for op in ops])
+        self._finalizer = weakref.finalize(self, torch.ops.ampfuse.o1_policy_set_release,
                                            self.id)
+        self._finalizer.atexit = False  # the registrations go with the process
 
     def release(self):
         self._finalizer()  # runs once, whichever comes first
+
+    def __getstate__(self):
+        return {"table": self.table}
+
+    def __setstate__(self, state):
+        self.table = state["table"]
+        self._register()
 
 
 class AutocastHooks:
@@ -72,7 +84,9 @@ class AutocastHooks:
         self.low = low
         self.device_type = device_type
         self.lists = lists
-        self.policy_set = PolicySet(lists, model)
+        self.policy_set = PolicySet(lists.policy_table())
+        # Released with the model, even while an optimizer still holds amp's handle.
+        weakref.finalize(model, self.policy_set.release).atexit = False
         self._handles = [
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
@@ -90,7 +104,10 @@ class AutocastHooks:
 
     @torch._disable_dynamo
     def _exit(self, module, args, output):
-        _, autocast, previous = _active_stack().pop()
+        stack = _active_stack()
+        if not stack or stack[-1][0] is not self:
+            return output  # a pre-hook before ours raised, so _enter never ran
+        _, autocast, previous = stack.pop()
         exchange_active_set(previous)
         autocast.__exit__(None, None, None)
         return output
