@@ -9,6 +9,8 @@ The benchmarks, each with its own section of the table:
   sgd    bench_sgd: the same for SGD with momentum
   train  bench_train: whole training steps of a GPT-2-style transformer and a ResNet-style CNN
          in fp32, torch's AMP, and ampfuse O1 and O2
+  overhead  bench_amp_overhead: amp's per-step cost, O1 and O2 against torch autocast +
+         GradScaler on models of many small ops, interleaved step by step
 
 Sizes and step counts not given on the command line are each benchmark's own defaults for the
 device (--total-elements applies to ops, adam and sgd; --warmup, --repeats and --seed to all;
@@ -24,6 +26,7 @@ import sys
 import traceback
 
 import bench_adam
+import bench_amp_overhead
 import bench_l2norm
 import bench_scale
 import bench_sgd
@@ -52,6 +55,7 @@ BENCHMARKS = {
     "adam": (_optimizer_run(bench_adam), bench_adam.format_rows),
     "sgd": (_optimizer_run(bench_sgd), bench_adam.format_rows),
     "train": (bench_train.run, bench_train.format_rows),
+    "overhead": (bench_amp_overhead.run, bench_amp_overhead.format_rows),
 }
 
 
@@ -66,6 +70,7 @@ def parse_args(argv=None):
     parser.add_argument("--benchmarks", nargs="+", choices=list(BENCHMARKS),
                         default=list(BENCHMARKS), help="which to run (default: all)")
     bench_train.add_args(parser)
+    bench_amp_overhead.add_args(parser, own=False)
     args = parser.parse_args(argv)
     if args.device == "cuda":
         finish_args(argparse.Namespace(**vars(args)))  # fails early without a GPU

@@ -8,7 +8,8 @@ training loop is literally the same code for every row of the table.
 
 An overflow can be injected at one step (an inf written into a gradient after the backward,
 which is what an fp16 overflow looks like): every run must skip that step, leaving weights and
-optimizer state untouched, and the dynamic loss scale halves. The table shows the skip.
+optimizer state untouched (with fp16 the dynamic loss scale also halves; bf16 trains
+unscaled). The table shows the skip.
 
 Nothing in the training step reads a value back to the host: losses and loss scales are kept
 on the device and read once at the end (the progress bar reads the loss every 50 steps).

@@ -93,8 +93,8 @@ class LossScaler:
         return self.scale.double().reciprocal().float()
 
     def check_(self, grads) -> None:
-        """Flags inf/nan in `grads` without changing them (multiplying by 1 is exact)."""
-        _ops.multi_tensor_unscale_(grads, self.found_inf, torch.ones_like(self.scale))
+        """Flags inf/nan in `grads` without changing them (a read-only pass)."""
+        _ops.multi_tensor_nonfinite_check_(grads, self.found_inf)
 
     def unscale_(self, grads) -> None:
         """Divides `grads` by the scale in place (fp32 math) and flags inf/nan."""

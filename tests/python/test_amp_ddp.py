@@ -34,7 +34,9 @@ TIMEOUT_S = 90
 def _train_rank(rank, optimizer_name):
     model, batches = make_model("mlp", seed=0)  # the same initial weights on every rank
     optimizer = make_optimizer(optimizer_name, model.parameters())
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=1)
+    # bf16 trains unscaled by default; the dynamic scale is what must move together here.
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=1,
+                                      loss_scale="dynamic")
     ddp_model = DistributedDataParallel(model)
     initial = snapshot(model, optimizer, amp)
     scales, skipped_unchanged = [], None
@@ -123,7 +125,7 @@ def _local_grads_rank(rank, optimizer_name):
     model, batches = make_model("mlp", seed=0)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
-                                      all_reduce_found_inf=True)
+                                      all_reduce_found_inf=True, loss_scale="dynamic")
     scales = []
     for step in range(4):
         inputs, targets = batches(step, seed=100 + rank)
@@ -167,7 +169,7 @@ def _no_sync_rank(rank, variant):
     model, batches = make_model("mlp", seed=0)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
-                                      all_reduce_found_inf=all_reduce)
+                                      loss_scale="dynamic", all_reduce_found_inf=all_reduce)
     ddp_model = DistributedDataParallel(model)
     scales = []
     for step in range(4):

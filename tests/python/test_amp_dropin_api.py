@@ -180,7 +180,7 @@ def test_o2_with_cast_model_type_false_scales_the_loss_and_keeps_the_model_dtype
     model.to(torch.bfloat16)  # the user's own choice
     optimizer = make_optimizer(name, model.parameters())
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", cast_model_type=False,
-                                      verbosity=0)
+                                      loss_scale="dynamic", verbosity=0)
     assert model.fc1.weight.dtype == torch.bfloat16
     for step in range(3):
         x, y = batches(step)

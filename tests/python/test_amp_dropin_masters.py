@@ -19,6 +19,7 @@ OPTIMIZERS = ("FusedAdam", "AdamW", "SGD")
 
 
 def _o2(seed, name, **options):
+    options.setdefault("loss_scale", "dynamic")  # bf16 (the CPU default) is unscaled otherwise
     model, batches = make_model("mlp", seed=seed)
     optimizer = make_optimizer(name, model.parameters())
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0, **options)

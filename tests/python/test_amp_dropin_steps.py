@@ -50,7 +50,8 @@ def test_an_overflowing_micro_batch_backs_the_scale_off_once(name):
     rank that overflowed would). One backoff, one skipped step, for every optimizer kind."""
     model, batches = make_model("mlp", seed=0)
     optimizer = make_optimizer(name, model.parameters())
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                      loss_scale="dynamic")
     optimizer.zero_grad()
     for m in range(3):
         x, y = batches(m)

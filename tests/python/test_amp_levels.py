@@ -116,9 +116,8 @@ def test_loss_goes_down_and_dtypes_follow_the_level(device, model_name, opt_leve
     if opt_level in ("O0", "O3"):
         assert scale == 1.0
     elif device == "cpu":
-        # bf16 has fp32's range: the first scale never overflows, and 30 steps are far from
-        # the 2000 clean steps that double it.
-        assert scale == 2.0**16
+        # bf16 has fp32's range: O1 and O2 train it unscaled by default.
+        assert scale == 1.0
         assert amp.skipped_steps(optimizer) == 0
     else:
         assert 1.0 <= scale <= 2.0**16

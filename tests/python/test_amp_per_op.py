@@ -9,8 +9,8 @@
   fp32 list on a low-precision tensor is refused with an error instead of running in low
   precision; a cast never redirects a call's out= tensor.
 
-The probe is a TorchDispatchMode: it sits under autocast and amp's mode, so it records the dtype
-every aten op actually received.
+The probe is a TorchDispatchMode: it sits under the Autocast keys, where O1's casting runs, so it
+records the dtype every aten op actually received.
 """
 
 from typing import ClassVar
@@ -185,8 +185,16 @@ def test_real_names_pass_the_check():
     casting.check_custom_lists([], ())
     casting.check_custom_lists(
         ["matmul", "conv2d", "scaled_dot_product_attention"],
-        ["linear", "softmax", "multi_head_attention_forward", "exp_", "cpu", "__matmul__"],
+        ["linear", "softmax", "exp_", "cpu", "__matmul__", "cross_entropy", "normalize"],
     )
+
+
+def test_a_python_function_with_no_aten_op_is_refused_with_the_ops_to_list():
+    # O1 casts in the dispatcher, which never sees this Python function, only the aten ops
+    # inside it, which the lists reach (see the attention tests above).
+    with pytest.raises(ValueError, match=r"'multi_head_attention_forward' is a Python-level.*"
+                                         r"'linear', 'softmax'"):
+        casting.check_custom_lists(None, ["multi_head_attention_forward"])
 
 
 # ---- apex's O1 behaviours on tensors ----------------------------------------------------------
@@ -208,12 +216,19 @@ class Probe(nn.Module):
 
 
 def test_cpu_of_a_low_precision_tensor_is_fp32_inside_the_forward(device):
+    """apex's rule for a copy to the host. On a CPU model .cpu() copies nothing and stays the
+    identity: the dispatcher sees it as .to("cpu"), which CPU models call on their own tensors."""
     low = low_dtype(device)
-    model = o1(Probe(lambda h: (h.dtype, h.cpu())), device)
+    model = o1(Probe(lambda h: (h, h.cpu(), h.to("cpu", dtype=low))), device)
     model(torch.randn(2, 4, device=device))
-    dtype_inside, copied = model.result
-    assert dtype_inside == low
-    assert copied.dtype == torch.float32 and copied.device.type == "cpu"
+    inside, copied, explicit = model.result
+    assert inside.dtype == low
+    assert copied.device.type == "cpu"
+    if device == "cpu":
+        assert copied is inside
+    else:
+        assert copied.dtype == torch.float32
+        assert explicit.dtype == low  # a dtype asked for is kept
     assert torch.ones(2, dtype=low, device=device).cpu().dtype == low  # outside: unchanged
 
 

@@ -81,6 +81,7 @@ def setup(opt_level="O2", optimizer_name="FusedAdam", seed=0, model_name="mlp", 
     model, batches = make_model(model_name, seed=seed)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     options.setdefault("verbosity", 0)
+    options.setdefault("loss_scale", "dynamic")  # bf16 (the CPU default) is unscaled otherwise
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, **options)
     return model, optimizer, batches
 

@@ -175,7 +175,8 @@ def test_checkpoint_holds_masters_and_scaler_state():
     for name in ("FusedAdam", "AdamW"):
         model, batches = make_model("mlp")
         optimizer = make_optimizer(name, model.parameters())
-        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                          loss_scale="dynamic")  # bf16 is unscaled by default
         train_steps(model, optimizer, amp, batches, 0, 3, overflow_steps=(1,))
         state = amp.state_dict(optimizer)
         assert state["loss_scaler0"]["scale"] == 2.0**15

@@ -36,7 +36,10 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
     by_bench = {}
     for row in rows:
         by_bench.setdefault(row["bench"], []).append(row)
-    assert set(by_bench) == {"ops", "adam", "sgd", "train"}
+    assert set(by_bench) == {"ops", "adam", "sgd", "train", "overhead"}
+    assert {(r["model"], r["impl"]) for r in by_bench["overhead"]} == {
+        (m, i) for m in ("mlp", "gpt") for i in ("torch", "O1", "O1 lists", "O2")}
+    assert all(r["median_ms"] > 0 and r["speed"] > 0 for r in by_bench["overhead"])
 
     assert {r["op"] for r in by_bench["ops"]} == {"unscale_", "scale_", "l2norm"}
     for name in ("adam", "sgd"):
@@ -58,7 +61,8 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
     assert "noise_pct" in gpt["torch amp"]
 
     table = (tmp_path / "bench_table.txt").read_text()
-    for header in ("# adam:", "# sgd:", "# train:", "# gpt:", "# cnn:", "unscale_"):
+    for header in ("# adam:", "# sgd:", "# train:", "# gpt:", "# cnn:", "unscale_",
+                   "# amp overhead:"):
         assert header in table, table
     assert table.strip() in result.stdout
 

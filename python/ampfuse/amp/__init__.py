@@ -160,10 +160,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     torch.bfloat16, the default on CPU), hysteresis (the dynamic scale backs off on the
     hysteresis-th overflow since the last change), growth_interval (clean steps before the
     dynamic scale doubles; apex fixes it at 2000), and custom_white_list / custom_black_list:
-    names of torch functions (e.g. "matmul", "softmax") that this model runs in the low dtype
-    or in fp32 under O1; all_reduce_found_inf / process_group: the overflow flag is
-    all-reduced (MAX) over the default group / this group before each skip decision, so ranks
-    whose local gradients differ (DDP under no_sync, sharded gradients) skip together.
+    names of torch functions (e.g. "matmul", "softmax"; each stands for the aten op of that
+    name) that this model runs in the low dtype or in fp32 under O1, inside composite ops too;
+    all_reduce_found_inf / process_group: the overflow flag is all-reduced (MAX) over the
+    default group / this group before each skip decision, so ranks whose local gradients
+    differ (DDP under no_sync, sharded gradients) skip together. With dtype=torch.bfloat16, O1
+    and O2 default to loss_scale=1.0 (bad steps are still skipped); fp16 to "dynamic".
     """
     global _latest
     model_list, models_were_list = _as_list(models)
@@ -297,15 +299,16 @@ def disable_casts():
         for device_type in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
-        if isinstance(torch.overrides._get_current_function_mode(), casting.CastMode):
-            stack.enter_context(torch.overrides._pop_mode_temporarily())
-        # Functions decorated with @amp.half_function & co. look at this stack.
+        # No policy set either, should the block enter torch.autocast itself; and functions
+        # decorated with @amp.half_function & co. look at the stack of O1 forwards.
         active = per_op._active_stack()
         suspended = active[:]
         active.clear()
+        previous_set = per_op.exchange_active_set(0)
         try:
             yield
         finally:
+            per_op.exchange_active_set(previous_set)
             active[:] = suspended
 
 
@@ -375,6 +378,7 @@ def _register(kind, module, name):
             "a torch function, and ampfuse casts without replacing functions. Decorate your own "
             f"function with @amp.{kind}_function instead."
         )
+    per_op.aten_lists.check_entry(name, f"amp.register_{kind}_function")
     _pending_lists[{"half": "low", "float": "fp32", "promote": "promote"}[kind]].add(name)
 
 

@@ -1,9 +1,10 @@
 """How amp changes the precision a model computes in, without replacing torch functions or a
 model's forward:
 
-- O1 (per_op.py): forward hooks enter torch.autocast for the model's forward, together with a
-  TorchFunctionMode that enforces ampfuse's fp32 list and the model's custom lists, down into
-  the torch functions that other torch functions call.
+- O1 (per_op.py): forward hooks enter torch.autocast for the model's forward and make the
+  model's policy set active: ampfuse's fp32 list and the model's custom lists, as kernels on
+  the Autocast dispatch keys of exactly the listed aten ops, so they hold inside composite
+  torch functions too.
 - O2/O3 (here): the model's parameters and buffers are cast to the low dtype except, when asked,
   normalization layers (every one torch ships, and the types given to register_norm_type),
   which stay fp32 with everything inside them, behind hooks that run them on fp32 inputs and
@@ -25,7 +26,6 @@ from ampfuse.amp.per_op import (  # noqa: F401
     FP32_FUNCTIONS,
     AutocastHooks,
     CastLists,
-    CastMode,
     cast_decorator,
     check_custom_lists,
 )

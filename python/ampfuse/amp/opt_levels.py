@@ -19,8 +19,15 @@ class Properties:
     patch_torch_functions: bool          # O1's per-op casting (done with autocast, no patching)
     keep_batchnorm_fp32: bool | None     # normalization layers stay fp32 in a cast model
     master_weights: bool                 # fp32 masters for low-precision params
-    loss_scale: float | str              # a static scale, or "dynamic"
+    loss_scale: float | str              # a static scale, or "dynamic" (default_loss_scale)
     cast_model_outputs: torch.dtype | None  # outputs cast to this dtype (O2: fp32)
+
+
+def default_loss_scale(low: torch.dtype) -> float | str:
+    """O1 and O2's loss scale when none is given: dynamic for fp16, whose small gradients
+    underflow without one; 1.0 for bf16, which has fp32's exponent range (torch and DeepSpeed
+    train bf16 unscaled). Either way a step whose gradients hold inf/nan is skipped."""
+    return "dynamic" if low == torch.float16 else 1.0
 
 
 def _level(opt_level: str, low: torch.dtype) -> Properties:
@@ -29,9 +36,9 @@ def _level(opt_level: str, low: torch.dtype) -> Properties:
     if opt_level == "O1":
         # Outputs in fp32: a loss computed outside the forward (criterion(model(x), y)) then
         # runs in fp32, as under apex's O1, where loss functions were on the fp32 list.
-        return Properties("O1", None, True, None, False, "dynamic", torch.float32)
+        return Properties("O1", None, True, None, False, default_loss_scale(low), torch.float32)
     if opt_level == "O2":
-        return Properties("O2", low, False, True, True, "dynamic", torch.float32)
+        return Properties("O2", low, False, True, True, default_loss_scale(low), torch.float32)
     if opt_level == "O3":
         return Properties("O3", low, False, False, False, 1.0, None)
     raise ValueError(

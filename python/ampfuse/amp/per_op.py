@@ -1,57 +1,41 @@
-"""O1: per-op casting inside a model's forward, with no torch function replaced.
+"""O1: per-op casting inside a model's forward, in the dispatcher, with no torch function
+replaced and no Python work per op.
 
-Forward hooks enter torch.autocast (the dispatcher's per-op casting) for the model's forward,
-together with a CastMode (a TorchFunctionMode) that enforces ampfuse's fp32 list and the
-model's custom lists: functions forced to fp32, to the low dtype, or promoted to their widest
-input. The mode also looks inside Python-level torch functions (composite.body_of), so the
-lists hold for what F.multi_head_attention_forward and its like call, not only for the calls
-written in the model's own code.
+A model's lists (ampfuse's fp32 list plus its custom lists, see aten_lists.py) become a policy
+set in C++ (csrc/autocast/): kernels on the AutocastCPU/AutocastCUDA keys of exactly the listed
+aten ops. The model's forward hooks enter torch.autocast and make the set active on the
+calling thread; the kernels act only under it. Elsewhere (another model, a user's own
+torch.autocast, no autocast at all) every op does exactly what torch does. Because the kernels
+sit in the dispatcher, the lists hold inside composite functions (nn.MultiheadAttention's
+projections and softmax) as well as in the model's own code.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
 import threading
+import weakref
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ampfuse.amp.composite import body_of
-from ampfuse.amp.tensor_casts import LOW_DTYPES, cast_floats, widest_float
+from ampfuse.amp import aten_lists
+from ampfuse.amp.aten_lists import FP32_FUNCTIONS
+from ampfuse.amp.tensor_casts import cast_floats, widest_float
 
-# Functions O1 always runs in fp32, on every device: softmax, norms, reductions, exp/log/pow
-# and losses, where low precision loses accuracy. (CUDA autocast already keeps most of them
-# in fp32; CPU autocast leaves several in bf16, so this list makes both devices agree.)
-# "cpu": a low-precision tensor copied to the host arrives as fp32, as in apex's O1.
-FP32_FUNCTIONS = frozenset({
-    "softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "batch_norm",
-    "instance_norm", "rms_norm", "normalize", "norm", "exp", "expm1", "log", "log1p", "log2",
-    "log10", "pow", "__pow__", "__rpow__", "sum", "mean", "prod", "cumsum", "cumprod",
-    "logsumexp", "var", "std", "softplus", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
-    "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "poisson_nll_loss", "cosine_similarity", "cpu",
-})
-
-# Python-level torch functions whose bodies are not forward computation: backward runs the
-# autograd graph, which must not be recast by a forward's lists.
-_NOT_ENTERED = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
-
-_active_modes = threading.local()
+_active = threading.local()
 
 
 def _active_stack():
-    if not hasattr(_active_modes, "stack"):
-        _active_modes.stack = []
-    return _active_modes.stack
+    """The O1 forwards running on this thread, innermost last: (hooks, autocast, set before)."""
+    stack = getattr(_active, "stack", None)
+    if stack is None:
+        stack = _active.stack = []
+    return stack
 
 
-def _inplace_base(name):
-    """"exp" for "exp_"; None for a function that is not in place. (Operators such as x **= y
-    reach a TorchFunctionMode under their method names, pow_.)"""
-    if name.endswith("_") and not name.endswith("__"):
-        return name[:-1]
-    return None
+def exchange_active_set(set_id: int) -> int:
+    """Makes `set_id` (0: none) this thread's active policy set; returns the previous one."""
+    return torch.ops.ampfuse.o1_exchange_active_set.default(set_id)
 
 
 class CastLists:
@@ -62,114 +46,76 @@ class CastLists:
         self.fp32 = (FP32_FUNCTIONS | frozenset(fp32)) - self.low
         self.promote = frozenset(promote) - self.low - self.fp32
 
+    def policy_table(self) -> dict:
+        return aten_lists.policy_table(self.low, self.fp32, self.promote)
 
-class CastMode(TorchFunctionMode):
-    """Enforces a model's CastLists while its forward runs (O1)."""
 
-    def __init__(self, lists: CastLists, low: torch.dtype, device_type: str):
-        super().__init__()
-        self.lists = lists
-        self.low = low
-        self.device_type = device_type
-        self._entered = []  # the Python torch functions whose bodies run now, outermost first
+class PolicySet:
+    """A model's lists registered in the dispatcher, released by release() or when this object
+    is collected; ops no other set lists get torch's kernels back. A copy (copy.deepcopy of the
+    model, as EMA helpers make, or pickling) registers a set of its own."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", None) or ""
-        base = _inplace_base(name)
-        if base is not None:
-            # In place, the result keeps its tensor's dtype whatever the lists say.
-            self._check_inplace(name, base, args)
-            target = None
-        elif name in self.lists.fp32:
-            target = torch.float32
-        elif name in self.lists.low:
-            target = self.low
-        elif name in self.lists.promote:
-            target = widest_float((args, list(kwargs.values())))
-        else:
-            target = None
-        if target is not None:
-            return self._call_cast(func, args, kwargs, target)
-        body = self._enterable_body(func, types)
-        if body is None:
-            return func(*args, **kwargs)
-        # func is Python: run its body with this mode pushed again, so that the lists reach
-        # the torch functions it calls.
-        self._entered.append(func)
-        try:
-            with self:
-                return body(*args, **kwargs)
-        finally:
-            self._entered.pop()
+    def __init__(self, table: dict):
+        self.table = table
+        self._register()
 
-    def _enterable_body(self, func, types):
-        if any(t is not torch.Tensor for t in types):
-            return None  # a tensor subclass claims the call: leave it to its __torch_function__
-        if func in _NOT_ENTERED or func in self._entered:
-            # A body that reaches its own C implementation (Tensor.unflatten calls
-            # super().unflatten()) comes back here with the same func: this time run it.
-            return None
-        return body_of(func)
+    def _register(self):
+        ops = sorted(self.table)
+        self.id = torch.ops.ampfuse.o1_policy_set_create(ops, [self.table[op] for op in ops])
+        self._finalizer = weakref.finalize(self, torch.ops.ampfuse.o1_policy_set_release,
+                                           self.id)
+        self._finalizer.atexit = False  # the registrations go with the process
 
-    def _call_cast(self, func, args, kwargs, target):
-        # `out=` is where the result goes: a cast copy of it would receive the result instead.
-        kwargs = dict(kwargs)
-        out = kwargs.pop("out", None)
-        kwargs = cast_floats(kwargs, target)
-        if out is not None:
-            kwargs["out"] = out
-        # Autocast is switched off for this call so that it does not recast the inputs.
-        with torch.autocast(self.device_type, enabled=False):
-            return func(*cast_floats(args, target), **kwargs)
+    def release(self):
+        self._finalizer()  # runs once, whichever comes first
 
-    def _check_inplace(self, name, base, args):
-        """An in-place op keeps its tensor's dtype, so one from the fp32 list cannot run in
-        fp32 on a low-precision tensor; apex refused it, and so do we, rather than compute it
-        in low precision behind the list's back."""
-        if name not in self.lists.fp32 and base not in self.lists.fp32:
-            return
-        target = args[0] if args else None
-        if isinstance(target, torch.Tensor) and target.dtype in LOW_DTYPES:
-            raise NotImplementedError(
-                f"amp O1: in-place {name}() on a {target.dtype} tensor. {base}() is on the fp32 "
-                "list, so it runs in fp32, but an in-place op cannot change its tensor's dtype. "
-                f"To fix, use the out-of-place {base}() (x = x.{base}(...)), which gives an fp32 "
-                "result, or call it outside the model's forward."
-            )
+    def __getstate__(self):
+        return {"table": self.table}
+
+    def __setstate__(self, state):
+        self.table = state["table"]
+        self._register()
 
 
 class AutocastHooks:
-    """Forward hooks that run a model's forward under autocast and a CastMode (O1)."""
+    """Forward hooks that run a model's forward under autocast with its policy set active."""
 
     def __init__(self, model, lists: CastLists, low: torch.dtype, device_type: str):
         self.low = low
         self.device_type = device_type
         self.lists = lists
-        self._contexts = []  # one (autocast, mode) pair per forward in flight (re-entrancy)
+        self.policy_set = PolicySet(lists.policy_table())
+        # Released with the model, even while an optimizer still holds amp's handle.
+        weakref.finalize(model, self.policy_set.release).atexit = False
         self._handles = [
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
         ]
 
+    # The hooks run eagerly under torch.compile (a graph break on each side of the forward):
+    # autocast entered in one hook and left in another is not something dynamo can trace,
+    # and the kernels read the set id when the compiled graph is traced.
+    @torch._disable_dynamo
     def _enter(self, module, args):
         autocast = torch.autocast(self.device_type, dtype=self.low)
-        mode = CastMode(self.lists, self.low, self.device_type)
         autocast.__enter__()
-        mode.__enter__()
-        _active_stack().append(mode)
-        self._contexts.append((autocast, mode))
+        previous = exchange_active_set(self.policy_set.id)
+        _active_stack().append((self, autocast, previous))
 
+    @torch._disable_dynamo
     def _exit(self, module, args, output):
-        autocast, mode = self._contexts.pop()
-        _active_stack().pop()
-        mode.__exit__(None, None, None)
+        stack = _active_stack()
+        if not stack or stack[-1][0] is not self:
+            return output  # a pre-hook before ours raised, so _enter never ran
+        _, autocast, previous = stack.pop()
+        exchange_active_set(previous)
         autocast.__exit__(None, None, None)
         return output
 
     def remove(self):
         for handle in self._handles:
             handle.remove()
+        self.policy_set.release()
 
 
 def cast_decorator(kind: str):
@@ -183,16 +129,16 @@ def cast_decorator(kind: str):
             stack = _active_stack()
             if not stack:
                 return fn(*args, **kwargs)
-            mode = stack[-1]
+            hooks = stack[-1][0]
             if kind == "half":
-                target = mode.low
+                target = hooks.low
             elif kind == "float":
                 target = torch.float32
             else:
                 target = widest_float((args, list(kwargs.values())))
                 if target is None:
                     return fn(*args, **kwargs)
-            with torch.autocast(mode.device_type, enabled=False):
+            with torch.autocast(hooks.device_type, enabled=False):
                 return fn(*cast_floats(args, target), **cast_floats(kwargs, target))
 
         return wrapper
@@ -200,60 +146,4 @@ def cast_decorator(kind: str):
     return decorate
 
 
-# ---- checking custom lists ---------------------------------------------------------------------
-
-
-@functools.cache
-def _visible_names():
-    """The names of every function CastMode can be handed: torch's overridable functions and
-    Tensor methods (a custom list entry matches these by name)."""
-    names = set()
-    for funcs in torch.overrides.get_overridable_functions().values():
-        names.update(getattr(f, "__name__", None) for f in funcs)
-    names.discard(None)
-    return frozenset(names)
-
-
-def _entries(value, what):
-    if value is None:
-        return []
-    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(
-            f"amp.initialize: {what} must be a list of function names, e.g. "
-            f"{what}=['softmax'], got {value!r}."
-        )
-    for entry in value:
-        if not isinstance(entry, str):
-            named = getattr(entry, "__name__", None)
-            hint = f" Write its name instead: {named!r}." if named in _visible_names() else ""
-            raise TypeError(
-                f"amp.initialize: {what} entries are function names (strings); got {entry!r}."
-                + hint
-            )
-    return list(value)
-
-
-def check_custom_lists(white, black):
-    """Checks amp.initialize's custom_white_list and custom_black_list: lists of names, each the
-    name of a torch function or Tensor method (an entry that matches nothing would silently do
-    nothing), and no name in both. Raises TypeError or ValueError naming the entry."""
-    white_names = _entries(white, "custom_white_list")
-    black_names = _entries(black, "custom_black_list")
-    known = _visible_names()
-    for what, names in (("custom_white_list", white_names), ("custom_black_list", black_names)):
-        for name in names:
-            if name in known:
-                continue
-            close = difflib.get_close_matches(name, known, n=3)
-            hint = (f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else
-                    " Entries are names as torch calls them, e.g. 'linear', 'matmul', 'softmax'.")
-            raise ValueError(
-                f"amp.initialize: {what} entry {name!r} is not the name of any torch function or "
-                f"Tensor method, so it would never match anything.{hint}"
-            )
-    both = sorted(set(white_names) & set(black_names))
-    if both:
-        raise ValueError(
-            f"amp.initialize: {both} in both custom_white_list and custom_black_list; a function "
-            "runs either in the low dtype (white) or in fp32 (black), so keep each name in one."
-        )
+check_custom_lists = aten_lists.check_custom_lists
