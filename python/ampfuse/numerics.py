@@ -1,0 +1,386 @@
+"""Numerics you can see: which dtype each op of a model ran in, and how close its values come to
+fp16's limits.
+
+    with ampfuse.numerics.watch(model) as w:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+    print(w.report())
+    black = w.suggest_black_list(dtype=torch.float16, loss_scale=2.0**16)
+
+Three things are installed on entering the `with` and removed on leaving it (an exception
+included), so a model that is not watched pays nothing:
+
+- forward pre/post hooks on every submodule, which keep the stack of running modules (ops are
+  attributed to the innermost one), record each module's output (and, for the suggestions, its
+  input) and put a hook on each output that needs a gradient, which records the gradient;
+- a TorchDispatchMode. It sits below the Autocast and Autograd keys, so it sees the ops that
+  really ran: autocast's casts, the low-precision matmul, the fp32 softmax of O1's list, and the
+  backward's ops (attributed to the module whose forward created their autograd node, from the
+  node's sequence number);
+- a TorchFunctionMode that notes which torch functions each module calls: custom lists name
+  those (F.linear is `linear` to O1's lists, while the dispatcher below it runs `addmm`).
+
+Statistics stay on the tensors' device (a running max, counts and a histogram of binary
+exponents, updated in place): nothing is read back to the host until report() or the
+suggestions ask for it. Values are recorded as they were computed: a gradient recorded under a
+loss scale is the scaled gradient.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ampfuse._numerics_stats import (
+    FP16_MAX,
+    FP16_TINY,
+    Flag,
+    Report,
+    Row,
+    Counts,
+    Stat,
+    format_rows,
+)
+
+__all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
+
+OUTSIDE = "(outside)"  # ops run outside every module's forward: a loss, an optimizer step
+ROOT = "(model)"  # the watched model itself (named "" by named_modules)
+
+
+def _first_float(values):
+    for value in tree_leaves(values):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    return None
+
+
+def _plain(tensor):
+    """Only ordinary dense tensors are measured (not meta, fake or subclass tensors)."""
+    return (tensor is not None and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.layout == torch.strided and tensor.device.type != "meta")
+
+
+class _OpMode(TorchDispatchMode):
+    """Records every op that computes floating values (views and aliases are skipped)."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        watch = self.watch
+        if watch._quiet:
+            return out
+        returns = func._schema.returns
+        if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
+            return out  # a view: no new values
+        tensor = _first_float(out)
+        dtype_of = tensor if tensor is not None else _first_float((args, kwargs))
+        if dtype_of is None:
+            return out
+        node = torch._C._current_autograd_node()
+        if node is None:
+            module, phase = watch._current(), "forward"
+        else:
+            module, phase = watch._module_of_node(node), "backward"
+        watch._record(module, phase, func.overloadpacket.__name__, dtype_of.dtype,
+                      tensor if _plain(tensor) else None, histogram=False)
+        return out
+
+
+class _NameMode(TorchFunctionMode):
+    """Notes the torch functions each module's forward calls (the names custom lists use)."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        watch = self.watch
+        if not watch._quiet and watch._stack:
+            name = getattr(func, "__name__", None)
+            if name is not None:
+                watch._called.setdefault(watch._stack[-1], set()).add(name)
+        return func(*args, **(kwargs or {}))
+
+
+class Watch:
+    """What watch(model) returns: a context manager that records while it is entered, and keeps
+    what it recorded for report(), flags() and suggest_black_list() afterwards. It can be
+    entered again to record more (the statistics add up)."""
+
+    _watched = weakref.WeakSet()  # models inside a `with` now: one watch per model at a time
+
+    def __init__(self, model: torch.nn.Module):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"numerics.watch: expected a torch.nn.Module, got {type(model)}. "
+                            "Pass the model whose forward you run inside the `with`.")
+        self.model = model
+        self._stats = {}  # (module, phase, op, dtype) -> Stat, in first-seen order
+        self._called = {}  # module -> names of the torch functions its forward called
+        self._installed = None
+        self._stack = []
+        self._quiet = 0  # > 0 while the watch computes statistics of its own
+
+    # ---- entering and leaving ------------------------------------------------------------------
+
+    def __enter__(self):
+        if self._installed is not None:
+            raise RuntimeError("numerics.watch: this watch is already active; leave its `with` "
+                               "before entering it again.")
+        if self.model in Watch._watched:
+            raise RuntimeError("numerics.watch: this model is already being watched; nest the "
+                               "code in the existing `with` instead of a second watch.")
+        handles, modes = [], []
+        self._installed = (handles, modes)
+        self._stack = []
+        # (sequence number of the next autograd node, innermost module): where each module's
+        # forward starts and ends, to attribute the backward's ops to modules.
+        self._segments = [(torch._C._autograd._get_sequence_nr(), OUTSIDE)]
+        Watch._watched.add(self.model)
+        try:
+            for name, module in self.model.named_modules():
+                name = name or ROOT
+                handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+                handles.append(module.register_forward_hook(self._post_hook(name),
+                                                            always_call=True))
+            for mode in (_OpMode(self), _NameMode(self)):
+                mode.__enter__()
+                modes.append(mode)
+        except BaseException:
+            self._uninstall()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        self._uninstall()
+        return False
+
+    def _uninstall(self):
+        handles, modes = self._installed
+        try:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._installed = None
+            self._stack = []
+            Watch._watched.discard(self.model)
+
+    @property
+    def active(self) -> bool:
+        """True inside the `with`."""
+        return self._installed is not None
+
+    # ---- recording -----------------------------------------------------------------------------
+
+    def _current(self):
+        return self._stack[-1] if self._stack else OUTSIDE
+
+    def _mark(self):
+        self._segments.append((torch._C._autograd._get_sequence_nr(), self._current()))
+
+    def _module_of_node(self, node):
+        seq = node._sequence_nr()
+        if seq >= torch._C._autograd._get_sequence_nr():
+            return OUTSIDE  # AccumulateGrad, which has no forward
+        at = bisect.bisect_right(self._segments, seq, key=lambda s: s[0]) - 1
+        return self._segments[at][1] if at >= 0 else OUTSIDE
+
+    def _record(self, module, phase, op, dtype, tensor, histogram):
+        key = (module, phase, op, dtype)
+        stat = self._stats.get(key)
+        if stat is None:
+            stat = self._stats[key] = Stat()
+        if tensor is None:
+            stat.calls += 1
+            return
+        self._quiet += 1
+        try:
+            with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
+                stat.add(tensor, histogram)
+        finally:
+            self._quiet -= 1
+
+    def _record_values(self, module, phase, what, values):
+        for value in tree_leaves(values):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and _plain(value):
+                self._record(module, phase, what, value.dtype, value, histogram=True)
+
+    def _pre_hook(self, name):
+        def hook(module, args):
+            if self._quiet:
+                return
+            self._stack.append(name)
+            self._mark()
+            self._record_values(name, "forward", "input", args)
+        return hook
+
+    def _post_hook(self, name):
+        def hook(module, args, output):
+            if self._quiet or not self._stack or self._stack[-1] != name:
+                return None
+            self._stack.pop()
+            self._mark()
+            if output is None:
+                return None  # the forward raised
+            self._record_values(name, "forward", "output", output)
+            if torch.is_grad_enabled():
+                for value in tree_leaves(output):
+                    if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                            and value.requires_grad):
+                        value.register_hook(self._grad_hook(name))
+            return None
+        return hook
+
+    def _grad_hook(self, name):
+        def hook(grad):
+            if self._installed is not None and grad is not None and _plain(grad):
+                self._record_values(name, "backward", "grad", grad)
+        return hook
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def _read(self) -> dict:
+        """key -> Counts, with one transfer per device."""
+        by_device = {}
+        for key, stat in self._stats.items():
+            if stat.absmax is not None:
+                by_device.setdefault(stat.absmax.device, []).append(key)
+        values = {}
+        for device, keys in by_device.items():
+            stats = [self._stats[k] for k in keys]
+            absmax = torch.stack([s.absmax for s in stats]).cpu().tolist()
+            tiny = torch.stack([s.tiny for s in stats]).cpu().tolist()
+            hists = [s.hist for s in stats if s.hist is not None]
+            hists = iter(torch.stack(hists).cpu().tolist() if hists else [])
+            for k, s, a, t in zip(keys, stats, absmax, tiny):
+                values[k] = (a, t, next(hists) if s.hist is not None else None)
+        return {key: Counts(stat.calls, stat.numel, *values.get(key, (math.nan, 0, None)))
+                for key, stat in self._stats.items()}
+
+    def report(self) -> Report:
+        """One Row per (module, phase, op or "output"/"grad", dtype), in the order first seen.
+        Reads the statistics back from the device (this syncs)."""
+        rows = Report()
+        for (module, phase, op, dtype), c in self._read().items():
+            if op == "input":
+                continue
+            headroom = math.log2(FP16_MAX / c.absmax) if c.absmax > 0 else math.inf
+            rows.append(Row(module, phase, op, dtype, c.calls, c.absmax, c.below(FP16_TINY),
+                            headroom if not math.isnan(c.absmax) else math.nan))
+        return rows
+
+    def format(self) -> str:
+        """report() as a table."""
+        return format_rows(self.report())
+
+    def flags(self, dtype=torch.float16, loss_scale=1.0, underflow=0.01) -> list:
+        """The modules whose values would overflow or underflow in `dtype`: forward outputs as
+        they are, gradients times `loss_scale`. An output counts when it is beyond the limit and
+        the module's input was not (the module made it so: a ReLU after an overflowing layer is
+        not flagged); underflow means more than `underflow` of the values are nonzero and below
+        dtype's smallest normal."""
+        dtype, loss_scale, underflow = _check_limits(dtype, loss_scale, underflow)
+        info = torch.finfo(dtype)
+        counts = self._read()
+        by_module = {}
+        for (module, phase, op, _), c in counts.items():
+            if op in ("input", "output", "grad"):
+                by_module.setdefault((module, op), []).append(c)
+
+        def problems(module, what, scale):
+            found = []
+            cs = by_module.get((module, what), [])
+            absmax = max((c.absmax * scale for c in cs), default=0.0)
+            if absmax > info.max:
+                found.append(("overflow", absmax))
+            share = max((c.below(info.smallest_normal / scale) for c in cs), default=0.0)
+            if share > underflow:
+                found.append(("underflow", share))
+            return found
+
+        result = []
+        for module, what in by_module:
+            if what == "input":
+                continue
+            scale = loss_scale if what == "grad" else 1.0
+            found = problems(module, what, scale)
+            if what == "output":
+                came_in = {p for p, _ in problems(module, "input", 1.0)}
+                found = [(p, v) for p, v in found if p not in came_in]
+            for problem, value in found:
+                result.append(Flag(module, what, problem, value, self._names(module)))
+        return result
+
+    def _names(self, module) -> tuple:
+        from ampfuse.amp.aten_lists import FP32_FUNCTIONS, check_entry
+
+        names = []
+        for name in sorted(self._called.get(module, ())):
+            if name in FP32_FUNCTIONS or not _computes(name):
+                continue
+            try:
+                check_entry(name, "numerics")
+            except ValueError:
+                continue
+            names.append(name)
+        return tuple(names)
+
+    def suggest_black_list(self, dtype=torch.float16, loss_scale=1.0, underflow=0.01) -> list:
+        """Names of the functions called by the modules flags() finds, ready for
+        amp.initialize(custom_black_list=...): at O1 they then run in fp32. Lists are
+        model-wide: a name runs in fp32 wherever the model calls it."""
+        names = {n for flag in self.flags(dtype, loss_scale, underflow) for n in flag.names}
+        return sorted(names)
+
+
+def _check_limits(dtype, loss_scale, underflow):
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"numerics: dtype must be torch.float16 or torch.bfloat16, the dtypes "
+                         f"amp runs in, got {dtype!r}.")
+    if isinstance(loss_scale, torch.Tensor) and loss_scale.numel() == 1:
+        loss_scale = loss_scale.item()
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+        raise TypeError(f"numerics: loss_scale must be a number, got {loss_scale!r}.")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"numerics: loss_scale must be positive and finite, got {loss_scale}.")
+    if isinstance(underflow, bool) or not isinstance(underflow, (int, float)) \
+            or not 0 <= underflow < 1:
+        raise ValueError(f"numerics: underflow is the share of values allowed below the "
+                         f"smallest normal, in [0, 1), got {underflow!r}.")
+    return dtype, float(loss_scale), float(underflow)
+
+
+@functools.cache
+def _computes(name) -> bool:
+    """Whether a list entry's aten ops compute new tensors (not views, shapes or copies of
+    metadata), so that running it in fp32 changes something."""
+    from ampfuse.amp.aten_lists import aten_names
+
+    for aten in aten_names(name):
+        packet = getattr(torch.ops.aten, aten, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            returns = getattr(packet, overload)._schema.returns
+            if returns and all(str(r.type) == "Tensor" and r.alias_info is None
+                               for r in returns[:1]):
+                return True
+    return False
+
+
+def watch(model: torch.nn.Module) -> Watch:
+    """A context manager that records, per module, the dtype each op ran in and how close the
+    values and gradients come to fp16's limits. See the module's documentation."""
+    return Watch(model)
