@@ -130,6 +130,10 @@ class Watch:
         self._installed = None
         self._stack = []
         self._quiet = 0  # > 0 while the watch computes statistics of its own
+        # (sequence number of the next autograd node, innermost module): where each module's
+        # forward starts and ends, to attribute the backward's ops to modules. Kept across
+        # re-entries: a backward in a later `with` than its forward is still attributed.
+        self._segments = []
 
     # ---- entering and leaving ------------------------------------------------------------------
 
@@ -143,9 +147,7 @@ class Watch:
         handles, modes = [], []
         self._installed = (handles, modes)
         self._stack = []
-        # (sequence number of the next autograd node, innermost module): where each module's
-        # forward starts and ends, to attribute the backward's ops to modules.
-        self._segments = [(torch._C._autograd._get_sequence_nr(), OUTSIDE)]
+        self._mark()  # from here until a forward starts: outside the model
         Watch._watched.add(self.model)
         try:
             for name, module in self.model.named_modules():

@@ -200,8 +200,13 @@ def test_a_watch_records_again_when_reentered():
     w = numerics.watch(model)
     for _ in range(2):
         with w:
-            model(x)
-    assert rows_of(w)["fc", "forward", "addmm", torch.float32].calls == 2
+            out = model(x)
+        with w:  # the backward in a later `with` than its forward
+            out.sum().backward()
+    rows = rows_of(w)
+    assert rows["fc", "forward", "addmm", torch.float32].calls == 2
+    assert rows["fc", "backward", "grad", torch.float32].calls == 2
+    assert rows["head", "backward", "mm", torch.float32].calls == 4
 
 
 def test_suggestions_pass_amp_initialize():
