@@ -64,6 +64,10 @@ def _add_demo_parser(commands):
     demo.add_argument("--inject-overflow", type=_overflow_step, default=None, metavar="STEP",
                       help="write an inf into a gradient at STEP, which every run must skip "
                       "(default: the middle step; 'off' to disable)")
+    demo.add_argument("--watch", action="store_true",
+                      help="then run a few O1 steps under ampfuse.numerics.watch and print the "
+                      "dtype each layer's ops ran in, their range against fp16's, and what "
+                      "would need custom_black_list in fp16")
     return demo
 
 
@@ -94,7 +98,7 @@ def _run_demo(args, demo) -> int:
 
     return demo_main(steps=args.steps, device=str(device), dtype=args.dtype,
                      opt_levels=args.opt_levels, out=args.out, seed=args.seed,
-                     inject_overflow=inject, ranks=args.ranks)
+                     inject_overflow=inject, ranks=args.ranks, watch=args.watch)
 
 
 def main(argv=None) -> int:

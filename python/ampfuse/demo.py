@@ -13,6 +13,10 @@ unscaled). The table shows the skip.
 
 Nothing in the training step reads a value back to the host: losses and loss scales are kept
 on the device and read once at the end (the progress bar reads the loss every 50 steps).
+
+With watch=True (`--watch`), a few more O1 steps run under ampfuse.numerics.watch and its table
+is printed: the dtype each op of each layer ran in, the values' range against fp16's, and what
+would need custom_black_list to train in fp16 at amp's initial loss scale.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 
 import ampfuse
-from ampfuse import amp
+from ampfuse import amp, numerics
 from ampfuse.optimizers import FusedAdamW
 
 # The demo's own dependencies (not ampfuse's), imported where they are used.
@@ -40,6 +44,8 @@ LR = 3e-3
 WEIGHT_DECAY = 1e-2
 FINAL_LOSS_STEPS = 20  # the table's train loss is the mean over this many last steps
 WARMUP_STEPS = 20  # untimed: the first steps pay one-off costs (allocations, kernel selection)
+WATCH_STEPS = 3  # steps of the --watch run
+FP16_INITIAL_SCALE = 2.0**16  # amp's initial dynamic loss scale for fp16
 
 
 def load_digits(device) -> tuple[torch.Tensor, ...]:
@@ -199,6 +205,43 @@ def format_table(results: list[dict], device) -> str:
     return "\n".join(lines)
 
 
+def watch_run(data, *, seed: int, device, dtype, steps: int = WATCH_STEPS):
+    """A few O1 steps of the demo model under numerics.watch (the forward and backward; the
+    optimizer step outside it). O1, because it is the level whose per-op lists give each layer
+    a mix of dtypes. The loss scale is 1 so that the recorded gradients are the true ones, which
+    suggest_black_list then scales."""
+    device = torch.device(device)
+    x_train, y_train = data[0], data[1]
+    model = make_model(seed).to(device)
+    optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", dtype=dtype,
+                                      loss_scale=1.0, verbosity=0)
+    order = batch_order(steps, len(x_train), seed, device)
+    watch = numerics.watch(model)
+    for index in order:
+        optimizer.zero_grad(set_to_none=True)
+        with watch:
+            loss = torch.nn.functional.cross_entropy(model(x_train[index]), y_train[index])
+        with amp.scale_loss(loss, optimizer) as scaled_loss, watch:
+            scaled_loss.backward()
+        optimizer.step()
+    return watch
+
+
+def print_watch(watch, steps: int, low_name: str) -> None:
+    print(f"\nnumerics.watch: {steps} O1 {low_name} steps (forward and backward, loss scale 1)")
+    print(watch.report())
+    flags = watch.flags(torch.float16, loss_scale=FP16_INITIAL_SCALE)
+    print(f"fp16 at loss scale {FP16_INITIAL_SCALE:g} (amp's initial scale; grads times it):")
+    for flag in flags:
+        amount = (f"absmax {flag.value:.3g}" if flag.problem == "overflow" else
+                  f"{flag.value:.1%} below the smallest normal")
+        print(f"  {flag.module} {flag.what}: {flag.problem} ({amount})")
+    names = watch.suggest_black_list(torch.float16, loss_scale=FP16_INITIAL_SCALE)
+    print(f"  suggest_black_list: {names}" if flags else
+          "  nothing would overflow or underflow: no custom_black_list needed")
+
+
 def save_plot(results: list[dict], path: Path, inject_overflow: int | None = None) -> None:
     """Two panels: training loss per step and the loss scale each step's backward used."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -228,10 +271,11 @@ def save_plot(results: list[dict], path: Path, inject_overflow: int | None = Non
 def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = None,
              opt_levels=("O1", "O2"), out: str | Path = "demo_out", seed: int = 0,
              inject_overflow: int | None = None, progress: bool = True,
-             ranks: int = 1) -> list[dict]:
+             ranks: int = 1, watch: bool = False) -> list[dict]:
     """Runs the fp32 baseline and each opt level, prints the table, saves the plot under `out`
     and returns one result dict per run (see train_run). ranks > 1: FSDP2 on that many CPU
-    processes (demo_fsdp2)."""
+    processes (demo_fsdp2). watch: then prints numerics.watch's table of a short O1 run (in
+    this process, unsharded)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ranks > 1 and device.type != "cpu":
         raise ValueError("the sharded demo (ranks > 1) runs on CPU processes (gloo); "
@@ -265,6 +309,8 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
     plot = out / "loss_curves.png"
     save_plot(results, plot, inject_overflow)
     print(f"loss curves and loss scales saved to {plot}")
+    if watch:
+        print_watch(watch_run(data, seed=seed, device=device, dtype=low), WATCH_STEPS, low_name)
     return results
 
 
@@ -281,7 +327,8 @@ def failures(results: list[dict], inject_overflow: int | None) -> list[str]:
     return problems
 
 
-def main(steps, device, dtype, opt_levels, out, seed, inject_overflow, ranks=1) -> int:
+def main(steps, device, dtype, opt_levels, out, seed, inject_overflow, ranks=1,
+         watch=False) -> int:
     """The `python -m ampfuse demo` command: runs the demo and returns the exit status."""
     missing = [pip for module, pip in REQUIREMENTS.items()
                if importlib.util.find_spec(module) is None]
@@ -290,7 +337,7 @@ def main(steps, device, dtype, opt_levels, out, seed, inject_overflow, ranks=1) 
               file=sys.stderr)
         return 2
     results = run_demo(steps=steps, device=device, dtype=dtype, opt_levels=opt_levels, out=out,
-                       seed=seed, inject_overflow=inject_overflow, ranks=ranks)
+                       seed=seed, inject_overflow=inject_overflow, ranks=ranks, watch=watch)
     problems = failures(results, inject_overflow)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)

@@ -36,7 +36,7 @@ def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "ampfuse", "demo", "--steps", "30", "--device", "cpu",
-         "--out", str(out)],
+         "--out", str(out), "--watch"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -50,6 +50,13 @@ def test_demo_runs_end_to_end(tmp_path):
         assert skipped == "1", f"{name}: {cells}"
         assert float(scale) == 1.0  # fp32, and bf16, which amp trains unscaled by default
     assert "at step 15" in proc.stdout
+
+    # --watch: numerics.watch's table of a short O1 run follows the demo's own.
+    watched = proc.stdout.split("numerics.watch: ")[1].splitlines()
+    assert watched[1].split() == ["module", "phase", "op", "dtype", "calls", "absmax",
+                                  "underflow", "headroom"]
+    assert any(line.split()[:4] == ["0", "forward", "convolution", "bfloat16"]
+               for line in watched)
 
     plot = out / "loss_curves.png"
     assert f"saved to {plot}" in proc.stdout
@@ -98,6 +105,26 @@ def test_ranks_need_the_cpu(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--ranks", "2", "--device", "cuda"])
     assert "--device cpu" in capsys.readouterr().err
+
+
+def test_watch_run_records_the_demo_model(capsys):
+    """The --watch run: O1's per-op dtypes in each layer, forward and backward, and the fp16
+    verdict at amp's initial loss scale."""
+    import torch
+
+    watch = demo.watch_run(demo.load_digits("cpu"), seed=0, device="cpu", dtype=torch.bfloat16,
+                           steps=1)
+    rows = {(r.module, r.phase, r.op, r.dtype): r for r in watch.report()}
+    assert rows["0", "forward", "convolution", torch.bfloat16].calls == 1
+    assert rows["1", "forward", "native_batch_norm", torch.float32].calls == 1  # fp32 list
+    assert rows["8", "forward", "addmm", torch.bfloat16].calls == 1
+    assert rows["0", "backward", "convolution_backward", torch.bfloat16].calls == 1
+    assert rows["8", "backward", "grad", torch.bfloat16].absmax > 0
+    assert not watch.active
+    demo.print_watch(watch, 1, "bf16")
+    out = capsys.readouterr().out
+    assert "numerics.watch: 1 O1 bf16 steps" in out
+    assert "fp16 at loss scale 65536" in out
 
 
 def test_same_seed_same_run():
@@ -170,10 +197,12 @@ def test_flags_reach_the_demo(monkeypatch):
                  "fp16", "--seed", "7", "--out", "elsewhere"]) == 0
     assert main(["demo"]) == 0
     assert main(["demo", "--ranks", "4", "--device", "cpu"]) == 0
+    assert main(["demo", "--watch", "--steps", "5"]) == 0
     default_steps = inspect.signature(demo.run_demo).parameters["steps"].default
     assert calls[2]["steps"] == default_steps and calls[2]["inject_overflow"] == default_steps // 2
     assert calls[0] == dict(steps=40, device="cpu", dtype=None, opt_levels=("O1", "O2"),
-                            out="demo_out", seed=0, inject_overflow=20, ranks=1)
+                            out="demo_out", seed=0, inject_overflow=20, ranks=1, watch=False)
     assert calls[3]["ranks"] == 4
+    assert calls[4]["watch"] is True and calls[4]["steps"] == 5
     assert calls[1]["opt_levels"] == ("O2", "O1") and calls[1]["inject_overflow"] is None
     assert (calls[1]["dtype"], calls[1]["seed"], calls[1]["out"]) == ("fp16", 7, "elsewhere")
