@@ -6,11 +6,27 @@ When anything else writes the param in between (``model.load_state_dict``, a ``p
 weights back. Such writes are noticed with no device sync: the param's version counter and data
 pointer are recorded after each step, and any other write bumps the counter or replaces the
 storage. Only then is a value compared (refresh_master).
+
+The helpers serve ampfuse.amp's masters of torch.optim optimizers as well; MasterWeightsMixin
+is the fused optimizers' side: which params keep a master, and following them at each step.
 """
 
 from __future__ import annotations
 
 import torch
+
+# The param dtypes that get an fp32 master when a group sets master_weights.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def keeps_master(group, p):
+    """Whether the fused optimizers keep an fp32 master for param `p` of `group`."""
+    return bool(group["master_weights"]) and p.dtype in LOW_PRECISION
+
+
+def make_master(p):
+    """A new fp32 master for `p`: a copy of its value, so the first step starts from it."""
+    return p.detach().to(torch.float32, copy=True)
 
 
 def param_mark(param):
@@ -38,3 +54,48 @@ def refresh_master(master: torch.Tensor, model_param: torch.Tensor, source=None)
     if source.dtype == torch.float32 and torch.equal(source, rounded.float()):
         return
     master.copy_(source)
+
+
+class MasterWeightsMixin:
+    """A fused optimizer's fp32 masters: following writes to their params, and handing them out
+    (master_params(), for amp and for clipping the tensors that are updated)."""
+
+    def _follow(self, p, master):
+        """Remakes `master` if something other than a step wrote `p` since it was marked."""
+        mark = self._master_marks.get(p)
+        if mark is not None and mark != param_mark(p):
+            refresh_master(master, p)
+            self._master_marks[p] = param_mark(p)
+
+    def follow_masters(self):
+        """What each step does for the params it updates, for every param with a master now
+        (before its masters are saved, say)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                master = self.state.get(p, {}).get("master_param")
+                if master is not None:
+                    self._follow(p, master)
+
+    def mark_masters(self, params):
+        """Records that `params` now hold what their masters say (the step just wrote them, or
+        a caller such as amp set the masters from them): until something else writes one of
+        them, its master is not looked at again."""
+        marks = self._master_marks
+        for p in params:
+            marks[p] = param_mark(p)
+
+    def master_params(self):
+        """The tensors the optimizer actually updates, one per param in param-group order: the
+        fp32 master of each fp16/bf16 param of a group with master_weights (created now from the
+        param if no step has created it yet), else the param itself."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if keeps_master(group, p):
+                    state = self.state[p]
+                    if "master_param" not in state:
+                        state["master_param"] = make_master(p)
+                    out.append(state["master_param"])
+                else:
+                    out.append(p)
+        return out

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from ampfuse import _ops
-from ampfuse.optimizers._base import FusedOptimizer, fp32_copy, fp32_like
-from ampfuse.optimizers._flags import check_flag
+from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._state import fp32_copy, fp32_like
 
 
 class FusedAdam(FusedOptimizer):

@@ -4,8 +4,9 @@ op call per device, with optional fp32 master weights, on top of torch.ops.ampfu
 from __future__ import annotations
 
 from ampfuse import _ops
-from ampfuse.optimizers._base import FusedOptimizer, fp32_copy, fp32_like
-from ampfuse.optimizers._flags import check_flag
+from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._state import fp32_copy, fp32_like
 
 
 class FusedSGD(FusedOptimizer):

@@ -1,0 +1,101 @@
+"""Param groups and their options: what a fused optimizer's group may hold, and the checks that
+refuse the rest with a message naming the group, the param and the fix.
+
+The checks run when a group is added (add_param_group, the constructor), when a state dict is
+loaded (before anything changes) and, for the hyperparameters, at every step, since a scheduler
+or the user may change a group between steps. Kept apart from the step launcher (``_base``) so
+that the rules a group must follow are read in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse.optimizers._skip import check_skip_nonfinite
+
+# The param dtypes the fused ops update.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def param_name(group_index, param_index):
+    """How error messages name a param: the way the user would reach it."""
+    return f"param_groups[{group_index}]['params'][{param_index}]"
+
+
+def check_flag(optimizer, index, group, key):
+    """A group option that is a switch must be True or False: 1, "yes" or None would silently
+    pick a behaviour the caller may not have meant."""
+    value = group[key]
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{type(optimizer).__name__}: param_groups[{index}] has {key}={value!r}; it must be "
+            "True or False."
+        )
+
+
+class ParamGroupsMixin:
+    """add_param_group() with FusedOptimizer's checks, and the checks the subclasses' own
+    _check_hyperparameters() builds on."""
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            self._check_group(index, self.param_groups[index])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, index, group):
+        name = type(self).__name__
+        for key in self._FOREIGN_GROUP_KEYS:
+            if key in group:
+                raise ValueError(
+                    f"{name}: param_groups[{index}] sets {key!r}, which {name} does not have; "
+                    f"remove it from the group (it belongs to another optimizer)."
+                )
+        for i, p in enumerate(group["params"]):
+            self._check_param_dtype(index, i, p)
+        self._check_hyperparameters(index, group)
+        check_skip_nonfinite(self, index, group)
+
+    def _check_param_dtype(self, group_index, param_index, p):
+        if p.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{type(self).__name__}: {param_name(group_index, param_index)} has dtype "
+                f"{p.dtype}; fused optimizers update torch.float32, torch.float16 and "
+                "torch.bfloat16 parameters only (no complex, integer or float64 ones)."
+            )
+
+    def _check_lr(self, index, lr):
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1 or not lr.is_floating_point():
+                raise ValueError(
+                    f"{type(self).__name__}: param_groups[{index}]['lr'] is a tensor of shape "
+                    f"{tuple(lr.shape)} and dtype {lr.dtype}; a tensor lr must be one "
+                    "floating-point element."
+                )
+            return
+        if not lr >= 0.0:
+            raise ValueError(
+                f"{type(self).__name__}: param_groups[{index}] has lr={lr}; the learning rate "
+                "must be >= 0."
+            )
+
+    def _check_nonnegative(self, index, group, key):
+        if not group[key] >= 0.0:
+            raise ValueError(
+                f"{type(self).__name__}: param_groups[{index}] has {key}={group[key]}; it must "
+                "be >= 0."
+            )
+
+    def _reject(self, group_index, param_index, p, grad):
+        """Raises for a grad or param that no fused op takes; _calls only comes here when its
+        cheap test failed."""
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"{type(self).__name__}: {param_name(group_index, param_index)} has a "
+                f"{grad.layout} gradient; fused optimizers take dense gradients only "
+                "(torch.optim.SparseAdam handles sparse ones)."
+            )
+        self._check_param_dtype(group_index, param_index, p)

@@ -1,0 +1,241 @@
+"""A param's optimizer state: kept fp32 and laid out like the param, and saved and loaded in
+torch.optim's state_dict layout.
+
+The fused ops walk a param and its state tensors flat, so the state must share the param's
+element order (``same_layout``); a checkpoint or a model changed to channels_last after some
+steps is re-laid out here. state_dict()/load_state_dict() translate between that state (one step
+tensor shared by params that step together, fp32 moments and masters) and torch.optim's format
+(a 'step' per param, torch's group keys), so checkpoints move both ways between ampfuse's and
+torch's optimizers. Kept apart from the step launcher (``_base``) because none of it runs on
+the per-step path except the layout check.
+
+OptimizerStateMixin relies on what FusedOptimizer gathers: the subclasses' _export_state and
+_import_state, _check_group, _capturing, get_skipped_steps, _TORCH_GROUP_KEYS, and the
+_layouts, _lr_tensors and _skips caches that a load starts afresh.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import numbers
+
+import torch
+
+from ampfuse.optimizers._groups import param_name
+from ampfuse.optimizers._masters import keeps_master
+from ampfuse.optimizers._skip import SkipRecord
+
+
+def fp32_like(p):
+    """Zeros in fp32 with p's shape, device and (dense) strides."""
+    return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+def same_layout(t, p):
+    """Whether state tensor `t` walks memory in the same order as param `p`, the rule the fused
+    ops apply to the tensors they write (one element or none has no order)."""
+    return t.numel() <= 1 or t.stride() == p.stride()
+
+
+def fp32_copy(value, p):
+    """A loaded state tensor as fp32 on p's device, laid out like p (a checkpoint saved from
+    contiguous params loads into a channels_last model). A tensor that already is fp32, on p's
+    device and in p's layout, is used as it is, as torch.optim does."""
+    if value.dtype == torch.float32 and value.device == p.device and same_layout(value, p):
+        return value
+    out = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    return out.copy_(value)
+
+
+class OptimizerStateMixin:
+    """state_dict() and load_state_dict() in torch.optim's layout, and state that follows its
+    param's memory layout."""
+
+    # ---- state laid out like its param --------------------------------------------------------
+
+    def _match_layout(self, group_index, param_index, p, state):
+        """Lays p's state tensors out like p when p's layout changed since they were made, e.g.
+        by model.to(memory_format=torch.channels_last) after some steps: the fused ops walk a
+        param and its state flat, so both must share one element order. Runs when p's strides
+        differ from those recorded at the last check (one stride comparison per param and
+        step otherwise). The tensors are changed in place (same objects, same values), so
+        references held elsewhere, such as amp's list of masters, stay valid."""
+        strides = p.stride()
+        for value in state.values():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape == p.shape
+                and not same_layout(value, p)
+            ):
+                if self._capturing():
+                    raise RuntimeError(
+                        f"{type(self).__name__}: {param_name(group_index, param_index)} changed "
+                        "its memory layout (e.g. model.to(memory_format=...)) since its optimizer "
+                        "state was made, and the state cannot be re-laid out during CUDA graph "
+                        "capture; run one step eagerly after changing the layout, then capture."
+                    )
+                value.set_(torch.empty_like(p, dtype=value.dtype).copy_(value))
+        self._layouts[p] = strides
+
+    # ---- state_dict in torch.optim's layout ---------------------------------------------------
+
+    @torch._disable_dynamo
+    def state_dict(self):
+        """The state in torch.optim's layout, loadable by torch.optim's counterpart.
+
+        Each param's 'step' is its own float32 0-dim tensor (on the CPU, or on the param's device
+        for capturable groups), as torch.optim keeps it; moments stay fp32 whatever the param's
+        dtype, and 'master_param' (fp32) is included so a resumed run continues from the exact
+        masters. Param groups carry torch's keys (e.g. 'decoupled_weight_decay', 'foreach',
+        'fused') besides ours. State tensors other than 'step' are the live ones, as in torch.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        index_of, packed_groups = {}, []
+        group_of = {}
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            for key, value in self._TORCH_GROUP_KEYS.items():
+                packed[key] = value(group) if callable(value) else value
+            ids = []
+            for p in group["params"]:
+                if id(p) not in index_of:
+                    index_of[id(p)] = len(index_of)
+                ids.append(index_of[id(p)])
+                group_of[id(p)] = group
+            packed["params"] = ids
+            packed_groups.append(packed)
+        step_values = {}  # id(step tensor) -> its value, read once per tensor
+        packed_state = {}
+        for key, state in self.state.items():
+            if not isinstance(key, torch.Tensor):
+                packed_state[key] = state
+                continue
+            if id(key) not in index_of:
+                continue  # a tensor no group holds any more has no index to be saved under
+            group = group_of[id(key)]
+            step = state.get("step")
+            step_value = None
+            if step is not None:
+                if id(step) not in step_values:
+                    where = step.device if group.get("capturable", False) else "cpu"
+                    step_values[id(step)] = step.detach().to(where, torch.float32, copy=True)
+                step_value = step_values[id(step)].clone()
+            exported = self._export_state(group, state, step_value)
+            if exported:
+                packed_state[index_of[id(key)]] = exported
+        state_dict = {
+            "state": packed_state,
+            "param_groups": packed_groups,
+            "skipped_steps": self.get_skipped_steps(),
+        }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict):
+        """Loads a state_dict of this optimizer or of torch.optim's counterpart.
+
+        Unlike torch.optim, which casts state to each param's dtype, moments and masters are
+        kept (or made) fp32. Params whose saved step counts are equal share one step tensor
+        again; unequal counts simply make more op calls. Hyperparameters come from the saved
+        groups; keys of ours that a torch checkpoint lacks keep their current values.
+        """
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        skipped_steps = state_dict.get("skipped_steps")
+        if skipped_steps is None:  # a torch or older checkpoint: the count goes on from its value
+            skipped_steps = self.get_skipped_steps()
+        elif isinstance(skipped_steps, bool) or not (
+            isinstance(skipped_steps, numbers.Integral) and skipped_steps >= 0
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: skipped_steps must be an int >= 0, got "
+                f"{skipped_steps!r}."
+            )
+        skipped_steps = int(skipped_steps)
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict has {len(saved_groups)} "
+                f"param groups but the optimizer has {len(groups)}."
+            )
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: param_groups[{index}] has "
+                    f"{len(saved['params'])} params in the state dict but "
+                    f"{len(group['params'])} in the optimizer."
+                )
+        new_groups = []
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            new_group = {k: v for k, v in saved.items() if k not in self._TORCH_GROUP_KEYS}
+            self._import_group(saved, group, new_group)
+            for key, value in group.items():
+                new_group.setdefault(key, value)
+            new_group["params"] = group["params"]
+            self._check_group(index, new_group)  # before anything of the optimizer changes
+            new_groups.append(new_group)
+
+        saved_state = state_dict["state"]
+        state = collections.defaultdict(dict)
+        param_ids = set()
+        for group_index, (group, saved) in enumerate(zip(new_groups, saved_groups)):
+            shared_steps = {}  # (device, has_master, value) -> one step tensor
+            for param_index, (index_in_dict, p) in enumerate(zip(saved["params"], group["params"])):
+                param_ids.add(index_in_dict)
+                if index_in_dict not in saved_state:
+                    continue
+                imported, step_value = self._import_state(
+                    group, p, saved_state[index_in_dict], param_name(group_index, param_index)
+                )
+                if step_value is not None:
+                    has_master = keeps_master(group, p)
+                    key = (p.device, has_master, step_value)
+                    if key not in shared_steps:
+                        shared_steps[key] = torch.full(
+                            (), step_value, dtype=torch.float32, device=p.device
+                        )
+                    imported["step"] = shared_steps[key]
+                if imported:
+                    state[p] = imported
+        for key, value in saved_state.items():
+            if key not in param_ids:
+                state[key] = value  # state not tied to a param is kept as it is, as torch does
+
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        self._lr_tensors = {}
+        self._layouts = {}
+        self._skips = SkipRecord(skipped_steps)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _import_group(self, saved, current, new):
+        """Adjusts a loaded group `new` (saved keys minus torch-only ones) before the current
+        group's missing keys are filled in."""
+
+    def _import_master(self, group, p, saved, imported, where):
+        """Takes a saved master over for a param that keeps one; where the group keeps no
+        master for the param (master_weights off, or an fp32 param), the param's value rules and
+        the saved master is dropped."""
+        master = saved.get("master_param")
+        if master is None or not keeps_master(group, p):
+            return
+        self._check_saved_shape(where, "master_param", master, p)
+        imported["master_param"] = fp32_copy(master, p)
+
+    def _check_saved_shape(self, where, key, value, p):
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state of {where} has {key!r} of shape "
+                f"{tuple(value.shape)} but the param has shape {tuple(p.shape)}; the state dict "
+                "belongs to another model."
+            )
