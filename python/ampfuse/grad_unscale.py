@@ -23,15 +23,12 @@ import functools
 import torch
 
 from ampfuse import _ops
+from ampfuse.optimizers._groups import param_name
 
 __all__ = ["unscale_grads_", "is_dense", "cuda_kernels_usable"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TORCH_DTYPES = (torch.float64,)
-
-
-def param_name(group_index, param_index):
-    return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
 @functools.lru_cache(maxsize=None)
