@@ -2,9 +2,9 @@
 getters and setters torch's class has, state_dict()/load_state_dict() in a form torch's class
 loads (and that loads torch's), and pickling.
 
-These read and write values the iteration does not touch between update() calls, and they are
-where compatibility with torch checkpoints and pickles made by earlier versions lives; the
-per-step path is in ``_grad_scaler_iteration``, construction and scale() in ``grad_scaler``.
+None of it runs on the per-step path (that is ``_grad_scaler_iteration``; construction and
+scale() are in ``grad_scaler``); it is where compatibility with torch's checkpoints and with
+pickles made by earlier versions lives.
 
 ScalerOptionsMixin works on the attributes GradScaler.__init__ makes (``_enabled``, the
 options, the ``_init_*`` values the state starts from, ``_loss_scaler`` and its views).
