@@ -11,12 +11,12 @@ import torch
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # fp16's smallest normal: smaller nonzero values lose precision or vanish
 
-# Binary exponents floor(log2|x|) from _EXP_MIN to _EXP_MAX get a bin each (fp64's subnormals
-# and largest values excepted), then one bin for zeros and one for inf/nan.
-_EXP_MIN, _EXP_MAX = -160, 160
-_ZERO_BIN = _EXP_MAX - _EXP_MIN + 1
-_NONFINITE_BIN = _ZERO_BIN + 1
-_BINS = _NONFINITE_BIN + 1
+# A value's histogram bin is its biased binary exponent as fp32 and bf16 store it: 1..254 for
+# normal values (floor(log2|x|) = bin - 127), 0 for zeros (and fp32/bf16 subnormals, below
+# 2**-126), 255 for inf and nan. Read from the bits, which costs no conversion for fp32 and bf16.
+_BINS = 256
+_BIAS = 127
+_EXPONENT_BITS = {torch.float32: (torch.int32, 23), torch.bfloat16: (torch.int16, 7)}
 
 
 class Row(NamedTuple):
@@ -75,38 +75,46 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
+def measure(tensor):
+    """(absmax as a 0-dim fp32 tensor, int64 histogram of binary exponents) of one tensor, on
+    its device, with nothing read back to the host."""
+    x = tensor.detach()
+    if x.dtype not in _EXPONENT_BITS:
+        x = x.float()  # fp16 (its subnormals become fp32 normals) and fp64
+    low, high = torch.aminmax(x)
+    absmax = torch.maximum(high, low.neg()).float()
+    int_type, shift = _EXPONENT_BITS[x.dtype]
+    bins = ((x.view(int_type) >> shift) & 0xFF).flatten().long()
+    # scatter_add_, not bincount: bincount reads its maximum back to size its output.
+    hist = torch.zeros(_BINS, dtype=torch.int64, device=x.device)
+    hist.scatter_add_(0, bins, torch.ones(1, dtype=torch.int64, device=x.device).expand_as(bins))
+    return absmax, hist
+
+
 class Stat:
     """Running statistics of one (module, phase, op, dtype), on the device of its tensors."""
 
-    __slots__ = ("calls", "numel", "absmax", "tiny", "hist")
+    __slots__ = ("calls", "numel", "absmax", "hist")
 
     def __init__(self):
         self.calls = self.numel = 0
-        self.absmax = self.tiny = self.hist = None
+        self.absmax = self.hist = None
 
-    def add(self, tensor, histogram):
+    def add(self, numel, measured):
+        """Adds one call; `measured` is measure()'s result, or None for an op whose output was
+        not measured (no floating output, or not an ordinary tensor)."""
         self.calls += 1
-        if tensor.numel() == 0:
+        if measured is None or not numel:
             return
-        device = self.absmax.device if self.absmax is not None else tensor.device
-        x = tensor.detach().to(device, non_blocking=True).abs()
-        absmax = x.amax().float()
-        tiny = ((x > 0) & (x < FP16_TINY)).sum()
+        absmax, hist = measured
         if self.absmax is None:
-            self.absmax, self.tiny = absmax, tiny
-        else:
-            torch.maximum(self.absmax, absmax, out=self.absmax)
-            self.tiny.add_(tiny)
-        self.numel += x.numel()
-        if histogram:
-            if self.hist is None:
-                self.hist = torch.zeros(_BINS, dtype=torch.int64, device=device)
-            x = x.float() if x.dtype != torch.float64 else x
-            exponent = torch.frexp(x).exponent.long() - 1  # floor(log2 |x|) for x > 0
-            bins = torch.where(x > 0, exponent.clamp(_EXP_MIN, _EXP_MAX) - _EXP_MIN, _ZERO_BIN)
-            bins = torch.where(torch.isfinite(x), bins, _NONFINITE_BIN).flatten()
-            # scatter_add_, not bincount: bincount reads its maximum back to size its output.
-            self.hist.scatter_add_(0, bins, torch.ones_like(bins))
+            self.absmax, self.hist = absmax.clone(), hist.clone()
+            self.numel = numel
+            return
+        device = self.absmax.device
+        torch.maximum(self.absmax, absmax.to(device, non_blocking=True), out=self.absmax)
+        self.hist.add_(hist.to(device, non_blocking=True))
+        self.numel += numel
 
 
 class Counts(NamedTuple):
@@ -114,15 +122,12 @@ class Counts(NamedTuple):
     calls: int
     numel: int
     absmax: float
-    tiny: int
     hist: list | None
 
     def below(self, threshold: float) -> float:
-        """Share of the values with 0 < |x| * 1 < threshold, from the exponent histogram (exact
-        when threshold is a power of two)."""
-        if not self.numel:
+        """Share of the values with 0 < |x| < threshold (to the power of two above threshold:
+        exact when it is one). nan when nothing was measured."""
+        if not self.numel or self.hist is None:
             return math.nan
-        if self.hist is None:
-            return self.tiny / self.numel
-        edge = min(max(math.ceil(math.log2(threshold)) - _EXP_MIN, 0), _ZERO_BIN)
-        return sum(self.hist[:edge]) / self.numel
+        edge = min(max(math.ceil(math.log2(threshold)) + _BIAS, 1), _BINS - 1)
+        return sum(self.hist[1:edge]) / self.numel

@@ -20,10 +20,11 @@ included), so a model that is not watched pays nothing:
 - a TorchFunctionMode that notes which torch functions each module calls: custom lists name
   those (F.linear is `linear` to O1's lists, while the dispatcher below it runs `addmm`).
 
-Statistics stay on the tensors' device (a running max, counts and a histogram of binary
-exponents, updated in place): nothing is read back to the host until report() or the
-suggestions ask for it. Values are recorded as they were computed: a gradient recorded under a
-loss scale is the scaled gradient.
+Statistics stay on the tensors' device (a running absmax and a histogram of binary exponents
+read from the values' bits, updated in place): nothing is read back to the host until report()
+or the suggestions ask for it. Each tensor is measured once (a module's output is usually its
+last op's). Values are recorded as they were computed: a gradient recorded under a loss scale
+is the scaled gradient.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ampfuse._numerics_stats import (
     FP16_MAX,
@@ -47,6 +49,7 @@ from ampfuse._numerics_stats import (
     Counts,
     Stat,
     format_rows,
+    measure,
 )
 
 __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
@@ -93,7 +96,7 @@ class _OpMode(TorchDispatchMode):
         else:
             module, phase = watch._module_of_node(node), "backward"
         watch._record(module, phase, func.overloadpacket.__name__, dtype_of.dtype,
-                      tensor if _plain(tensor) else None, histogram=False)
+                      tensor if _plain(tensor) else None)
         return out
 
 
@@ -129,6 +132,7 @@ class Watch:
         self._called = {}  # module -> names of the torch functions its forward called
         self._installed = None
         self._stack = []
+        self._measured = WeakTensorKeyDictionary()  # tensor -> (version, measure(tensor))
         self._quiet = 0  # > 0 while the watch computes statistics of its own
         # (sequence number of the next autograd node, innermost module): where each module's
         # forward starts and ends, to attribute the backward's ops to modules. Kept across
@@ -177,6 +181,7 @@ class Watch:
                 handle.remove()
             self._installed = None
             self._stack = []
+            self._measured = WeakTensorKeyDictionary()
             Watch._watched.discard(self.model)
 
     @property
@@ -199,25 +204,36 @@ class Watch:
         at = bisect.bisect_right(self._segments, seq, key=lambda s: s[0]) - 1
         return self._segments[at][1] if at >= 0 else OUTSIDE
 
-    def _record(self, module, phase, op, dtype, tensor, histogram):
+    def _measure(self, tensor):
+        """measure(tensor), once per tensor and version: a module's output is usually the
+        output of its last op, and its input the previous module's output."""
+        cached = self._measured.get(tensor)
+        if cached is not None and cached[0] == tensor._version:
+            return cached[1]
+        measured = measure(tensor)
+        self._measured[tensor] = (tensor._version, measured)
+        return measured
+
+    def _record(self, module, phase, op, dtype, tensor):
         key = (module, phase, op, dtype)
         stat = self._stats.get(key)
         if stat is None:
             stat = self._stats[key] = Stat()
-        if tensor is None:
-            stat.calls += 1
+        if tensor is None or not tensor.numel():
+            stat.add(0, None)
             return
+        # The modes see the statistics' own ops; _quiet makes them pass those by.
         self._quiet += 1
         try:
             with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
-                stat.add(tensor, histogram)
+                stat.add(tensor.numel(), self._measure(tensor))
         finally:
             self._quiet -= 1
 
     def _record_values(self, module, phase, what, values):
         for value in tree_leaves(values):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and _plain(value):
-                self._record(module, phase, what, value.dtype, value, histogram=True)
+                self._record(module, phase, what, value.dtype, value)
 
     def _pre_hook(self, name):
         def hook(module, args):
@@ -263,12 +279,9 @@ class Watch:
         for device, keys in by_device.items():
             stats = [self._stats[k] for k in keys]
             absmax = torch.stack([s.absmax for s in stats]).cpu().tolist()
-            tiny = torch.stack([s.tiny for s in stats]).cpu().tolist()
-            hists = [s.hist for s in stats if s.hist is not None]
-            hists = iter(torch.stack(hists).cpu().tolist() if hists else [])
-            for k, s, a, t in zip(keys, stats, absmax, tiny):
-                values[k] = (a, t, next(hists) if s.hist is not None else None)
-        return {key: Counts(stat.calls, stat.numel, *values.get(key, (math.nan, 0, None)))
+            hists = torch.stack([s.hist for s in stats]).cpu().tolist()
+            values.update(zip(keys, zip(absmax, hists)))
+        return {key: Counts(stat.calls, stat.numel, *values.get(key, (math.nan, None)))
                 for key, stat in self._stats.items()}
 
     def report(self) -> Report:
@@ -307,7 +320,8 @@ class Watch:
             absmax = max((c.absmax * scale for c in cs), default=0.0)
             if absmax > info.max:
                 found.append(("overflow", absmax))
-            share = max((c.below(info.smallest_normal / scale) for c in cs), default=0.0)
+            shares = (c.below(info.smallest_normal / scale) for c in cs)
+            share = max((v for v in shares if not math.isnan(v)), default=0.0)
             if share > underflow:
                 found.append(("underflow", share))
             return found

@@ -20,6 +20,7 @@ from torch import nn
 
 import ampfuse.numerics as numerics
 from ampfuse import amp
+from ampfuse._numerics_stats import Counts, measure
 from ampfuse.amp import aten_lists
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -65,7 +66,7 @@ def rows_of(watch):
 
 def step(model, x):
     out = model(x)
-    loss = nn.functional.cross_entropy(out, torch.arange(len(x)) % 4)
+    loss = nn.functional.cross_entropy(out, torch.arange(len(x), device=x.device) % 4)
     loss.backward()
     return out
 
@@ -235,6 +236,22 @@ def test_report_prints_a_table():
                for line in text.splitlines())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_measure_reads_exponents_from_the_bits(dtype):
+    values = [0.0, -0.0, 3e-6, -2.0**-15, 2.0**-14, 1.0, -3.0, 1000.0]
+    x = torch.tensor(values, dtype=dtype)
+    absmax, hist = measure(x)
+    counts = Counts(1, x.numel(), absmax.item(), hist.tolist())
+    assert counts.absmax == 1000.0
+    assert counts.below(2.0**-14) == 2 / 8  # 3e-6 and 2**-15 (fp16 subnormals included)
+    assert counts.below(2.0**-15) == 1 / 8
+    assert counts.below(2.0**-60) == 0.0
+    assert counts.below(2.0**10) == 6 / 8  # zeros are never counted
+    assert sum(counts.hist) == 8
+    nonfinite = measure(torch.tensor([float("inf"), 1.0, float("nan")], dtype=dtype))[1]
+    assert nonfinite[255].item() == 2
+
+
 def test_in_place_relu_after_a_watched_layer():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
     reference = copy.deepcopy(model)
@@ -267,3 +284,21 @@ def test_bad_arguments():
         w.suggest_black_list(loss_scale="65536")
     with pytest.raises(ValueError, match=r"in \[0, 1\)"):
         w.flags(underflow=1.5)
+
+
+@pytest.mark.cuda
+def test_no_host_sync_while_watching_on_cuda():
+    """The statistics stay on the device: a watched fp16 autocast step makes no host sync."""
+    model, x = make()
+    model, x = model.cuda(), x.cuda()
+    w = numerics.watch(model)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with w, torch.autocast("cuda", dtype=torch.float16):
+            step(model, x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    rows = rows_of(w)
+    assert rows["fc", "forward", "addmm", torch.float16].calls == 1
+    assert rows["fc", "backward", "grad", torch.float16].calls == 1
+    assert ("big", "output", "overflow") in {(f.module, f.what, f.problem) for f in w.flags()}
