@@ -209,7 +209,8 @@ def watch_run(data, *, seed: int, device, dtype, steps: int = WATCH_STEPS):
     """A few O1 steps of the demo model under numerics.watch (the forward and backward; the
     optimizer step outside it). O1, because it is the level whose per-op lists give each layer
     a mix of dtypes. The loss scale is 1 so that the recorded gradients are the true ones, which
-    suggest_black_list then scales."""
+    suggest_black_list then scales (run_demo picks bf16 where it can: its range is fp32's, so
+    nothing that fp16 would lose is lost before it is recorded)."""
     device = torch.device(device)
     x_train, y_train = data[0], data[1]
     model = make_model(seed).to(device)
@@ -228,8 +229,9 @@ def watch_run(data, *, seed: int, device, dtype, steps: int = WATCH_STEPS):
     return watch
 
 
-def print_watch(watch, steps: int, low_name: str) -> None:
-    print(f"\nnumerics.watch: {steps} O1 {low_name} steps (forward and backward, loss scale 1)")
+def print_watch(watch, steps: int, dtype_name: str) -> None:
+    print(f"\nnumerics.watch: {steps} O1 {dtype_name} steps (forward and backward, loss scale "
+          "1)")
     print(watch.report())
     flags = watch.flags(torch.float16, loss_scale=FP16_INITIAL_SCALE)
     print(f"fp16 at loss scale {FP16_INITIAL_SCALE:g} (amp's initial scale; grads times it):")
@@ -310,7 +312,10 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
     save_plot(results, plot, inject_overflow)
     print(f"loss curves and loss scales saved to {plot}")
     if watch:
-        print_watch(watch_run(data, seed=seed, device=device, dtype=low), WATCH_STEPS, low_name)
+        bf16 = device.type == "cpu" or torch.cuda.is_bf16_supported()
+        watch_dtype = torch.bfloat16 if bf16 else low
+        print_watch(watch_run(data, seed=seed, device=device, dtype=watch_dtype), WATCH_STEPS,
+                    "bf16" if bf16 else low_name)
     return results
 
 
