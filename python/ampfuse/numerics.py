@@ -56,6 +56,7 @@ __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
 
 OUTSIDE = "(outside)"  # ops run outside every module's forward: a loss, an optimizer step
 ROOT = "(model)"  # the watched model itself (named "" by named_modules)
+_NO_SEQUENCE_NR = 2**64 - 1  # an AccumulateGrad node's sequence number
 
 
 def _first_float(values):
@@ -199,8 +200,9 @@ class Watch:
 
     def _module_of_node(self, node):
         seq = node._sequence_nr()
-        if seq >= torch._C._autograd._get_sequence_nr():
+        if seq == _NO_SEQUENCE_NR:
             return OUTSIDE  # AccumulateGrad, which has no forward
+        # Nodes count on the forward's thread; the backward may run on another (CUDA's).
         at = bisect.bisect_right(self._segments, seq, key=lambda s: s[0]) - 1
         return self._segments[at][1] if at >= 0 else OUTSIDE
 

@@ -13,6 +13,7 @@ suggestions made from them.
 import contextlib
 import copy
 import math
+import threading
 
 import pytest
 import torch
@@ -236,6 +237,25 @@ def test_report_prints_a_table():
                for line in text.splitlines())
 
 
+def test_a_backward_on_another_thread_is_attributed():
+    """Sequence numbers count per thread; the backward may run on another one (CUDA's)."""
+    model, x = make()
+    w = numerics.watch(model)
+    with w:
+        out = model(x)
+
+    def backward():
+        with w:
+            out.sum().backward()
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    rows = rows_of(w)
+    assert rows["head", "backward", "mm", torch.float32].calls == 2
+    assert rows["fc", "backward", "mm", torch.float32].calls == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_measure_reads_exponents_from_the_bits(dtype):
     values = [0.0, -0.0, 3e-6, -2.0**-15, 2.0**-14, 1.0, -3.0, 1000.0]
@@ -301,4 +321,6 @@ def test_no_host_sync_while_watching_on_cuda():
     rows = rows_of(w)
     assert rows["fc", "forward", "addmm", torch.float16].calls == 1
     assert rows["fc", "backward", "grad", torch.float16].calls == 1
+    # The backward ran on CUDA's autograd thread: still attributed to the modules.
+    assert rows["head", "backward", "mm", torch.float16].calls == 2
     assert ("big", "output", "overflow") in {(f.module, f.what, f.problem) for f in w.flags()}
