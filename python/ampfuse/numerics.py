@@ -43,14 +43,15 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ampfuse._numerics_stats import (
     FP16_MAX,
     FP16_TINY,
+    Counts,
     Flag,
     Report,
     Row,
-    Counts,
     Stat,
     format_rows,
     measure,
 )
+from ampfuse.amp.aten_lists import FP32_FUNCTIONS, aten_names, check_entry
 
 __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
 
@@ -342,8 +343,6 @@ class Watch:
         return result
 
     def _names(self, module) -> tuple:
-        from ampfuse.amp.aten_lists import FP32_FUNCTIONS, check_entry
-
         names = []
         for name in sorted(self._called.get(module, ())):
             if name in FP32_FUNCTIONS or not _computes(name):
@@ -384,16 +383,13 @@ def _check_limits(dtype, loss_scale, underflow):
 def _computes(name) -> bool:
     """Whether a list entry's aten ops compute new tensors (not views, shapes or copies of
     metadata), so that running it in fp32 changes something."""
-    from ampfuse.amp.aten_lists import aten_names
-
     for aten in aten_names(name):
         packet = getattr(torch.ops.aten, aten, None)
         if packet is None:
             continue
         for overload in packet.overloads():
             returns = getattr(packet, overload)._schema.returns
-            if returns and all(str(r.type) == "Tensor" and r.alias_info is None
-                               for r in returns[:1]):
+            if returns and str(returns[0].type) == "Tensor" and returns[0].alias_info is None:
                 return True
     return False
 
