@@ -23,6 +23,15 @@ from ampfuse.loss_scaler import LossScaler  # noqa: E402
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # ampfuse.numerics on first use: its dispatch-mode machinery is not needed to train.
+    if name == "numerics":
+        import importlib
+
+        return importlib.import_module("ampfuse.numerics")
+    raise AttributeError(f"module 'ampfuse' has no attribute {name!r}")
+
 __all__ = [
     "GradScaler",
     "LossScaler",
@@ -35,6 +44,7 @@ __all__ = [
     "multi_tensor_l2norm",
     "multi_tensor_scale_",
     "multi_tensor_unscale_",
+    "numerics",
     "optimizers",
     "uninstall_apex_alias",
     "update_scale_",
