@@ -197,7 +197,8 @@ def _no_sync_worker(rank, port, out_dir):
     )
     try:
         results = {variant: _no_sync_rank(rank, variant) for variant in ACCUMULATION_VARIANTS}
-        results["refusal"] = _unsynced_unscale_rank(rank)
+        results["refusal"] = {level: _unsynced_unscale_rank(rank, level)
+                              for level in ("O1", "O2")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -211,15 +212,16 @@ def test_no_sync_accumulation_with_an_overflow_on_one_rank_keeps_ranks_identical
         assert r0[variant]["scales"] == r1[variant]["scales"] == [2.0**16] * 2 + [2.0**15] * 2
         assert_same_snapshot(r1[variant]["final"], r0[variant]["final"], f"{variant}: rank 1")
     # Where ranks would drift apart silently, amp refuses (_unsynced_unscale_rank).
-    assert r0["refusal"] == r1["refusal"] == {"refused": True}
+    assert r0["refusal"] == r1["refusal"] == {level: {"refused": True} for level in ("O1", "O2")}
 
 
-def _unsynced_unscale_rank(rank):
-    """A torch.optim optimizer at O2 unscales into its fp32 masters on scale_loss's exit, out of
-    reach of DDP's all-reduce: under no_sync, without delay_unscale, amp refuses."""
+def _unsynced_unscale_rank(rank, opt_level):
+    """A torch.optim optimizer unscales on scale_loss's exit, at O2 into its fp32 masters, at O1
+    in place and then into amp's stash for the next backward: both out of reach of DDP's
+    all-reduce. Under no_sync, without delay_unscale, amp refuses."""
     model, batches = make_model("mlp", seed=0)
     optimizer = make_optimizer("AdamW", model.parameters())
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
     ddp_model = DistributedDataParallel(model)
     inputs, targets = batches(0, seed=100 + rank)
     with ddp_model.no_sync():

@@ -204,6 +204,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         originals = {}
         model_dtype = props.cast_model_type
         for model in model_list:
+            handle.watch_no_sync(model)
             if model_dtype in (torch.float16, torch.bfloat16):
                 for p in model.parameters():
                     # A lazy param has no value yet; cast_model says what to do about it.

@@ -66,10 +66,13 @@ class AmpHandle:
     # ---- binding models and optimizers ---------------------------------------------------
 
     def watch_model(self, model):
-        """Masters follow weights loaded into `model` with load_state_dict; DDP's no_sync
-        around its forward is noticed."""
+        """Masters follow weights loaded into `model` with load_state_dict."""
         self.models.append(model)
         self.hooks.append(LoadCapture(model, self._mastered, self._loaded))
+
+    def watch_no_sync(self, model):
+        """Notices DDP's no_sync around `model`'s forward, whatever the level: every unscaling
+        kind moves grads out of DDP's reach (see _refuse_unsynced_unscale)."""
         watch = NoSyncWatch(model)
         self.no_sync_watches.append(watch)
         self.hooks.append(watch)
