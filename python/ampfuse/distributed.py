@@ -103,10 +103,17 @@ def _local_lists(op, names, lists):
     return out
 
 
+def _reduced_over_shards(local, mesh, placements, reduce_op):
+    """`local` reduced with `reduce_op` ("sum", "max") over the ranks that hold different shards
+    of a tensor placed as `placements`, by DTensor's own Partial -> Replicate redistribution;
+    ranks along a Replicate dimension hold the same part and count once."""
+    partial = [Partial(reduce_op) if p.is_shard() else Replicate() for p in placements]
+    return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
+
+
 def _max_over_shards(flag, tensors):
     """Sets the local one-element `flag` to its maximum over the ranks that hold different
-    shards of `tensors` (DTensor's own Partial("max") -> Replicate redistribution); ranks along
-    a Replicate dimension saw the same values and need no reduction."""
+    shards of `tensors`; ranks along a Replicate dimension saw the same values."""
     reduced = set()
     for t in tensors:
         if not isinstance(t, DTensor):
@@ -115,9 +122,7 @@ def _max_over_shards(flag, tensors):
         if key in reduced or all(p.is_replicate() for p in t.placements):
             continue
         reduced.add(key)
-        placements = [Replicate() if p.is_replicate() else Partial("max") for p in t.placements]
-        partial = DTensor.from_local(flag, t.device_mesh, placements, run_check=False)
-        flag.copy_(partial.full_tensor())
+        flag.copy_(_reduced_over_shards(flag, t.device_mesh, t.placements, "max"))
 
 
 def _pointwise_rule(op):
@@ -176,11 +181,7 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
     total = torch.empty_like(squares)
     for placements, indices in groups.items():
         index = torch.tensor(indices, device=squares.device)
-        # Ranks along a Shard dimension hold different parts (sum them); along a Replicate one
-        # they hold the same part, counted once.
-        partial = [Partial("sum") if p.is_shard() else Replicate() for p in placements]
-        summed = DTensor.from_local(squares[index], mesh, partial, run_check=False)
-        total[index] = summed.full_tensor()
+        total[index] = _reduced_over_shards(squares[index], mesh, placements, "sum")
     per_tensor_norms = total.sqrt().float()
     global_norm = total.sum().sqrt().float()
     if not per_tensor:
