@@ -424,12 +424,17 @@ def write_json(path, rows, env):
         f.write("\n")
 
 
+def report(rows, argv, json_path, format_rows=format_table):
+    """Prints the rows' table (format_rows(rows, env)) and, if json_path is given, writes them
+    there as JSON with the environment; returns the rows."""
+    env = environment(argv)
+    print(format_rows(rows, env))
+    if json_path:
+        write_json(json_path, rows, env)
+    return rows
+
+
 def main_for(run, description, argv=None):
     """The command line of one bench_*.py: run it, print the table, write JSON if asked."""
     args = parse_args(description, argv)
-    rows = run(args)
-    env = environment(argv)
-    print(format_table(rows, env))
-    if args.json:
-        write_json(args.json, rows, env)
-    return rows
+    return report(run(args), argv, args.json)

@@ -54,16 +54,15 @@ from _timing import (
     budget_s,
     copy_bandwidth,
     element_count,
-    environment,
     finish_args,
     generator,
     model_like_shapes,
     random_tensors,
+    report,
     rotation_count,
     summarize,
     synchronize,
     time_calls,
-    write_json,
 )
 
 CUDA_DEFAULT_TOTALS = (125_000_000, 350_000_000)
@@ -313,12 +312,7 @@ def format_rows(rows, env):
 
 def main_for(run_fn, description, argv=None):
     args = parse_args(description, argv)
-    rows = run_fn(args)
-    env = environment(argv)
-    print(format_rows(rows, env))
-    if args.json:
-        write_json(args.json, rows, env)
-    return rows
+    return report(run_fn(args), argv, args.json, format_rows)
 
 
 if __name__ == "__main__":

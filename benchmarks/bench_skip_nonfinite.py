@@ -19,7 +19,7 @@ import argparse
 import statistics
 
 import torch
-from _timing import element_count, environment, generator, model_like_shapes, write_json
+from _timing import element_count, generator, model_like_shapes, report
 from bench_adam import LR, half_model
 from interleaved import interleave
 
@@ -114,12 +114,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    rows = run(args)
-    env = environment(argv)
-    print(format_rows(rows, env))
-    if args.json:
-        write_json(args.json, rows, env)
-    return rows
+    return report(run(args), argv, args.json, format_rows)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from ampfuse import amp
 from ampfuse.optimizers import FusedAdam, FusedAdamW
-from _timing import default_device, environment, summarize, synchronize, write_json
+from _timing import default_device, report, summarize, synchronize
 
 LR = 3e-4
 WEIGHT_DECAY = 0.01
@@ -498,12 +498,7 @@ def _fmt(value, fmt, factor=1):
 
 def main(argv=None):
     args = parse_args(argv)
-    rows = run(args)
-    env = environment(argv)
-    print(format_rows(rows, env))
-    if args.json:
-        write_json(args.json, rows, env)
-    return rows
+    return report(run(args), argv, args.json, format_rows)
 
 
 if __name__ == "__main__":
