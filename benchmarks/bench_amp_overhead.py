@@ -4,8 +4,10 @@ Step time, side by side in one process with the set-ups interleaved step by step
   torch        torch.autocast around forward and loss, torch.amp.GradScaler,
                torch.optim.SGD(momentum=0.9) (foreach)
   O1           amp.initialize(opt_level="O1"), the same torch.optim.SGD, amp.scale_loss
-  O1 lists     O1 with custom_white_list=["layer_norm"], which also makes its casting equal to
-               torch's on the CPU (CPU autocast runs layer_norm in bf16, O1's default in fp32)
+  O1 lists     O1 with custom_black_list=["layer_norm"]: LayerNorm in fp32 on the CPU too, as
+               CUDA autocast runs it (by default O1, like CPU autocast, runs it on the bf16
+               input, with fp32 statistics inside torch's kernel); this costs a cast to fp32
+               and one back per LayerNorm, forward and backward
   O2           amp.initialize(opt_level="O2") with ampfuse.optimizers.FusedSGD (fp32 masters)
 on two models built from torch.nn, with many small ops, where per-op and per-step Python decide
 the step time:
@@ -91,7 +93,7 @@ def make_step(impl, name, device, dtype, seed):
         opt = FusedSGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
     else:
-        lists = {"custom_white_list": ["layer_norm"]} if impl == "O1 lists" else {}
+        lists = {"custom_black_list": ["layer_norm"]} if impl == "O1 lists" else {}
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0,
                                     **lists)

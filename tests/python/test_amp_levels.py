@@ -221,7 +221,9 @@ def test_o1_casts_per_op_in_the_transformer(device):
         "qkv": low,  # linear
         "scores": low,  # torch.matmul
         "attention": torch.float32,  # softmax
-        "norm1": torch.float32,  # layer_norm
+        # layer_norm: fp32 on CUDA (torch's autocast list); on the CPU its input is the fp32
+        # residual sum, so it runs in fp32 there too.
+        "norm1": torch.float32,
         "head": low,
     }
     assert output.dtype == torch.float32  # the head ran in low precision; outputs go on in fp32

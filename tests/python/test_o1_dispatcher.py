@@ -61,8 +61,6 @@ FP32_SAMPLES = {
     "softmax": lambda x, y, t: x.softmax(-1),
     "log_softmax": lambda x, y, t: F.log_softmax(x, -1),
     "softmin": lambda x, y, t: F.softmin(x, -1),
-    "layer_norm": lambda x, y, t: F.layer_norm(x, (8,)),
-    "group_norm": lambda x, y, t: F.group_norm(x, 2),
     "batch_norm": lambda x, y, t: F.batch_norm(x, None, None, training=True),
     "instance_norm": lambda x, y, t: F.instance_norm(x.view(1, 4, 8)),
     "rms_norm": lambda x, y, t: F.rms_norm(x, (8,)),
@@ -100,6 +98,12 @@ FP32_SAMPLES = {
     "cosine_similarity": lambda x, y, t: F.cosine_similarity(x, y),
 }
 
+# Norms on no ampfuse list (aten_lists.NORMS_LEFT_TO_AUTOCAST): torch's autocast decides.
+NORM_SAMPLES = {
+    "layer_norm": lambda x, y, t: F.layer_norm(x, (8,), torch.ones(8) * 1.5, torch.ones(8) / 3),
+    "group_norm": lambda x, y, t: F.group_norm(x, 2, torch.ones(8) * 1.5, torch.ones(8) / 3),
+}
+
 # Ops on no ampfuse list: O1 gives them what torch.autocast gives them.
 TORCH_SAMPLES = {
     "linear": lambda x, y, t, w: F.linear(x, w),
@@ -114,6 +118,8 @@ TORCH_SAMPLES = {
 
 def test_every_fp32_list_entry_has_a_sample():
     assert set(FP32_SAMPLES) | {"cpu"} == aten_lists.FP32_FUNCTIONS
+    assert set(NORM_SAMPLES) == aten_lists.NORMS_LEFT_TO_AUTOCAST
+    assert not aten_lists.NORMS_LEFT_TO_AUTOCAST & aten_lists.FP32_FUNCTIONS
 
 
 class TestListedOps:
@@ -140,9 +146,35 @@ class TestListedOps:
     @pytest.mark.parametrize("name", ["softmax", "layer_norm", "sum", "exp"])
     def test_white_listed_entries_run_in_the_low_dtype(self, runners, name):
         runner = runners[1]
-        runner.fn = FP32_SAMPLES[name]
+        runner.fn = {**FP32_SAMPLES, **NORM_SAMPLES}[name]
         runner(*inputs("cpu", torch.float32))  # fp32 inputs: the white list casts them down
         assert runner.result.dtype == torch.bfloat16, name
+
+    @pytest.mark.parametrize("name", sorted(NORM_SAMPLES))
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_norms_run_as_cpu_autocast_runs_them(self, runners, name, dtype):
+        """On the CPU a low-precision input stays low: torch's kernel computes the statistics
+        in fp32 and rounds the output, so O1 gives CPU autocast's result to the bit and adds no
+        casts (with the norm on the fp32 list it gave fp32)."""
+        runner = runners[0]
+        runner.fn = NORM_SAMPLES[name]
+        x, y, t = inputs("cpu", dtype)
+        runner(x, y, t)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = NORM_SAMPLES[name](x, y, t)
+        assert runner.result.dtype == dtype, name
+        assert torch.equal(runner.result, expected), name
+
+    @pytest.mark.parametrize("name", sorted(NORM_SAMPLES))
+    def test_black_listed_norms_run_in_fp32_on_the_cpu(self, name):
+        model = o1(Runner(), custom_black_list=[name])
+        model.fn = NORM_SAMPLES[name]
+        x, y, t = inputs("cpu", torch.bfloat16)
+        model(x, y, t)
+        assert model.result.dtype == torch.float32, name
+        torch.testing.assert_close(model.result, NORM_SAMPLES[name](x.float(), y, t))
+        del model
+        gc.collect()
 
     @pytest.mark.parametrize("name", sorted(TORCH_SAMPLES))
     def test_ops_on_no_list_do_what_torch_autocast_does(self, runners, name):
@@ -379,9 +411,12 @@ def test_no_python_runs_per_op_inside_the_forward():
 def test_cuda_fp32_list_and_host_copies():
     model = o1(Runner(), "cuda")
     model.fn = lambda x, y, t: (x.softmax(-1).dtype, F.linear(x, y).dtype, x.cpu().dtype,
-                                x.to("cpu", dtype=torch.float16).dtype)
+                                x.to("cpu", dtype=torch.float16).dtype,
+                                F.layer_norm(x, (8,)).dtype, F.group_norm(x, 2).dtype)
     model(*inputs("cuda", torch.float16))
-    assert model.result == (torch.float32, torch.float16, torch.float32, torch.float16)
+    # The norms are fp32 by torch's CUDA autocast list (ampfuse leaves them to it).
+    assert model.result == (torch.float32, torch.float16, torch.float32, torch.float16,
+                            torch.float32, torch.float32)
     with torch.autocast("cuda", dtype=torch.float16):
         x = torch.randn(4, 8, device="cuda", dtype=torch.float16)
         assert x.cpu().dtype == torch.float16  # outside the model: torch's behaviour

@@ -23,13 +23,21 @@ import torch
 # in fp32; CPU autocast leaves several in bf16, so this list makes both devices agree.)
 # "cpu": a fp16/bf16 accelerator tensor copied to the host arrives as fp32, as in apex's O1.
 FP32_FUNCTIONS = frozenset({
-    "softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "batch_norm",
+    "softmax", "log_softmax", "softmin", "batch_norm",
     "instance_norm", "rms_norm", "normalize", "norm", "exp", "expm1", "log", "log1p", "log2",
     "log10", "pow", "__pow__", "__rpow__", "sum", "mean", "prod", "cumsum", "cumprod",
     "logsumexp", "var", "std", "softplus", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
     "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "poisson_nll_loss", "cosine_similarity", "cpu",
 })
+
+# Norms O1 leaves to torch's autocast on each device, where their statistics are fp32 either
+# way: CUDA autocast runs them in fp32 (as apex's O1 did); CPU autocast runs them on the low
+# dtype input with fp32 weights, and torch's CPU kernels compute mean and variance in fp32
+# and round only the output. Listing them would add a cast to fp32 and one back per call on
+# the CPU (about 8% of a step on a LayerNorm-heavy MLP, see benchmarks/RESULTS.md) for one
+# rounding of the output. custom_black_list=["layer_norm"] keeps them fp32 on the CPU too.
+NORMS_LEFT_TO_AUTOCAST = frozenset({"layer_norm", "group_norm"})
 
 # Python-level torch functions whose work is one or more aten ops of other names.
 _ALIASES = {
