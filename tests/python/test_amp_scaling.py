@@ -409,6 +409,27 @@ def test_master_params_hold_unscaled_grads_for_clipping(opt_level, optimizer_nam
     )
 
 
+@pytest.mark.parametrize("optimizer_name", ["FusedAdam", "FusedSGD"])
+def test_master_grads_made_for_clipping_serve_one_step(optimizer_name):
+    """The fp32 master grads amp.master_params() makes for clipping are dropped after the step
+    they served: the next step, without clipping, steps on that step's own grads, as the plain
+    loop with torch.optim.SGD does."""
+    model, optimizer, batches = setup("O2", optimizer_name)
+    ref_model, ref_optimizer, _ = setup("O2", optimizer_name)
+    for step in range(3):
+        for m, opt in ((model, optimizer), (ref_model, ref_optimizer)):
+            inputs, targets = batches(step)
+            with amp.scale_loss(F.cross_entropy(m(inputs), targets), opt) as scaled_loss:
+                scaled_loss.backward()
+            if step == 0 and m is model:
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=float("inf"))
+            opt.step()
+            opt.zero_grad()
+        assert all(m.grad is None for m in amp.master_params(optimizer)), step
+    for got, expected in zip(amp.master_params(optimizer), amp.master_params(ref_optimizer)):
+        assert torch.equal(got, expected)
+
+
 # ---- reporting overflows ----------------------------------------------------------------------
 
 

@@ -315,9 +315,12 @@ class Binding:
                     delattr(self.inner, name)
         if self.fused:
             # Master grads made for clipping (materialize_unscaled_grads) serve one step only.
-            self.inner._step_on_master_grads = False
-            for p, master in self.master_pairs():
-                master.grad = None
+            # Only that method makes them, and it sets the flag, so a step without it walks no
+            # params here.
+            if self.inner._step_on_master_grads:
+                self.inner._step_on_master_grads = False
+                for p, master in self.master_pairs():
+                    master.grad = None
         elif self.kind == "masters":
             self.tracker.mark(p for p, _ in self.masters)
         self._end_step()
