@@ -29,7 +29,6 @@ is the scaled gradient.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 import weakref
@@ -40,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ampfuse._numerics_segments import ForwardSegments
 from ampfuse._numerics_stats import (
     FP16_MAX,
     FP16_TINY,
@@ -57,7 +57,6 @@ __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
 
 OUTSIDE = "(outside)"  # ops run outside every module's forward: a loss, an optimizer step
 ROOT = "(model)"  # the watched model itself (named "" by named_modules)
-_NO_SEQUENCE_NR = 2**64 - 1  # an AccumulateGrad node's sequence number
 
 
 def _first_float(values):
@@ -136,10 +135,11 @@ class Watch:
         self._stack = []
         self._measured = WeakTensorKeyDictionary()  # tensor -> (version, measure(tensor))
         self._quiet = 0  # > 0 while the watch computes statistics of its own
-        # (sequence number of the next autograd node, innermost module): where each module's
-        # forward starts and ends, to attribute the backward's ops to modules. Kept across
-        # re-entries: a backward in a later `with` than its forward is still attributed.
-        self._segments = []
+        # Where each module's forward starts and ends in autograd's node count, to attribute
+        # the backward's ops to modules. Kept across re-entries: a backward in a later `with`
+        # than its forward is still attributed.
+        self._segments = ForwardSegments(OUTSIDE)
+        self._root_start = None  # the node count when the running root forward began
 
     # ---- entering and leaving ------------------------------------------------------------------
 
@@ -152,7 +152,7 @@ class Watch:
                                "code in the existing `with` instead of a second watch.")
         handles, modes = [], []
         self._installed = (handles, modes)
-        self._stack = []
+        self._stack, self._root_start = [], None
         self._mark()  # from here until a forward starts: outside the model
         Watch._watched.add(self.model)
         try:
@@ -182,7 +182,7 @@ class Watch:
             for handle in handles:
                 handle.remove()
             self._installed = None
-            self._stack = []
+            self._stack, self._root_start = [], None
             self._measured = WeakTensorKeyDictionary()
             Watch._watched.discard(self.model)
 
@@ -197,15 +197,10 @@ class Watch:
         return self._stack[-1] if self._stack else OUTSIDE
 
     def _mark(self):
-        self._segments.append((torch._C._autograd._get_sequence_nr(), self._current()))
+        self._segments.mark(self._current())
 
     def _module_of_node(self, node):
-        seq = node._sequence_nr()
-        if seq == _NO_SEQUENCE_NR:
-            return OUTSIDE  # AccumulateGrad, which has no forward
-        # Nodes count on the forward's thread; the backward may run on another (CUDA's).
-        at = bisect.bisect_right(self._segments, seq, key=lambda s: s[0]) - 1
-        return self._segments[at][1] if at >= 0 else OUTSIDE
+        return self._segments.module_of(node)
 
     def _measure(self, tensor):
         """measure(tensor), once per tensor and version: a module's output is usually the
@@ -242,6 +237,8 @@ class Watch:
         def hook(module, args):
             if self._quiet:
                 return
+            if not self._stack:
+                self._root_start = self._segments.next_number()
             self._stack.append(name)
             self._mark()
             self._record_values(name, "forward", "input", args)
@@ -253,6 +250,10 @@ class Watch:
                 return None
             self._stack.pop()
             self._mark()
+            if not self._stack and self._root_start is not None:
+                leaves = tree_leaves(output) if output is not None else []
+                self._segments.release_with(self._root_start, leaves)
+                self._root_start = None
             if output is None:
                 return None  # the forward raised
             self._record_values(name, "forward", "output", output)

@@ -211,6 +211,27 @@ def test_a_watch_records_again_when_reentered():
     assert rows["head", "backward", "mm", torch.float32].calls == 4
 
 
+def test_a_long_watch_keeps_the_segments_of_live_graphs_only():
+    """The backward attribution marks two points per module call; a watch left on for a long
+    run must not keep them for graphs that were freed (it kept every mark before), while a
+    graph still alive is attributed right however many forwards ran since."""
+    model, x = make()
+    with numerics.watch(model) as w:
+        kept = model(x)  # backwarded at the end, after 40 other steps
+        bound = len(w._segments)
+        for _ in range(40):
+            step(model, x)
+            with torch.no_grad():
+                model(x)
+        assert len(w._segments) <= bound + 2 * len(list(model.modules())) + 2
+        kept.sum().backward()
+    rows = rows_of(w)
+    assert rows["head", "backward", "mm", torch.float32].calls == 2 * 41
+    assert rows["fc", "backward", "mm", torch.float32].calls == 41
+    del kept
+    assert len(w._segments) <= bound
+
+
 def test_suggestions_pass_amp_initialize():
     w, x = watched_step()
     names = w.suggest_black_list(dtype=torch.float16, loss_scale=1.0)
