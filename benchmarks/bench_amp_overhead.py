@@ -21,8 +21,10 @@ the step time:
 Method: one step is zero_grad, forward, loss, backward and the optimizer step (and the scaler's
 update), timed with perf_counter after a device synchronize. The set-ups take turns, one step
 each, so that a change in the machine's load falls on all of them alike; each reports its
-fastest and its median step. "speed" is torch's median over the set-up's (> 1: faster than
-torch); "best" the same for the fastest steps, the least disturbed ones. The dtype is bf16 on
+fastest and its median step. "speed" is the median, over the rounds, of torch's step time
+over the set-up's in the same round (> 1: faster than torch): steps taken a few milliseconds
+apart see the same load, so the ratio holds on a busy machine where medians of their own
+drift. "best" is torch's fastest step over the set-up's, the least disturbed ones. The dtype is bf16 on
 the CPU and fp16 on CUDA unless --amp-dtype says; with bf16, amp trains unscaled by default and
 torch's GradScaler still scales (it is the recipe torch documents).
 """
@@ -134,13 +136,16 @@ def run(args):
     for name in args.overhead_models:
         steps = {impl: make_step(impl, name, args.device, dtype, args.seed) for impl in IMPLS}
         times = time_interleaved(steps, args.device, warmup, repeats)
-        torch_median, torch_best = statistics.median(times["torch"]), min(times["torch"])
+        torch_best = min(times["torch"])
         for impl in IMPLS:
             median, best = statistics.median(times[impl]), min(times[impl])
+            # Each round's torch step over this set-up's step of the same round: the two ran
+            # a few ms apart, so a change in the machine's load cancels out of the ratio.
+            paired = statistics.median(t / s for t, s in zip(times["torch"], times[impl]))
             rows.append({"model": name, "impl": impl, "device": args.device,
                          "dtype": str(dtype).replace("torch.", ""),
                          "threads": torch.get_num_threads(), "median_ms": median * 1e3,
-                         "best_ms": best * 1e3, "speed": torch_median / median,
+                         "best_ms": best * 1e3, "speed": paired,
                          "best_speed": torch_best / best})
     return rows
 
@@ -155,8 +160,8 @@ def format_rows(rows, env):
         lines.append(f"{r['model']:6} {r['impl']:9} {r['dtype']:9} {r['threads']:>3} "
                      f"{r['median_ms']:10.3f} {r['best_ms']:8.3f} {r['speed']:6.3f} "
                      f"{r['best_speed']:6.3f}")
-    lines.append("speed: torch's median step time over the set-up's (> 1: faster than torch); "
-                 "best: the same for the fastest steps.")
+    lines.append("speed: median over rounds of torch's step time over the set-up's in the same "
+                 "round (> 1: faster than torch); best: torch's fastest step over the set-up's.")
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ FP32_FUNCTIONS = frozenset({
 # way: CUDA autocast runs them in fp32 (as apex's O1 did); CPU autocast runs them on the low
 # dtype input with fp32 weights, and torch's CPU kernels compute mean and variance in fp32
 # and round only the output. Listing them would add a cast to fp32 and one back per call on
-# the CPU (about 8% of a step on a LayerNorm-heavy MLP, see benchmarks/RESULTS.md) for one
+# the CPU (1-4% of a step on a LayerNorm-heavy MLP, see benchmarks/RESULTS.md) for one
 # rounding of the output. custom_black_list=["layer_norm"] keeps them fp32 on the CPU too.
 NORMS_LEFT_TO_AUTOCAST = frozenset({"layer_norm", "group_norm"})
 
