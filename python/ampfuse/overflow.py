@@ -108,8 +108,9 @@ class CheckRecord:
     """What the overflow checks of one optimizer step saw.
 
     calls: for each op call, the params whose gradients it read, as (group index, param index,
-    param) in the op's list order, and the device int32 flags it wrote. verdict: the device
-    flags that decided whether the step was skipped (found_inf, after any all-reduce)."""
+    param) in the op's list order (the indices may be None, see report()), and the device int32
+    flags it wrote. verdict: the flags that decided whether the step was skipped (found_inf,
+    after any all-reduce), device tensors or bools."""
 
     def __init__(self, step):
         self.step = step
@@ -122,16 +123,19 @@ class CheckRecord:
     def set_verdict(self, *flags):
         self.verdict = list(flags)
 
-    def report(self, names):
-        """None after a clean step, else an OverflowReport. Reads the device flags (a sync)."""
-        verdict = [v for v in self.verdict if v is not None]
-        if not verdict or not any(bool(v.detach().ne(0).any()) for v in verdict):
+    def report(self, names, locate=None):
+        """None after a clean step, else an OverflowReport. Reads the device flags (a sync).
+        locate(param) gives (group index, param index) for entries recorded without them."""
+        if not any(bool(v.detach().ne(0).any()) if isinstance(v, torch.Tensor) else bool(v)
+                   for v in self.verdict):
             return None
         known = names.lookup() if names is not None else {}
         held = {}  # name -> [place in the optimizer, bits]
         for where, flags in self.calls:
             for (group_index, param_index, param), bits in zip(where, flags.tolist()):
                 if bits:
+                    if group_index is None:
+                        group_index, param_index = locate(param)
                     name = known.get(id(param)) or position_name(group_index, param_index)
                     entry = held.setdefault(name, [(group_index, param_index), 0])
                     entry[1] |= bits
