@@ -181,3 +181,29 @@ def test_the_summary_names_the_tensors_that_overflowed_most_often(kind):
         "ampfuse.amp: 2 step(s) skipped for gradient overflow in the last 6 steps (5 in all); "
         "loss scale now 1. Most often: encoder.layer3.fc1.weight (1 step), head.bias (1 step).",
     ]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", SETUPS)
+def test_cuda_names_the_layer_that_overflowed(kind):
+    torch.manual_seed(0)
+    opt_level, make, num_losses = SETUPS[kind]
+    model = Net().cuda()
+    optimizer = make(model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
+                                      num_losses=num_losses, verbosity=0)
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 6, device="cuda")).float().square().mean()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+            if step == 1:
+                plant_inf(model)
+        optimizer.step()
+    optimizer.zero_grad()
+    loss = model(torch.randn(4, 6, device="cuda")).float().square().mean()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+        plant_inf(model)
+    report = amp.last_overflow(optimizer)
+    assert (report.step, report.param_names) == (3, ["encoder.layer3.fc1.weight"])

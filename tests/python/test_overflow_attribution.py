@@ -213,3 +213,30 @@ def test_a_copy_of_the_scaler_keeps_the_option_and_no_history():
         assert clone.last_overflow() is None
         step(model, optimizer, clone, lambda m: set_grad(m.head.bias, 0, float("nan")))
         assert clone.last_overflow().param_names == ["group0.param5"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_cuda_names_the_layer_whose_gradient_overflowed(name):
+    model = Encoder().cuda()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    scaler = ampfuse.GradScaler("cuda", attribute_overflow=True)
+    scaler.name_parameters(model)
+    for i in range(3):
+        optimizer.zero_grad()
+        x = torch.randn(4, 6, device="cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        if i == 1:
+            model.layer3["fc1"].weight.grad[2, 3] = float("nan")
+            model.head.bias.grad[1] = float("-inf")
+        scaler.step(optimizer)
+        scaler.update()
+        report = scaler.last_overflow()
+        if i == 1:
+            assert (report.step, report.param_names, report.kinds) == (
+                1, ["layer3.fc1.weight", "head.bias"], ["nan", "inf"]
+            )
+        else:
+            assert report is None
