@@ -323,12 +323,16 @@ def _smoke_unscale(ops, device):
     ops.multi_tensor_unscale_(grads, found_inf, torch.full((1,), 0.25, device=device), flags)
     if found_inf.item() != 1.0:
         return "an inf in the grads did not set found_inf"
-    return _wrong_tensor_flags(flags, 1, ops.HELD_INF)
+    return _wrong_tensor_flags(flags, 1, "inf")
 
 
 def _wrong_tensor_flags(flags, index, kind):
-    """None if `flags` names exactly tensor `index` with `kind`, else what is wrong."""
-    expected = [kind if i == index else 0 for i in range(flags.numel())]
+    """None if `flags` names exactly tensor `index` as holding `kind` ("inf" or "nan"), else
+    what is wrong. (Reached only once the op wrappers loaded.)"""
+    from ampfuse._ops import HELD_INF, HELD_NAN
+
+    expected = [{"inf": HELD_INF, "nan": HELD_NAN}[kind] if i == index else 0
+                for i in range(flags.numel())]
     got = flags.tolist()
     return None if got == expected else f"tensor_flags were {got}, expected {expected}"
 
@@ -364,7 +368,7 @@ def _smoke_nonfinite_check(ops, device):
     ops.multi_tensor_nonfinite_check_(tensors, found_inf, flags)
     if found_inf.item() != 1.0:
         return "a nan in the tensors did not set found_inf"
-    return _wrong_tensor_flags(flags, 1, ops.HELD_NAN)
+    return _wrong_tensor_flags(flags, 1, "nan")
 
 
 def _smoke_update_scale(ops, device):
