@@ -41,7 +41,8 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
         (m, i) for m in ("mlp", "gpt") for i in ("torch", "O1", "O1 lists", "O2")}
     assert all(r["median_ms"] > 0 and r["speed"] > 0 for r in by_bench["overhead"])
 
-    assert {r["op"] for r in by_bench["ops"]} == {"unscale_", "scale_", "l2norm"}
+    assert {r["op"] for r in by_bench["ops"]} == {
+        "unscale_", "unscale_ flags", "check flags", "scale_", "l2norm"}
     for name in ("adam", "sgd"):
         impls = {r["impl"] for r in by_bench[name]}
         assert any(i.startswith("ampfuse") for i in impls) and any(
