@@ -240,3 +240,15 @@ def test_cuda_names_the_layer_whose_gradient_overflowed(name):
             )
         else:
             assert report is None
+
+
+def test_a_scaler_pickled_before_attribution_existed_loads_with_it_off():
+    state = ampfuse.GradScaler("cpu").__getstate__()
+    del state["_overflow"]
+    scaler = ampfuse.GradScaler.__new__(ampfuse.GradScaler)
+    scaler.__setstate__(state)
+    model = Encoder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, optimizer, scaler)
+    with pytest.raises(RuntimeError, match="attribute_overflow=True"):
+        scaler.last_overflow()

@@ -56,3 +56,15 @@ class StepAttribution:
     def latest(self):
         """The record of the step in progress if it was checked, else of the last step."""
         return self.current if self.current is not None else self.last
+
+
+def place_in_optimizer(optimizer, masters, param):
+    """(group index, param index) of `param` in the optimizer, for names of params no model
+    holds: the place of its fp32 master for a model param amp keeps one for (`masters`: the
+    (model param, master) pairs of the "masters" kind); (-1, -1) once it left the optimizer."""
+    target = {id(p): m for p, m in masters}.get(id(param), param)
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, p in enumerate(group["params"]):
+            if p is target:
+                return group_index, param_index
+    return -1, -1

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse import _ops
-from ampfuse.amp.attribution import StepAttribution
+from ampfuse.amp.attribution import StepAttribution, place_in_optimizer
 from ampfuse.amp.masters import MasterTracker, refresh_master
 from ampfuse.optimizers._base import FusedOptimizer
 
@@ -367,18 +367,9 @@ class Binding:
         else:
             self.skipped += flag.reshape(1).clamp(max=1.0).to(self.skipped.device)
 
-    # ---- overflow attribution ---------------------------------------------------------------
-
     def locate(self, param):
-        """(group index, param index) in the optimizer of a param whose grad amp reads: the
-        place of its fp32 master for a "masters" model param."""
-        masters = {id(p): m for p, m in self.masters}
-        target = masters.get(id(param), param)
-        for group_index, group in enumerate(self.optimizer.param_groups):
-            for param_index, p in enumerate(group["params"]):
-                if p is target:
-                    return group_index, param_index
-        return -1, -1  # no longer in the optimizer
+        """Where the optimizer holds a param whose grad amp reads (overflow reports)."""
+        return place_in_optimizer(self.optimizer, self.masters, param)
 
     # ---- clipping -----------------------------------------------------------------------
 
