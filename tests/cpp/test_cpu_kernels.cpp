@@ -111,7 +111,10 @@ TEST_CASE("the span kernels tell inf from nan, wherever they are, on every imple
           if (planted.size() > static_cast<std::size_t>(n)) continue;
           auto values = random_floats(n, 4, 1.0e4f);  // 1e4 * 0.5 stays finite in fp16
           values[static_cast<std::size_t>(where)] = planted[0];
-          if (planted.size() == 2) values[static_cast<std::size_t>(where + 1 < n ? where + 1 : where - 1)] = planted[1];
+          if (planted.size() == 2) {
+            const std::int64_t next = where + 1 < n ? where + 1 : where - 1;
+            values[static_cast<std::size_t>(next)] = planted[1];
+          }
           INFO("dtype " << int(dtype) << " n " << n << " at " << where << " kinds " << expected);
           Buffer buf(dtype, values);
           REQUIRE(nonfinite_kinds_span(buf.data(), dtype, n) == expected);

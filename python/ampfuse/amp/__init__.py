@@ -13,7 +13,8 @@ fused optimizers an overflowing step is skipped on the device with no host sync;
 weights are part of the checkpoint (amp.state_dict, or the fused optimizer's state_dict); bf16
 is supported (the default on CPU); the dynamic loss scale has hysteresis and never leaves
 [min_loss_scale, max_loss_scale]. Overflows are summarized at most once per 100 steps on rank 0
-instead of printed every time.
+instead of printed every time, naming the gradients that overflowed most often, and
+amp.last_overflow() says which gradients held inf/nan at the latest checked step.
 """
 
 from __future__ import annotations
