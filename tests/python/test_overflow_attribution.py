@@ -252,3 +252,22 @@ def test_a_scaler_pickled_before_attribution_existed_loads_with_it_off():
     step(model, optimizer, scaler)
     with pytest.raises(RuntimeError, match="attribute_overflow=True"):
         scaler.last_overflow()
+
+
+def test_recording_reads_nothing_back_until_last_overflow_is_called(monkeypatch):
+    # The fused path takes no host read; attribution must not add one, even on an overflow.
+    model = Encoder()
+    optimizer = ampfuse.optimizers.FusedAdamW(model.parameters(), lr=1e-3)
+    scaler = ampfuse.GradScaler("cpu", attribute_overflow=True)
+    scaler.name_parameters(model)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a host read while recording overflow attribution")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for i in range(4):
+        plant = (lambda m: set_grad(m.layer1.bias, 2, float("nan"))) if i == 2 else None
+        step(model, optimizer, scaler, plant, seed=i)
+    monkeypatch.undo()
+    assert scaler.last_overflow() is None  # step 3 was clean
