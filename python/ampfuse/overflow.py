@@ -93,6 +93,19 @@ class ParamNames:
         for name, param in pairs:
             self._pairs[param] = name
 
+    # Pickled (and deep-copied) with what holds it: amp's handle travels with its models, whose
+    # copies it then names. Held weakly again once loaded.
+    def __getstate__(self):
+        models = [ref() for ref in self._models]
+        return {"models": [m for m in models if m is not None],
+                "pairs": list(self._pairs.items())}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self._models = [weakref.ref(m) for m in state["models"]]
+        for param, name in state["pairs"]:
+            self._pairs[param] = name
+
     def lookup(self):
         """{id(param): name} as the models and pairs are now (pairs win over models)."""
         names = {}

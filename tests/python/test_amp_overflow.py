@@ -207,3 +207,19 @@ def test_cuda_names_the_layer_that_overflowed(kind):
         plant_inf(model)
     report = amp.last_overflow(optimizer)
     assert (report.step, report.param_names) == (3, ["encoder.layer3.fc1.weight"])
+
+
+def test_a_pickled_or_deep_copied_model_names_its_own_params():
+    # EMA helpers deepcopy the model and checkpoints pickle it, amp's handle included.
+    import copy
+    import io
+
+    model, optimizer = setup("inplace torch")  # O1: an O2 model's cast hooks do not pickle
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        handle = clone._ampfuse_amp
+        names = handle.param_names.lookup()
+        assert names[id(clone.head.bias)] == "head.bias"
+        assert id(model.head.bias) not in names
