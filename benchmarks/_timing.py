@@ -359,7 +359,7 @@ def environment(argv=None):
 
 
 COLUMNS = [
-    ("op", "{}", 8),
+    ("op", "{}", 14),
     ("dtype", "{}", 10),
     ("tensors", "{}", 7),
     ("elements", "{:,}", 11),

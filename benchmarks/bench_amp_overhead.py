@@ -9,6 +9,8 @@ Step time, side by side in one process with the set-ups interleaved step by step
                input, with fp32 statistics inside torch's kernel); this costs a cast to fp32
                and one back per LayerNorm, forward and backward
   O2           amp.initialize(opt_level="O2") with ampfuse.optimizers.FusedSGD (fp32 masters)
+  O2 noattr    O2 with attribute_overflow=False: the cost of overflow attribution (on by
+               default) is the gap between O2 and this row
 on two models built from torch.nn, with many small ops, where per-op and per-step Python decide
 the step time:
   mlp  24 blocks of Linear(d, d), LayerNorm, GELU (d 256, batch 16), MSE loss
@@ -43,7 +45,7 @@ from bench_train import Block
 from torch import nn
 
 LR, MOMENTUM = 0.01, 0.9
-IMPLS = ("torch", "O1", "O1 lists", "O2")
+IMPLS = ("torch", "O1", "O1 lists", "O2", "O2 noattr")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -91,9 +93,10 @@ def make_step(impl, name, device, dtype, seed):
             scaler.update()
 
         return step
-    if impl == "O2":
+    if impl in ("O2", "O2 noattr"):
         opt = FusedSGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0,
+                                    attribute_overflow=impl == "O2")
     else:
         lists = {"custom_black_list": ["layer_norm"]} if impl == "O1 lists" else {}
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)

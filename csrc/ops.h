@@ -11,10 +11,13 @@
 namespace ampfuse::ops {
 
 void multi_tensor_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
-                              const at::Tensor& inv_scale);
-void multi_tensor_nonfinite_check_cpu(at::TensorList tensors, const at::Tensor& found_inf);
+                              const at::Tensor& inv_scale,
+                              const c10::optional<at::Tensor>& tensor_flags);
+void multi_tensor_nonfinite_check_cpu(at::TensorList tensors, const at::Tensor& found_inf,
+                                      const c10::optional<at::Tensor>& tensor_flags);
 void multi_tensor_scale_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
-                            const at::Tensor& found_inf);
+                            const at::Tensor& found_inf,
+                            const c10::optional<at::Tensor>& tensor_flags);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors, bool per_tensor);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_fallback(at::TensorList tensors,
                                                                 bool per_tensor);
@@ -38,10 +41,13 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
 
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
-                               const at::Tensor& inv_scale);
-void multi_tensor_nonfinite_check_cuda(at::TensorList tensors, const at::Tensor& found_inf);
+                               const at::Tensor& inv_scale,
+                               const c10::optional<at::Tensor>& tensor_flags);
+void multi_tensor_nonfinite_check_cuda(at::TensorList tensors, const at::Tensor& found_inf,
+                                       const c10::optional<at::Tensor>& tensor_flags);
 void multi_tensor_scale_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& scale,
-                             const at::Tensor& found_inf);
+                             const at::Tensor& found_inf,
+                             const c10::optional<at::Tensor>& tensor_flags);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,
                                                             bool per_tensor);
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,

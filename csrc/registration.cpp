@@ -9,13 +9,22 @@
 #include "ops/refusals.h"
 
 TORCH_LIBRARY(ampfuse, m) {
+  // The optional tensor_flags of the next three ops (int32, one per tensor of the list read)
+  // name the overflowing tensors: the kernels OR 1 into tensor_flags[i] if tensor i held an
+  // inf and 2 if it held a nan, in the same pass, and never clear them (as found_inf).
   // grads[i] *= inv_scale in fp32 math (fp32/fp16/bf16, mixed); found_inf = 1 if any inf/nan.
-  m.def("multi_tensor_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  m.def(
+      "multi_tensor_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
+      "Tensor(c!)? tensor_flags=None) -> ()");
   // dst[i] = src[i] * scale cast to dst[i]'s dtype; found_inf = 1 if any src element is inf/nan.
-  m.def("multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf) -> ()");
+  m.def(
+      "multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf, "
+      "Tensor(c!)? tensor_flags=None) -> ()");
   // found_inf = 1 if any element of the tensors is inf/nan; the tensors are only read, and a
   // set found_inf is never cleared (a guard for steps no loss scaler checks, e.g. bf16).
-  m.def("multi_tensor_nonfinite_check_(Tensor[] tensors, Tensor(a!) found_inf) -> ()");
+  m.def(
+      "multi_tensor_nonfinite_check_(Tensor[] tensors, Tensor(a!) found_inf, "
+      "Tensor(b!)? tensor_flags=None) -> ()");
   // (global L2 norm, per-tensor L2 norms or an empty tensor), in fp32.
   m.def("multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
   // One step of the dynamic loss-scale rule with hysteresis and [min_scale, max_scale] bounds.

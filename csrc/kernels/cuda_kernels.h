@@ -12,17 +12,21 @@
 
 namespace ampfuse::kernels::cuda {
 
+// The next three take `tensor_flags`, null or one int32 per tensor of the list they read:
+// tensor_flags[i] |= kHeldInf / kHeldNan (nonfinite_kind.h) if tensor i held an inf / a nan.
+
 // g *= *inv_scale for every tensor of `grads`; *found_inf = 1 if any element is inf/nan.
 void unscale(const std::vector<TensorRef>& grads, float* found_inf, const float* inv_scale,
-             StreamHandle stream);
+             std::int32_t* tensor_flags, StreamHandle stream);
 
 // *found_inf = 1 if any element of `tensors` is inf/nan; the tensors are only read.
 void nonfinite_check(const std::vector<TensorRef>& tensors, float* found_inf,
-                     StreamHandle stream);
+                     std::int32_t* tensor_flags, StreamHandle stream);
 
 // dst[i] = src[i] * *scale cast to dst's type; *found_inf = 1 if any src element is inf/nan.
 void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
-           const float* scale, float* found_inf, StreamHandle stream);
+           const float* scale, float* found_inf, std::int32_t* tensor_flags,
+           StreamHandle stream);
 
 // Scratch the l2norm launcher needs: one float and one int32 per 64K-element chunk.
 std::int64_t l2norm_scratch_chunks(const std::vector<TensorRef>& tensors);

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cstdint>
 #include <vector>
 
 #include "../kernels/launch_plan.h"
@@ -57,6 +58,22 @@ bool any_span(const std::vector<Span>& spans, Visit&& visit) {
     if (visit(s)) any.store(true, std::memory_order_relaxed);
   });
   return any.load();
+}
+
+// Like any_span, for visits that return the kinds of non-finite values they saw (kHeldInf |
+// kHeldNan; 0 when none). With `tensor_flags` (one int32 per tensor of the list, or null), a
+// span that saw any ORs them into its tensor's flag. Spans of one tensor run on several threads,
+// hence the atomic; a clean span writes nothing.
+template <typename Visit>
+bool any_span_flagging(const std::vector<Span>& spans, std::int32_t* tensor_flags, Visit&& visit) {
+  return any_span(spans, [&](std::size_t s) {
+    const std::uint32_t kinds = visit(s);
+    if (kinds != 0 && tensor_flags != nullptr) {
+      __atomic_fetch_or(tensor_flags + spans[s].tensor, static_cast<std::int32_t>(kinds),
+                        __ATOMIC_RELAXED);
+    }
+    return kinds != 0;
+  });
 }
 
 }  // namespace ampfuse::ops

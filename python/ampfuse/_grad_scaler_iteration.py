@@ -53,8 +53,10 @@ class ScalerIterationMixin:
         of `found_inf` set to 1 where that device's grads hold inf/nan. unscale_() and
         _check_inf_per_device() both go through it, so a subclass that overrides it (to reduce
         the flags over shards, say) works as it does with torch's class. Which op takes which
-        grad: ampfuse.grad_unscale."""
-        return unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        grad: ampfuse.grad_unscale. With attribute_overflow, each call starts the optimizer's
+        new overflow record."""
+        record = None if self._overflow is None else self._overflow.begin(optimizer)
+        return unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record)
 
     def unscale_(self, optimizer):
         """Divides the optimizer's gradients by the scale in place and records whether any is
@@ -113,7 +115,16 @@ class ScalerIterationMixin:
             self._all_reduce_(found_inf)
             state["found_inf_per_device"] = {device: found_inf}
             self._reduced.add(key)
+            self._note_verdict(key, found_inf)
         return found_inf
+
+    def _note_verdict(self, key, found_inf):
+        """The all-reduced flag decides the step: a rank whose own grads were clean still
+        reports the overflow another rank saw (with no names of its own)."""
+        if self._overflow is None:
+            return
+        for record in self._overflow.records_by_id(key):
+            record.set_verdict(found_inf)
 
     def _all_reduce_(self, found_inf):
         if not (dist.is_available() and dist.is_initialized()):
@@ -166,6 +177,8 @@ class ScalerIterationMixin:
                     "for a loss that depends on them before scaler.step(optimizer)."
                 )
             retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        if self._overflow is not None:
+            self._overflow.stepped(optimizer)
         state["stage"] = OptState.STEPPED
         return retval
 

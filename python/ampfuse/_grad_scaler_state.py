@@ -231,3 +231,4 @@ class ScalerOptionsMixin:
         # Pickles made before these attributes existed.
         self.__dict__.setdefault("_reduced", set())
         self.__dict__.setdefault("_init_skipped_steps", 0)
+        self.__dict__.setdefault("_overflow", None)  # attribute_overflow off

@@ -75,24 +75,36 @@ def _dtensor_rules() -> None:
 # ---- typed wrappers ----------------------------------------------------------------
 
 
-def multi_tensor_unscale_(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+# tensor_flags, optional on the three ops below: an int32 tensor with one element per tensor of
+# the list read, where the kernels OR in HELD_INF / HELD_NAN for each tensor that held an inf /
+# a nan (never clearing them, as found_inf). It is written in the same pass, and only by the
+# threads that saw such a value. For DTensors it is OR-reduced over the shard mesh like
+# found_inf, so every rank names the same tensors.
+HELD_INF = 1
+HELD_NAN = 2
+
+
+def multi_tensor_unscale_(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                          tensor_flags: torch.Tensor | None = None) -> None:
     """In place ``g *= inv_scale`` (fp32 math); ``found_inf`` set to 1 on any inf/nan."""
     _dtensor_rules()
-    torch.ops.ampfuse.multi_tensor_unscale_(list(grads), found_inf, inv_scale)
+    torch.ops.ampfuse.multi_tensor_unscale_(list(grads), found_inf, inv_scale, tensor_flags)
 
 
-def multi_tensor_nonfinite_check_(tensors, found_inf: torch.Tensor) -> None:
+def multi_tensor_nonfinite_check_(tensors, found_inf: torch.Tensor,
+                                  tensor_flags: torch.Tensor | None = None) -> None:
     """Sets ``found_inf`` to 1 if any element of ``tensors`` is inf/nan; reads them only and
     never clears the flag. For DTensors the flag is all-reduced (MAX) over their device meshes,
     so every rank gets the same verdict (see ampfuse.distributed)."""
     _dtensor_rules()
-    torch.ops.ampfuse.multi_tensor_nonfinite_check_(list(tensors), found_inf)
+    torch.ops.ampfuse.multi_tensor_nonfinite_check_(list(tensors), found_inf, tensor_flags)
 
 
-def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor,
+                        tensor_flags: torch.Tensor | None = None) -> None:
     """``dst[i] = src[i] * scale`` cast to ``dst[i].dtype``; flags non-finite sources."""
     _dtensor_rules()
-    torch.ops.ampfuse.multi_tensor_scale_(list(src), list(dst), scale, found_inf)
+    torch.ops.ampfuse.multi_tensor_scale_(list(src), list(dst), scale, found_inf, tensor_flags)
 
 
 def multi_tensor_l2norm(tensors, per_tensor: bool = False):
@@ -196,21 +208,43 @@ def _check_scalar(op, name, t, dtype, device, device_owner="the tensors"):
         )
 
 
+def _check_tensor_flags(op, tensor_flags, count, list_name, found_inf):
+    if tensor_flags is None:
+        return
+    if (tensor_flags.dtype != torch.int32 or tensor_flags.dim() != 1
+            or tensor_flags.numel() != count or not tensor_flags.is_contiguous()):
+        raise RuntimeError(
+            f"ampfuse.{op}: tensor_flags must be a contiguous 1-D torch.int32 tensor with one "
+            f"element per tensor of {list_name} ({count}), got shape "
+            f"{list(tensor_flags.shape)} and dtype {tensor_flags.dtype}. Create it with "
+            f"torch.zeros(len({list_name}), dtype=torch.int32, device=...)."
+        )
+    if tensor_flags.device != found_inf.device:
+        raise RuntimeError(
+            f"ampfuse.{op}: tensor_flags is on {tensor_flags.device} but must be on "
+            f"{found_inf.device} (the device of found_inf); move tensor_flags to "
+            f"{found_inf.device}."
+        )
+
+
 @torch.library.register_fake("ampfuse::multi_tensor_unscale_")
-def _unscale_fake(grads, found_inf, inv_scale):
+def _unscale_fake(grads, found_inf, inv_scale, tensor_flags=None):
     device = _check_list("multi_tensor_unscale_", "grads", grads)
     _check_scalar("multi_tensor_unscale_", "found_inf", found_inf, torch.float32, device)
     _check_scalar("multi_tensor_unscale_", "inv_scale", inv_scale, torch.float32, device)
+    _check_tensor_flags("multi_tensor_unscale_", tensor_flags, len(grads), "grads", found_inf)
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_nonfinite_check_")
-def _nonfinite_check_fake(tensors, found_inf):
-    device = _check_list("multi_tensor_nonfinite_check_", "tensors", tensors)
-    _check_scalar("multi_tensor_nonfinite_check_", "found_inf", found_inf, torch.float32, device)
+def _nonfinite_check_fake(tensors, found_inf, tensor_flags=None):
+    op = "multi_tensor_nonfinite_check_"
+    device = _check_list(op, "tensors", tensors)
+    _check_scalar(op, "found_inf", found_inf, torch.float32, device)
+    _check_tensor_flags(op, tensor_flags, len(tensors), "tensors", found_inf)
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_scale_")
-def _scale_fake(src, dst, scale, found_inf):
+def _scale_fake(src, dst, scale, found_inf, tensor_flags=None):
     op = "multi_tensor_scale_"
     if len(src) != len(dst):
         raise RuntimeError(
@@ -226,6 +260,7 @@ def _scale_fake(src, dst, scale, found_inf):
             )
     _check_scalar(op, "scale", scale, torch.float32, device)
     _check_scalar(op, "found_inf", found_inf, torch.float32, device)
+    _check_tensor_flags(op, tensor_flags, len(src), "src", found_inf)
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_l2norm")

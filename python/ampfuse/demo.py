@@ -9,7 +9,8 @@ training loop is literally the same code for every row of the table.
 An overflow can be injected at one step (an inf written into a gradient after the backward,
 which is what an fp16 overflow looks like): every run must skip that step, leaving weights and
 optimizer state untouched (with fp16 the dynamic loss scale also halves; bf16 trains
-unscaled). The table shows the skip.
+unscaled). The table shows the skip, and amp.last_overflow() names the gradient that held the
+inf, read once, at that step.
 
 Nothing in the training step reads a value back to the host: losses and loss scales are kept
 on the device and read once at the end (the progress bar reads the loss every 50 steps).
@@ -46,6 +47,7 @@ FINAL_LOSS_STEPS = 20  # the table's train loss is the mean over this many last 
 WARMUP_STEPS = 20  # untimed: the first steps pay one-off costs (allocations, kernel selection)
 WATCH_STEPS = 3  # steps of the --watch run
 FP16_INITIAL_SCALE = 2.0**16  # amp's initial dynamic loss scale for fp16
+INJECTED_PARAM = "0.weight"  # the first convolution's weight: where --inject-overflow writes
 
 
 def load_digits(device) -> tuple[torch.Tensor, ...]:
@@ -115,7 +117,7 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
     """Trains one model at `opt_level` ("O0" is the fp32 baseline) and returns its results:
     name, opt_level, test accuracy (%) and loss, final loss (the mean training loss of the
     last FINAL_LOSS_STEPS steps), per-step losses and loss scales, ms per step after warm-up,
-    memory, skipped steps and the final loss scale.
+    memory, skipped steps, the final loss scale and amp.last_overflow() at the injected step.
 
     sharding: None, or the FSDP2 set-up of a multi-process run (demo_fsdp2.Sharding), which
     shards the model, gives this process its rows of each batch and averages the losses."""
@@ -136,6 +138,7 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
         torch.cuda.reset_peak_memory_stats(device)
 
     losses, scaled_losses = [], []
+    overflow = None
     warmup = min(WARMUP_STEPS, steps // 4)
     bar = tqdm(range(steps), desc=f"{name:<7}", unit="step", disable=None if progress else True,
                dynamic_ncols=True)
@@ -149,12 +152,14 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
             if step == inject_overflow:
-                grad = next(model.parameters()).grad
+                grad = model.get_parameter(INJECTED_PARAM).grad
                 if sharding is not None:
                     grad = sharding.overflowing_shard(grad)  # one rank's shard only
                 if grad is not None:
                     grad.view(-1)[0] = float("inf")
         optimizer.step()
+        if step == inject_overflow:
+            overflow = amp.last_overflow(optimizer)  # a host read, at this step only
         scheduler.step()
         losses.append(loss.detach())
         scaled_losses.append(scaled_loss.detach())
@@ -180,6 +185,7 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
                      if device.type == "cuda" else None),
         "state_kib": state_bytes(model, optimizer) / 2**10,
         "skipped": amp.skipped_steps(optimizer),
+        "overflow": overflow,
         "final_scale": amp.state_dict(optimizer)["loss_scaler0"]["scale"],
     }
 
@@ -306,6 +312,10 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
     else:
         results = [train_run(name, level, data, **options) for name, level in runs]
     print(format_table(results, device))
+    if inject_overflow is not None:
+        print("where it overflowed (amp.last_overflow):")
+        for r in results:
+            print(f"  {r['name']:<10}{r['overflow']}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plot = out / "loss_curves.png"
@@ -321,14 +331,21 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
 
 def failures(results: list[dict], inject_overflow: int | None) -> list[str]:
     """What should make the demo exit non-zero: a run whose loss ended as nan/inf, or an
-    injected overflow that a run did not skip."""
+    injected overflow that a run did not skip or whose gradient amp.last_overflow() did not
+    name."""
     problems = []
     for r in results:
         if not math.isfinite(r["final_loss"]):
             problems.append(f"{r['name']} diverged: final loss {r['final_loss']}")
-        if inject_overflow is not None and r["skipped"] < 1:
+        if inject_overflow is None:
+            continue
+        if r["skipped"] < 1:
             problems.append(f"{r['name']} did not skip the overflow injected at step "
                             f"{inject_overflow}")
+        elif getattr(r["overflow"], "param_names", None) != [INJECTED_PARAM]:
+            problems.append(f"{r['name']}: amp.last_overflow() did not name {INJECTED_PARAM} "
+                            f"for the overflow injected at step {inject_overflow}, it said: "
+                            f"{r['overflow']}")
     return problems
 
 

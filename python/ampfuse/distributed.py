@@ -12,7 +12,8 @@ multi_tensor_l2norm is the one reduction: the local sums of squares become a DTe
 sharded mesh dimensions are Partial("sum"), and DTensor's own redistribution to Replicate
 all-reduces them, so every rank gets the global norms. multi_tensor_nonfinite_check_ checks the
 local shards and all-reduces its flag (MAX) over the tensors' meshes, so every rank gets the
-same verdict.
+same verdict; the per-tensor overflow flags (tensor_flags) of the three flagging ops are OR-ed
+in the same collective, so every rank names the same tensors.
 
 Importing this module registers the rules; ampfuse._ops imports it as soon as
 torch.distributed.tensor is loaded (no DTensor can exist before that), so the wrappers in
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ampfuse._ops import HELD_INF, HELD_NAN
 
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
 POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_nonfinite_check_",
@@ -111,18 +114,29 @@ def _reduced_over_shards(local, mesh, placements, reduce_op):
     return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
 
 
-def _max_over_shards(flag, tensors):
+def _max_over_shards(flag, tensors, tensor_flags=None):
     """Sets the local one-element `flag` to its maximum over the ranks that hold different
-    shards of `tensors`; ranks along a Replicate dimension saw the same values."""
-    reduced = set()
-    for t in tensors:
-        if not isinstance(t, DTensor):
+    shards of `tensors`; ranks along a Replicate dimension saw the same values. With
+    `tensor_flags` (the ops' per-tensor HELD_INF | HELD_NAN bits), the element of each sharded
+    tensor is OR-ed over the ranks that hold its shards in the same collective, so every rank
+    names the same tensors: as the MAX of each bit, since NCCL has no bitwise reduction."""
+    groups = {}  # (mesh, placements) -> indices of the tensors sharded that way
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
+            groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
+    for (mesh, placements), indices in groups.items():
+        if tensor_flags is None:
+            flag.copy_(_reduced_over_shards(flag, mesh, placements, "max"))
             continue
-        key = (t.device_mesh, tuple(t.placements))
-        if key in reduced or all(p.is_replicate() for p in t.placements):
-            continue
-        reduced.add(key)
-        flag.copy_(_reduced_over_shards(flag, t.device_mesh, t.placements, "max"))
+        index = torch.tensor(indices, device=tensor_flags.device)
+        local = tensor_flags[index]
+        bits = [(local & bit).to(flag.dtype) for bit in (HELD_INF, HELD_NAN)]
+        payload = torch.cat([flag.reshape(1), *bits])
+        reduced = _reduced_over_shards(payload, mesh, placements, "max")
+        flag.copy_(reduced[:1].reshape(flag.shape))
+        count = len(indices)
+        inf, nan = reduced[1:1 + count], reduced[1 + count:]
+        tensor_flags[index] = inf.to(torch.int32) | nan.to(torch.int32)
 
 
 def _pointwise_rule(op):
@@ -143,7 +157,7 @@ def _pointwise_rule(op):
                 bound[name] = _local_scalar(op, name, value)
         result = func(**bound)
         if flag_source is not None:
-            _max_over_shards(bound["found_inf"], flag_tensors)
+            _max_over_shards(bound["found_inf"], flag_tensors, bound.get("tensor_flags"))
         return result
 
     return rule

@@ -319,8 +319,22 @@ def _smoke_unscale(ops, device):
     if wrong or found_inf.item() != 0.0:
         return wrong or "found_inf was set for finite grads"
     grads[1][0, 2] = math.inf
-    ops.multi_tensor_unscale_(grads, found_inf, torch.full((1,), 0.25, device=device))
-    return None if found_inf.item() == 1.0 else "an inf in the grads did not set found_inf"
+    flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
+    ops.multi_tensor_unscale_(grads, found_inf, torch.full((1,), 0.25, device=device), flags)
+    if found_inf.item() != 1.0:
+        return "an inf in the grads did not set found_inf"
+    return _wrong_tensor_flags(flags, 1, "inf")
+
+
+def _wrong_tensor_flags(flags, index, kind):
+    """None if `flags` names exactly tensor `index` as holding `kind` ("inf" or "nan"), else
+    what is wrong. (Reached only once the op wrappers loaded.)"""
+    from ampfuse._ops import HELD_INF, HELD_NAN
+
+    expected = [{"inf": HELD_INF, "nan": HELD_NAN}[kind] if i == index else 0
+                for i in range(flags.numel())]
+    got = flags.tolist()
+    return None if got == expected else f"tensor_flags were {got}, expected {expected}"
 
 
 def _smoke_scale(ops, device):
@@ -350,8 +364,11 @@ def _smoke_nonfinite_check(ops, device):
     if found_inf.item() != 0.0:
         return "found_inf was set for finite tensors"
     tensors[1][0, 2] = math.nan
-    ops.multi_tensor_nonfinite_check_(tensors, found_inf)
-    return None if found_inf.item() == 1.0 else "a nan in the tensors did not set found_inf"
+    flags = torch.zeros(len(tensors), dtype=torch.int32, device=device)
+    ops.multi_tensor_nonfinite_check_(tensors, found_inf, flags)
+    if found_inf.item() != 1.0:
+        return "a nan in the tensors did not set found_inf"
+    return _wrong_tensor_flags(flags, 1, "nan")
 
 
 def _smoke_update_scale(ops, device):

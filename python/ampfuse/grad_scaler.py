@@ -54,6 +54,7 @@ from ampfuse._grad_scaler_iteration import ScalerIterationMixin
 from ampfuse._grad_scaler_state import ScalerOptionsMixin
 from ampfuse.grad_unscale import cuda_kernels_usable
 from ampfuse.loss_scaler import LossScaler
+from ampfuse.overflow import OverflowRecords
 
 __all__ = ["GradScaler"]
 
@@ -96,6 +97,16 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         process_group: all-reduce the overflow flag over this group (MAX) before each step
             decision, so that a step is skipped on every rank if any rank overflowed.
         all_reduce_found_inf: the same over the default group (process_group=None).
+        attribute_overflow: record, in the unscale/check kernels' own pass, which gradients
+            held inf or nan, for last_overflow(). Nothing is read back on a clean step.
+
+    Overflow attribution (attribute_overflow=True):
+        last_overflow(optimizer=None) returns None when the optimizer's last checked step was
+        clean, else an ampfuse.overflow.OverflowReport: .step (the 0-based index of the step
+        the overflow skipped, counting every scaler.step(optimizer) since the scaler was
+        made), .param_names and .kinds ("inf", "nan" or "inf and nan" per name). Reading it
+        syncs. Params are named "group{i}.param{j}" (their place in the optimizer) unless
+        name_parameters(model) (or a named_parameters() iterable) gave their names.
 
     Skipped steps:
         get_skipped_steps() returns how many iterations (update() calls) had an overflow, so
@@ -139,7 +150,13 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         max_scale=math.inf,
         process_group=None,
         all_reduce_found_inf=False,
+        attribute_overflow=False,
     ):
+        if not isinstance(attribute_overflow, bool):
+            raise ValueError(
+                f"ampfuse.GradScaler: attribute_overflow must be True or False, got "
+                f"{attribute_overflow!r}."
+            )
         self._device = torch.device(device).type
         self._enabled = bool(enabled)
         if self._enabled and self._device == "cuda" and not torch.cuda.is_available():
@@ -195,6 +212,8 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         # id(optimizer) of the optimizers whose flags were all-reduced this iteration (kept
         # out of their per-optimizer records, which hold torch's keys only).
         self._reduced = set()
+        # Which grads overflowed at each optimizer's last check (attribute_overflow=True).
+        self._overflow = OverflowRecords() if attribute_overflow else None
 
     # ---- the state ------------------------------------------------------------------------
 
@@ -236,6 +255,30 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         if device not in cache:
             cache[device] = self._scale.to(device=device, non_blocking=True, copy=True)
         return cache[device]
+
+    # ---- overflow attribution -------------------------------------------------------------
+
+    def _overflow_on(self, what):
+        if self._overflow is None:
+            raise RuntimeError(
+                f"ampfuse.GradScaler.{what}: overflow attribution is off; construct the scaler "
+                "with GradScaler(..., attribute_overflow=True)."
+            )
+        return self._overflow
+
+    def name_parameters(self, source):
+        """Names params in last_overflow() reports: `source` is a model (its
+        named_parameters(), looked up when a report is made) or an iterable of (name, param)
+        pairs. May be called for several models."""
+        self._overflow_on("name_parameters()").names.add(source, "GradScaler.name_parameters")
+
+    def last_overflow(self, optimizer=None):
+        """None if the last step checked for `optimizer` was clean (or none was checked), else
+        an OverflowReport naming the grads that held inf/nan. optimizer=None: the one
+        optimizer this scaler checks (an error if it checked several). Reads device flags,
+        which syncs; call it on demand, e.g. when get_skipped_steps() grew."""
+        records = self._overflow_on("last_overflow()")
+        return records.last_overflow(optimizer, "GradScaler.last_overflow")
 
     # ---- scale ----------------------------------------------------------------------------
 

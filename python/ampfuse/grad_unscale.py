@@ -13,7 +13,9 @@ gradient torch.amp.GradScaler accepts is accepted, through one of three paths:
   ``torch._amp_foreach_non_finite_check_and_unscale_`` grouped by device and dtype, the op
   torch's GradScaler itself uses, so they come out as with torch, bit for bit.
 
-All paths set the same per-device flag. Nothing is read back to the host.
+All paths set the same per-device flag. Nothing is read back to the host. With a
+``CheckRecord`` (``GradScaler(attribute_overflow=True)``), the kernels also flag which grads held
+inf/nan (see ``ampfuse.overflow``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import torch
 
 from ampfuse import _ops
+from ampfuse._ops import HELD_INF, HELD_NAN
 from ampfuse.optimizers._groups import param_name
 
 __all__ = ["unscale_grads_", "is_dense", "cuda_kernels_usable"]
@@ -66,8 +69,9 @@ def _fp16_refused(name):
 
 def _collect(optimizer, allow_fp16):
     """The grads to unscale, sorted into the three paths of the module docstring, with the
-    checks torch makes (fp16, sparse) and a clear error for dtypes no scaler takes."""
-    ours, views, theirs = {}, {}, {}  # device -> [grads]; theirs: (device, dtype) -> [grads]
+    checks torch makes (fp16, sparse) and a clear error for dtypes no scaler takes. Each path
+    maps to a list of (grad, (group index, param index, param)) entries."""
+    ours, views, theirs = {}, {}, {}  # device -> entries; theirs: (device, dtype) -> entries
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             grad = param.grad
@@ -81,10 +85,11 @@ def _collect(optimizer, allow_fp16):
                 if grad.dtype == torch.float16:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
+            entry = (grad, (group_index, param_index, param))
             if grad.dtype in _KERNEL_DTYPES and _has_kernels(grad.device):
-                (ours if is_dense(grad) else views).setdefault(grad.device, []).append(grad)
+                (ours if is_dense(grad) else views).setdefault(grad.device, []).append(entry)
             elif grad.dtype in _KERNEL_DTYPES or grad.dtype in _TORCH_DTYPES:
-                theirs.setdefault((grad.device, grad.dtype), []).append(grad)
+                theirs.setdefault((grad.device, grad.dtype), []).append(entry)
             else:
                 raise ValueError(
                     f"ampfuse.GradScaler: {param_name(group_index, param_index)} has a "
@@ -95,11 +100,21 @@ def _collect(optimizer, allow_fp16):
     return ours, views, theirs
 
 
-def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16):
+def _torch_flags(grads):
+    """HELD_INF | HELD_NAN per grad, for the grads torch's op unscales (float64, other devices):
+    that op has no per-tensor output, so these take one more read with torch's own ops."""
+    held = [g.isinf().any().int() * HELD_INF + g.isnan().any().int() * HELD_NAN for g in grads]
+    return torch.stack(held).to(torch.int32)
+
+
+def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
     """Multiplies every grad of `optimizer` by `inv_scale` in place (1.0 only checks) and
     returns {device: flag}: a copy of `found_inf` on each device that holds grads, set to 1 if
     any of that device's grads holds inf/nan. torch.amp.GradScaler._unscale_grads_'s contract.
-    fp16 grads raise unless allow_fp16."""
+    fp16 grads raise unless allow_fp16.
+
+    record: an ampfuse.overflow.CheckRecord to fill with which grads held inf/nan; the kernels
+    write those flags in the pass they make anyway."""
     ours, views, theirs = _collect(optimizer, allow_fp16)
     per_device = {}  # device -> (found_inf, inv_scale) there
 
@@ -114,12 +129,23 @@ def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16):
     with torch.no_grad():
         for device in {*ours, *views}:
             flag, factor = on(device)
-            strided = views.get(device, [])
-            copies = [g.contiguous() for g in strided]
-            _ops.multi_tensor_unscale_(ours.get(device, []) + copies, flag, factor)
-            for grad, copy in zip(strided, copies):
+            dense, strided = ours.get(device, []), views.get(device, [])
+            copies = [g.contiguous() for g, _ in strided]
+            grads = [g for g, _ in dense] + copies
+            tensor_flags = None
+            if record is not None:
+                tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
+                record.add([where for _, where in dense + strided], tensor_flags)
+            _ops.multi_tensor_unscale_(grads, flag, factor, tensor_flags)
+            for (grad, _), copy in zip(strided, copies):
                 grad.copy_(copy)
-        for (device, _), grads in theirs.items():
+        for (device, _), entries in theirs.items():
             flag, factor = on(device)
+            grads = [g for g, _ in entries]
+            if record is not None:
+                record.add([where for _, where in entries], _torch_flags(grads))
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor)
-    return {device: flags[0] for device, flags in per_device.items()}
+    flags = {device: flags[0] for device, flags in per_device.items()}
+    if record is not None:
+        record.set_verdict(*flags.values())
+    return flags

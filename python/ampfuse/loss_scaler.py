@@ -92,9 +92,10 @@ class LossScaler:
     def inv_scale(self) -> torch.Tensor:
         return self.scale.double().reciprocal().float()
 
-    def check_(self, grads) -> None:
-        """Flags inf/nan in `grads` without changing them (a read-only pass)."""
-        _ops.multi_tensor_nonfinite_check_(grads, self.found_inf)
+    def check_(self, grads, tensor_flags=None) -> None:
+        """Flags inf/nan in `grads` without changing them (a read-only pass); tensor_flags as
+        for ampfuse.multi_tensor_nonfinite_check_."""
+        _ops.multi_tensor_nonfinite_check_(grads, self.found_inf, tensor_flags)
 
     def unscale_(self, grads) -> None:
         """Divides `grads` by the scale in place (fp32 math) and flags inf/nan."""

@@ -90,6 +90,48 @@ TEST_CASE("unscale_span flags inf and nan at the first, a middle and the last el
   }
 }
 
+TEST_CASE("the span kernels tell inf from nan, wherever they are, on every implementation") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  using ScaleFn = std::uint32_t (*)(const void*, DType, void*, DType, std::int64_t, float);
+  std::vector<ScaleFn> implementations = {&portable::scale};
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+  if (cpu_has_avx2_f16c()) implementations.push_back(&avx2::scale);
+#endif
+  for (DType dtype : kDtypes) {
+    for (std::int64_t n : {1, 15, 16, 17, 1000, 65537}) {
+      REQUIRE(nonfinite_kinds_span(Buffer(dtype, random_floats(n, 3)).data(), dtype, n) == 0u);
+      for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
+        // (values planted, kinds expected): a second value, when there is one, goes to the
+        // element after `where` (or before it at the end), often in the same vector block.
+        const std::vector<std::pair<std::vector<float>, std::uint32_t>> cases = {
+            {{inf}, kHeldInf}, {{-inf}, kHeldInf}, {{nan}, kHeldNan}, {{-nan}, kHeldNan},
+            {{inf, nan}, kHeldInf | kHeldNan}};
+        for (const auto& [planted, expected] : cases) {
+          if (planted.size() > static_cast<std::size_t>(n)) continue;
+          auto values = random_floats(n, 4, 1.0e4f);  // 1e4 * 0.5 stays finite in fp16
+          values[static_cast<std::size_t>(where)] = planted[0];
+          if (planted.size() == 2) {
+            const std::int64_t next = where + 1 < n ? where + 1 : where - 1;
+            values[static_cast<std::size_t>(next)] = planted[1];
+          }
+          INFO("dtype " << int(dtype) << " n " << n << " at " << where << " kinds " << expected);
+          Buffer buf(dtype, values);
+          REQUIRE(nonfinite_kinds_span(buf.data(), dtype, n) == expected);
+          for (ScaleFn scale : implementations) {
+            Buffer in_place(dtype, values);
+            REQUIRE(scale(in_place.data(), dtype, in_place.data(), dtype, n, 0.5f) == expected);
+            Buffer to_fp32(DType::kFloat32, std::vector<float>(static_cast<std::size_t>(n)));
+            REQUIRE(scale(buf.data(), dtype, to_fp32.data(), DType::kFloat32, n, 2.0f) ==
+                    expected);
+          }
+          REQUIRE(unscale_span(Buffer(dtype, values).data(), dtype, n, 0.5f) == expected);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("no false positive on the largest finite values") {
   const std::vector<float> big = {65504.0f, -65504.0f, 3.0e38f, -3.0e38f,
                                   std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min()};

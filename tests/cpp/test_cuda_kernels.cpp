@@ -86,7 +86,7 @@ TEST_CASE("CUDA unscale is bit-identical to the CPU kernel, over many tensors") 
     refs.push_back(tensors.back()->ref());
   }
   DeviceScalar<float> found(0.0f), inv(0.0625f);
-  cuda::unscale(refs, found.device, inv.device, nullptr);
+  cuda::unscale(refs, found.device, inv.device, nullptr, nullptr);
   check(cudaDeviceSynchronize());
   REQUIRE(found.get() == 0.0f);
   for (auto& t : tensors) {
@@ -107,12 +107,12 @@ TEST_CASE("CUDA unscale and scale flag inf/nan at the first, middle and last ele
           t.upload();
           std::vector<TensorRef> refs = {t.ref()};
           DeviceScalar<float> found(0.0f), inv(1.0f);
-          cuda::unscale(refs, found.device, inv.device, nullptr);
+          cuda::unscale(refs, found.device, inv.device, nullptr, nullptr);
           REQUIRE(found.get() == 1.0f);
           DeviceTensor out(DType::kFloat32, n, 4);
           std::vector<TensorRef> dst = {out.ref()};
           DeviceScalar<float> found2(0.0f);
-          cuda::scale(refs, dst, inv.device, found2.device, nullptr);
+          cuda::scale(refs, dst, inv.device, found2.device, nullptr, nullptr);
           REQUIRE(found2.get() == 1.0f);
         }
       }
@@ -128,7 +128,7 @@ TEST_CASE("CUDA nonfinite_check reads only, and flags inf/nan at the first, midd
       DeviceTensor clean(dtype, n, 5);
       std::vector<TensorRef> refs = {clean.ref()};
       DeviceScalar<float> found(0.0f);
-      cuda::nonfinite_check(refs, found.device, nullptr);
+      cuda::nonfinite_check(refs, found.device, nullptr, nullptr);
       REQUIRE(found.get() == 0.0f);
       REQUIRE(clean.download() == clean.host);
       for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
@@ -138,13 +138,59 @@ TEST_CASE("CUDA nonfinite_check reads only, and flags inf/nan at the first, midd
           t.upload();
           std::vector<TensorRef> one = {clean.ref(), t.ref()};
           DeviceScalar<float> flag(0.0f);
-          cuda::nonfinite_check(one, flag.device, nullptr);
+          cuda::nonfinite_check(one, flag.device, nullptr, nullptr);
           INFO("dtype " << int(dtype) << " n " << n << " at " << where);
           REQUIRE(flag.get() == 1.0f);
         }
       }
     }
   }
+}
+
+TEST_CASE("CUDA unscale, scale and check OR each tensor's inf/nan kinds into its flag") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Past the tensor cap of one launch, so list index and table slot differ for the last ones.
+  const int count = ChunkTable<2>::kMaxTensors + 3;
+  std::vector<std::unique_ptr<DeviceTensor>> tensors;
+  std::vector<std::int32_t> expected(count, 0);
+  for (int i = 0; i < count; ++i) {
+    const std::int64_t n = i == count - 2 ? 2 * 65536 + 9 : 5;
+    tensors.push_back(std::make_unique<DeviceTensor>(kDtypes[i % 3], n, 40 + i));
+  }
+  const auto plant = [&](int i, std::int64_t where, float value, std::int32_t kind) {
+    tensors[i]->set(where, value);
+    expected[i] |= kind;
+  };
+  plant(0, 0, inf, kHeldInf);
+  plant(count - 2, 65536 + 3, nan, kHeldNan);
+  plant(count - 2, 2 * 65536 + 8, -inf, kHeldInf);
+  plant(count - 1, 4, nan, kHeldNan);
+  std::vector<TensorRef> refs;
+  std::vector<std::unique_ptr<DeviceTensor>> outputs;
+  std::vector<TensorRef> dst;
+  for (auto& t : tensors) {
+    t->upload();
+    refs.push_back(t->ref());
+    outputs.push_back(std::make_unique<DeviceTensor>(DType::kFloat32, t->numel, 1));
+    dst.push_back(outputs.back()->ref());
+  }
+  std::int32_t* flags = nullptr;
+  check(cudaMalloc(reinterpret_cast<void**>(&flags), count * sizeof(std::int32_t)));
+  const auto run = [&](int op) {
+    check(cudaMemset(flags, 0, count * sizeof(std::int32_t)));
+    DeviceScalar<float> found(0.0f), factor(1.0f);
+    if (op == 0) cuda::nonfinite_check(refs, found.device, flags, nullptr);
+    if (op == 1) cuda::scale(refs, dst, factor.device, found.device, flags, nullptr);
+    if (op == 2) cuda::unscale(refs, found.device, factor.device, flags, nullptr);
+    std::vector<std::int32_t> got(count);
+    check(cudaMemcpy(got.data(), flags, count * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    INFO("op " << op);
+    REQUIRE(found.get() == 1.0f);
+    REQUIRE(got == expected);
+  };
+  for (int op : {0, 1, 2}) run(op);
+  cudaFree(flags);
 }
 
 TEST_CASE("CUDA scale casts between every dtype pair like the CPU kernel, aligned or not") {
@@ -159,7 +205,7 @@ TEST_CASE("CUDA scale casts between every dtype pair like the CPU kernel, aligne
           std::vector<TensorRef> s = {{static_cast<char*>(src.device) + offset * element_size(from), len, from}};
           std::vector<TensorRef> d = {{static_cast<char*>(dst.device) + offset * element_size(to), len, to}};
           DeviceScalar<float> found(0.0f), factor(3.0f);
-          cuda::scale(s, d, factor.device, found.device, nullptr);
+          cuda::scale(s, d, factor.device, found.device, nullptr, nullptr);
           std::vector<unsigned char> expected = dst.download();
           cpu::scale_span(src.host.data() + offset * element_size(from), from,
                           expected.data() + offset * element_size(to), to, len, 3.0f);

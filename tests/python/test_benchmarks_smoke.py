@@ -38,10 +38,11 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
         by_bench.setdefault(row["bench"], []).append(row)
     assert set(by_bench) == {"ops", "adam", "sgd", "train", "overhead"}
     assert {(r["model"], r["impl"]) for r in by_bench["overhead"]} == {
-        (m, i) for m in ("mlp", "gpt") for i in ("torch", "O1", "O1 lists", "O2")}
+        (m, i) for m in ("mlp", "gpt") for i in ("torch", "O1", "O1 lists", "O2", "O2 noattr")}
     assert all(r["median_ms"] > 0 and r["speed"] > 0 for r in by_bench["overhead"])
 
-    assert {r["op"] for r in by_bench["ops"]} == {"unscale_", "scale_", "l2norm"}
+    assert {r["op"] for r in by_bench["ops"]} == {
+        "unscale_", "unscale_ flags", "check flags", "scale_", "l2norm"}
     for name in ("adam", "sgd"):
         impls = {r["impl"] for r in by_bench[name]}
         assert any(i.startswith("ampfuse") for i in impls) and any(

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ampfuse import demo
+from ampfuse.overflow import OverflowReport
 from ampfuse.__main__ import main
 
 PYTHON_DIR = pathlib.Path(__file__).resolve().parents[2] / "python"
@@ -50,6 +51,10 @@ def test_demo_runs_end_to_end(tmp_path):
         assert skipped == "1", f"{name}: {cells}"
         assert float(scale) == 1.0  # fp32, and bf16, which amp trains unscaled by default
     assert "at step 15" in proc.stdout
+    # amp.last_overflow() names the gradient the inf was written into, for every run.
+    named = proc.stdout.split("where it overflowed (amp.last_overflow):\n")[1].splitlines()[:3]
+    assert named == [f"  {name:<10}overflow at step 15 in 1 tensor: 0.weight (inf)"
+                     for name in rows], proc.stdout
 
     # --watch: numerics.watch's table of a short O1 run follows the demo's own.
     watched = proc.stdout.split("numerics.watch: ")[1].splitlines()
@@ -71,6 +76,7 @@ def test_run_demo_results(tmp_path, capsys):
     for r in results:
         assert len(r["losses"]) == len(r["loss_scales"]) == 12
         assert r["skipped"] == 1
+        assert (r["overflow"].step, r["overflow"].param_names) == (5, ["0.weight"])
         scales = r["loss_scales"]
         # fp32, and bf16, which amp trains unscaled by default: the skip needs no scale.
         assert scales == [1.0] * 12 and r["final_scale"] == 1.0
@@ -135,15 +141,20 @@ def test_same_seed_same_run():
     assert first["losses"] == second["losses"]
 
 
-def test_failures_name_divergence_and_missed_skips():
-    ok = {"name": "fp32", "final_loss": 0.1, "skipped": 1}
-    diverged = {"name": "O2 bf16", "final_loss": float("nan"), "skipped": 1}
-    unskipped = {"name": "O1 bf16", "final_loss": 0.1, "skipped": 0}
+def test_failures_name_divergence_missed_skips_and_wrong_attribution():
+    named = OverflowReport(3, ["0.weight"], ["inf"])
+    ok = {"name": "fp32", "final_loss": 0.1, "skipped": 1, "overflow": named}
+    diverged = {"name": "O2 bf16", "final_loss": float("nan"), "skipped": 1, "overflow": named}
+    unskipped = {"name": "O1 bf16", "final_loss": 0.1, "skipped": 0, "overflow": None}
+    misnamed = {"name": "O1 fp16", "final_loss": 0.1, "skipped": 1,
+                "overflow": OverflowReport(3, ["8.bias"], ["nan"])}
     assert demo.failures([ok], inject_overflow=3) == []
     assert demo.failures([ok, unskipped], inject_overflow=None) == []
-    problems = demo.failures([ok, diverged, unskipped], inject_overflow=3)
-    assert len(problems) == 2
+    problems = demo.failures([ok, diverged, unskipped, misnamed], inject_overflow=3)
+    assert len(problems) == 3
     assert "O2 bf16 diverged" in problems[0] and "O1 bf16 did not skip" in problems[1]
+    assert "O1 fp16: amp.last_overflow() did not name 0.weight" in problems[2]
+    assert "8.bias (nan)" in problems[2]
 
 
 def test_divergence_exits_nonzero(monkeypatch, capsys):

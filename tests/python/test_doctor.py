@@ -101,7 +101,7 @@ def _ops_with(**replacements):
 
 
 def test_wrong_result_is_reported_as_a_bug():
-    def unscale_that_forgets_bf16(grads, found_inf, inv_scale):
+    def unscale_that_forgets_bf16(grads, found_inf, inv_scale, tensor_flags=None):
         _ops.multi_tensor_unscale_([g for g in grads if g.dtype != torch.bfloat16], found_inf,
                                    inv_scale)
 

@@ -148,6 +148,26 @@ def _scaler_skips(all_reduce_found_inf):
     return {"unchanged": unchanged, "scales": scales}
 
 
+def _attribution():
+    """One step in which rank 1's shard of 0.weight's grad holds an inf and rank 0's shard of
+    2.bias's grad a nan: each rank's kernels see only their own, and the DTensor rule OR-reduces
+    the per-tensor flags, so both ranks must name both tensors."""
+    model = _shard(_model())
+    optimizer = OPTIMIZERS["FusedAdamW"](model.parameters())
+    scaler = ampfuse.GradScaler("cpu", attribute_overflow=True)
+    scaler.name_parameters(model)
+    inputs, targets = _batch(0)
+    scaler.scale(F.mse_loss(model(inputs).float(), targets)).backward()
+    if dist.get_rank() == 1:
+        model[0].weight.grad.to_local()[0, 0] = float("inf")
+    else:
+        model[2].bias.grad.to_local()[0] = float("nan")
+    scaler.step(optimizer)
+    scaler.update()
+    report = scaler.last_overflow()
+    return report.param_names, report.kinds
+
+
 def _worker(rank, port, out_dir, scenario, args):
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -232,6 +252,7 @@ def _all_scenarios():
         "scaler": {flag: _scaler_skips(flag) for flag in (True, False)},
         "checkpoint": _checkpoint_round_trip(),
         "master_follows": _master_follows_loaded_weights(),
+        "attribution": _attribution(),
         "mixed_precision": [
             _mixed_precision_policy_run(
                 lambda params: ampfuse.optimizers.FusedAdamW(params, lr=1e-2, weight_decay=0.1)
@@ -284,6 +305,11 @@ def test_fsdp2_grad_scaler_overflow_on_one_rank_skips_on_both(ranks, all_reduce_
         result = ranks_results["scaler"][all_reduce_found_inf]
         assert result["unchanged"] == [False, True, False], f"rank {rank}"
         assert result["scales"] == [2.0**10, 2.0**9, 2.0**9], f"rank {rank}"
+
+
+def test_fsdp2_overflow_attribution_names_the_same_tensors_on_every_rank(ranks):
+    for rank, ranks_results in enumerate(ranks):
+        assert ranks_results["attribution"] == (["0.weight", "2.bias"], ["inf", "nan"]), rank
 
 
 def test_fsdp2_optimizer_state_dict_round_trips_through_distributed_checkpoint(ranks):

@@ -7,11 +7,11 @@ import torch
 SCHEMAS = {
     "multi_tensor_unscale_": (
         "ampfuse::multi_tensor_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, "
-        "Tensor inv_scale) -> ()"
+        "Tensor inv_scale, Tensor(c!)? tensor_flags=None) -> ()"
     ),
     "multi_tensor_scale_": (
         "ampfuse::multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor scale, "
-        "Tensor(b!) found_inf) -> ()"
+        "Tensor(b!) found_inf, Tensor(c!)? tensor_flags=None) -> ()"
     ),
     "multi_tensor_l2norm": (
         "ampfuse::multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)"

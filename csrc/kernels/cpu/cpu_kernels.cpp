@@ -14,21 +14,24 @@ namespace {
 struct Kernels {
   // dst = src * factor; also serves unscale in place (src == dst).
   template <typename Src, typename Dst>
-  static bool scale(const Src* src, Dst* dst, std::int64_t n, float factor);
+  static std::uint32_t scale(const Src* src, Dst* dst, std::int64_t n, float factor);
 
   template <typename Storage>
   static double sum_of_squares(const Storage* data, std::int64_t n);
 };
 
+// The portable loop tells inf from nan for every element (a compare and an add more than a
+// bare check), since a branch would stop it vectorizing; the AVX2 loop, which most CPUs run,
+// only classifies once a non-finite value is seen.
 template <typename Src, typename Dst>
-bool Kernels::scale(const Src* src, Dst* dst, std::int64_t n, float factor) {
-  std::uint32_t nonfinite = 0;
+std::uint32_t Kernels::scale(const Src* src, Dst* dst, std::int64_t n, float factor) {
+  std::uint32_t kinds = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const float x = Element<Src>::load(src[i]);
-    nonfinite |= static_cast<std::uint32_t>(is_nonfinite(x));
+    kinds |= nonfinite_kind(float_to_bits(x));
     dst[i] = Element<Dst>::store(x * factor);
   }
-  return nonfinite != 0;
+  return kinds;
 }
 
 template <typename Storage>
@@ -53,8 +56,8 @@ double Kernels::sum_of_squares(const Storage* data, std::int64_t n) {
 
 }  // namespace
 
-bool scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
-           float factor) {
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                    std::int64_t n, float factor) {
   return scale_any<Kernels>(src, src_dtype, dst, dst_dtype, n, factor);
 }
 
@@ -73,10 +76,12 @@ namespace {
 template <typename Storage>
 struct ExponentField;
 
+// kMagnitude: every bit but the sign. A magnitude equal to kMask is an inf, above it a nan.
 template <>
 struct ExponentField<float> {
   using Word = std::uint32_t;
   static constexpr Word kMask = 0x7f800000u;
+  static constexpr Word kMagnitude = 0x7fffffffu;
   static Word word(float x) { return float_to_bits(x); }
 };
 
@@ -84,6 +89,7 @@ template <>
 struct ExponentField<Fp16Bits> {
   using Word = std::uint16_t;
   static constexpr Word kMask = 0x7c00u;
+  static constexpr Word kMagnitude = 0x7fffu;
   static Word word(Fp16Bits x) { return x.bits; }
 };
 
@@ -91,6 +97,7 @@ template <>
 struct ExponentField<Bf16Bits> {
   using Word = std::uint16_t;
   static constexpr Word kMask = 0x7f80u;
+  static constexpr Word kMagnitude = 0x7fffu;
   static Word word(Bf16Bits x) { return x.bits; }
 };
 
@@ -108,6 +115,19 @@ struct Check {
     }
     return nonfinite != 0;
   }
+
+  // kHeldInf | kHeldNan over the span, from the stored bits as nonfinite_kind does for fp32.
+  template <typename Storage>
+  static std::uint32_t kinds(const Storage* data, std::int64_t n) {
+    using Field = ExponentField<Storage>;
+    std::uint32_t kinds = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto magnitude = Field::word(data[i]) & Field::kMagnitude;
+      kinds |= static_cast<std::uint32_t>(magnitude >= Field::kMask) +
+               static_cast<std::uint32_t>(magnitude > Field::kMask);
+    }
+    return kinds;
+  }
 };
 
 }  // namespace
@@ -117,6 +137,11 @@ bool nonfinite_span(const void* data, DType dtype, std::int64_t n) {
                       [&](auto* typed) { return Check::any_nonfinite(typed, n); });
 }
 
+std::uint32_t nonfinite_kinds_span(const void* data, DType dtype, std::int64_t n) {
+  return with_storage(dtype, const_cast<void*>(data),
+                      [&](auto* typed) { return Check::kinds(typed, n); });
+}
+
 // Without AVX2 and F16C (or off x86), fp16 takes the portable loops' software conversion.
 #ifdef AMPFUSE_HAVE_AVX2_PATH
 #define AMPFUSE_SPAN_VARIANT(call) (cpu_has_avx2_f16c() ? avx2::call : portable::call)
@@ -124,12 +149,12 @@ bool nonfinite_span(const void* data, DType dtype, std::int64_t n) {
 #define AMPFUSE_SPAN_VARIANT(call) portable::call
 #endif
 
-bool unscale_span(void* data, DType dtype, std::int64_t n, float inv_scale) {
+std::uint32_t unscale_span(void* data, DType dtype, std::int64_t n, float inv_scale) {
   return AMPFUSE_SPAN_VARIANT(scale(data, dtype, data, dtype, n, inv_scale));
 }
 
-bool scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
-                float scale) {
+std::uint32_t scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                         std::int64_t n, float scale) {
   return AMPFUSE_SPAN_VARIANT(scale(src, src_dtype, dst, dst_dtype, n, scale));
 }
 

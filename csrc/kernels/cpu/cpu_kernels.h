@@ -5,20 +5,27 @@
 #include <cstdint>
 
 #include "../dtype.h"
+#include "../nonfinite_kind.h"
 #include "../optimizer_math.h"
 
 namespace ampfuse::kernels::cpu {
 
-// data[i] *= inv_scale in fp32 math. Returns true if any input element is inf or nan.
-bool unscale_span(void* data, DType dtype, std::int64_t n, float inv_scale);
+// data[i] *= inv_scale in fp32 math. Returns the kinds of non-finite input elements
+// (kHeldInf | kHeldNan bits of nonfinite_kind.h; 0 when every element is finite).
+std::uint32_t unscale_span(void* data, DType dtype, std::int64_t n, float inv_scale);
 
-// dst[i] = src[i] * scale in fp32 math, cast to dst's type. Returns true if any
-// src element is inf or nan. src and dst may be the same span (same dtype).
-bool scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
-                float scale);
+// dst[i] = src[i] * scale in fp32 math, cast to dst's type. Returns the kinds of non-finite
+// src elements, as unscale_span. src and dst may be the same span (same dtype).
+std::uint32_t scale_span(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                         std::int64_t n, float scale);
 
 // True if any element is inf or nan. Reads the span only.
 bool nonfinite_span(const void* data, DType dtype, std::int64_t n);
+
+// The kinds of non-finite elements in the span (kHeldInf | kHeldNan; 0 when all finite).
+// Reads the span only; the op layer calls it only for spans nonfinite_span flagged, so a
+// clean step never pays for telling inf from nan.
+std::uint32_t nonfinite_kinds_span(const void* data, DType dtype, std::int64_t n);
 
 // Sum of squares of the span, accumulated in fp32 lanes and returned as double.
 double sum_of_squares_span(const void* data, DType dtype, std::int64_t n);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../dtype.h"
+#include "../nonfinite_kind.h"
 #include "half_convert.h"
 #include "storage_dispatch.h"
 #include "vec_avx2.h"
@@ -18,18 +19,19 @@ namespace ampfuse::kernels::cpu {
 constexpr std::int64_t kSquareLanes = 16;
 constexpr std::int64_t kSquareFold = 256;
 
-// Both implementations take src == dst for unscaling in place.
+// Both implementations take src == dst for unscaling in place, and return the kinds of
+// non-finite src elements (kHeldInf | kHeldNan of nonfinite_kind.h).
 namespace portable {
-bool scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
-           float factor);
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                    std::int64_t n, float factor);
 double sum_of_squares(const void* data, DType dtype, std::int64_t n);
 }  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
 // Call only where cpu_has_avx2_f16c() is true.
 namespace avx2 {
-bool scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
-           float factor);
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                    std::int64_t n, float factor);
 double sum_of_squares(const void* data, DType dtype, std::int64_t n);
 }  // namespace avx2
 #endif
@@ -52,8 +54,8 @@ double finish_sum_of_squares(const double (&lanes)[kSquareLanes], const Storage*
 // member templates Kernels::scale<Src, Dst>(src, dst, n, factor) and
 // Kernels::sum_of_squares<Storage>(data, n).
 template <typename Kernels>
-bool scale_any(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
-               float factor) {
+std::uint32_t scale_any(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                        std::int64_t n, float factor) {
   return with_storage(src_dtype, const_cast<void*>(src), [&](auto* typed_src) {
     return with_storage(dst_dtype, dst, [&](auto* typed_dst) {
       return Kernels::scale(typed_src, typed_dst, n, factor);

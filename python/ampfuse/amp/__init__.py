@@ -13,7 +13,8 @@ fused optimizers an overflowing step is skipped on the device with no host sync;
 weights are part of the checkpoint (amp.state_dict, or the fused optimizer's state_dict); bf16
 is supported (the default on CPU); the dynamic loss scale has hysteresis and never leaves
 [min_loss_scale, max_loss_scale]. Overflows are summarized at most once per 100 steps on rank 0
-instead of printed every time.
+instead of printed every time, naming the gradients that overflowed most often, and
+amp.last_overflow() says which gradients held inf/nan at the latest checked step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ampfuse.amp.sharded import refuse_casting_sharded_models
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
-    "skipped_steps", "register_half_function", "register_float_function",
+    "skipped_steps", "last_overflow", "register_half_function", "register_float_function",
     "register_promote_function", "half_function", "float_function", "promote_function",
     "disable_casts", "register_norm_type",
 ]
@@ -152,7 +153,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
                custom_white_list=None, custom_black_list=None, growth_interval=2000,
-               all_reduce_found_inf=False, process_group=None):
+               all_reduce_found_inf=False, process_group=None, attribute_overflow=True):
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
 
@@ -166,6 +167,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     default group / this group before each skip decision, so ranks whose local gradients
     differ (DDP under no_sync, sharded gradients) skip together. With dtype=torch.bfloat16, O1
     and O2 default to loss_scale=1.0 (bad steps are still skipped); fp16 to "dynamic".
+    attribute_overflow (default True): the unscale/check kernels also record which gradients
+    held inf/nan, in the same pass, for amp.last_overflow() and the overflow summary; False
+    turns that off.
     """
     global _latest
     model_list, models_were_list = _as_list(models)
@@ -192,19 +196,26 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                     cast_model_outputs=cast_model_outputs)
     if num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be >= 1, got {num_losses}.")
+    if not isinstance(attribute_overflow, bool):
+        raise ValueError(
+            f"amp.initialize: attribute_overflow must be True or False, got "
+            f"{attribute_overflow!r}."
+        )
     if enabled:
         _check_param_dtypes(model_list, props)
         refuse_casting_sharded_models(model_list, props.cast_model_type, props.opt_level)
         _check_lists(props, custom_white_list, custom_black_list)
     handle = AmpHandle(props, low, device, num_losses, min_loss_scale, max_loss_scale,
                        hysteresis, verbosity, enabled=enabled, growth_interval=growth_interval,
-                       all_reduce_found_inf=all_reduce_found_inf, process_group=process_group)
+                       all_reduce_found_inf=all_reduce_found_inf, process_group=process_group,
+                       attribute_overflow=attribute_overflow)
 
     if enabled:
         originals = {}
         model_dtype = props.cast_model_type
         for model in model_list:
             handle.watch_no_sync(model)
+            handle.name_model(model)
             if model_dtype in (torch.float16, torch.bfloat16):
                 for p in model.parameters():
                     # A lazy param has no value yet; cast_model says what to do about it.
@@ -366,6 +377,18 @@ def load_state_dict(state, optimizer=None):
 def skipped_steps(optimizer=None) -> int:
     """How many steps were skipped for inf/nan gradients (reads device counters)."""
     return _handle_for(optimizer, "skipped_steps").skipped_steps()
+
+
+def last_overflow(optimizer=None):
+    """None if the optimizer's latest checked step was clean, else an
+    ampfuse.overflow.OverflowReport naming the gradients that held inf or nan by their
+    module-qualified names ("encoder.layer3.fc1.weight"; "group0.param7" for a param no model
+    given to amp.initialize holds). Its .step is the 0-based index of the optimizer step the
+    overflow skipped (how many optimizer.step() calls came before it). The latest checked step
+    is the one in progress if scale_loss checked the grads since the last optimizer.step(),
+    else the last step. Reads device flags (a sync): call it on demand. Without an optimizer:
+    the latest amp.initialize, which must have been given one optimizer."""
+    return _handle_for(optimizer, "last_overflow").last_overflow(optimizer)
 
 
 def _register(kind, module, name):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse import _ops
+from ampfuse.amp.attribution import StepAttribution, place_in_optimizer
 from ampfuse.amp.masters import MasterTracker, refresh_master
 from ampfuse.optimizers._base import FusedOptimizer
 
@@ -50,16 +51,22 @@ def dense_grad(grad, what):
     )
 
 
-def grads_of(params, what="scale_loss"):
-    out = []
+def params_and_grads(params, what="scale_loss"):
+    """The params that have a grad, and the tensors the unscale ops work on for those grads."""
+    with_grads, out = [], []
     for p in params:
         grad = p.grad
         if grad is None:
             continue
         if grad.layout == torch.sparse_coo and grad.dtype == torch.float16:
             p.grad = grad = grad.coalesce()
+        with_grads.append(p)
         out.append(dense_grad(grad, what))
-    return out
+    return with_grads, out
+
+
+def grads_of(params, what="scale_loss"):
+    return params_and_grads(params, what)[1]
 
 
 def hookable(optimizer):
@@ -82,7 +89,7 @@ def _flag_like(tensors, device):
 
 
 class Binding:
-    def __init__(self, optimizer, kind, device, masters=None):
+    def __init__(self, optimizer, kind, device, masters=None, attribute_overflow=False):
         self.optimizer = optimizer
         self.inner = hookable(optimizer)
         self.fused = isinstance(self.inner, FusedOptimizer)
@@ -93,6 +100,8 @@ class Binding:
         # keeps its own marks and follows the model in its step.
         self.tracker = MasterTracker()
         self.skipped = None  # device count of skipped optimizer steps
+        # Which grads held inf/nan (amp.last_overflow, the summary); None when turned off.
+        self.attribution = StepAttribution(device) if attribute_overflow else None
         self._param_count = len(optimizer_params(optimizer))
         self._end_step()
         self._mark(p for p, _ in self.master_pairs())
@@ -202,26 +211,32 @@ class Binding:
                 self.stash.append((p, p.grad))
                 p.grad = None
 
+    def _tensor_flags(self, params):
+        """The device flags the kernels fill for the grads of `params` (None: attribution off)."""
+        return None if self.attribution is None else self.attribution.flags_for(params)
+
     def unscale(self, scaler, scale):
         """Checks (and for the unscaling kinds, unscales by `scale`) this optimizer's grads into
         scaler.found_inf. The skip decision comes later, once every optimizer of the
         scale_loss call is checked (decide)."""
         if self.kind == "fold":
-            scaler.check_(grads_of(self.params_with_grads()))
+            params, grads = params_and_grads(self.params_with_grads())
+            scaler.check_(grads, self._tensor_flags(params))
             return
         inv_scale = scale.double().reciprocal().float().reshape(1)
         if self.kind == "masters":
             self._unscale_into_masters(scaler, inv_scale)
-            grads = grads_of(self.unmastered())
+            params, grads = params_and_grads(self.unmastered())
         else:
-            grads = grads_of(self.params_with_grads())
+            params, grads = params_and_grads(self.params_with_grads())
         if grads:
-            _ops.multi_tensor_unscale_(grads, scaler.found_inf, inv_scale)
+            _ops.multi_tensor_unscale_(grads, scaler.found_inf, inv_scale,
+                                       self._tensor_flags(params))
         self._restore_stash()
         self.unscaled_pending = True
 
     def _unscale_into_masters(self, scaler, inv_scale):
-        sources, targets, fresh = [], [], []
+        sources, targets, fresh, read = [], [], [], []
         for p, master in self.masters:
             if p.grad is None:
                 continue
@@ -232,6 +247,7 @@ class Binding:
                     "nn.Embedding(sparse=False)) at O2, or O1, which keeps the model fp32."
                 )
             sources.append(p.grad)
+            read.append(p)
             if master.grad is None:
                 master.grad = torch.empty_like(master)
                 targets.append(master.grad)
@@ -242,7 +258,8 @@ class Binding:
                 targets.append(buffer)
                 fresh.append((master.grad, buffer))
         if sources:
-            _ops.multi_tensor_scale_(sources, targets, inv_scale, scaler.found_inf)
+            _ops.multi_tensor_scale_(sources, targets, inv_scale, scaler.found_inf,
+                                     self._tensor_flags(read))
         if fresh:
             torch._foreach_add_([a for a, _ in fresh], [t for _, t in fresh])
         for p, _ in self.masters:
@@ -271,12 +288,15 @@ class Binding:
             self.window_inf = (scaler.found_inf.clone() if self.window_inf is None
                                else torch.maximum(self.window_inf, scaler.found_inf))
             self._put_on_optimizer(self.window, self.window_inf)
+            self._note_verdict(self.window_inf)
             return
         if self.fused:
             self.found_inf = (scaler.found_inf.clone() if self.found_inf is None
                               else torch.maximum(self.found_inf, scaler.found_inf))
             self._put_on_optimizer(None, self.found_inf)
+            self._note_verdict(self.found_inf)
             return
+        self._note_verdict(bool(self.skip_step or any_inf_on_host))
         if self.skip_step or any_inf_on_host:
             # torch.optim cannot skip on the device: drop the grads of an overflowing step so
             # that step() leaves every param and its state untouched.
@@ -284,6 +304,10 @@ class Binding:
             params = [m for _, m in self.masters] + self.unmastered()
             for p in params:
                 p.grad = None
+
+    def _note_verdict(self, flag):
+        if self.attribution is not None:
+            self.attribution.set_verdict(flag)
 
     def _put_on_optimizer(self, grad_scale, found_inf):
         self.inner.grad_scale = grad_scale
@@ -323,6 +347,8 @@ class Binding:
                     master.grad = None
         elif self.kind == "masters":
             self.tracker.mark(p for p, _ in self.masters)
+        if self.attribution is not None:
+            self.attribution.end_step()
         self._end_step()
 
     def _count_skip(self):
@@ -340,6 +366,10 @@ class Binding:
             self.skipped += flag
         else:
             self.skipped += flag.reshape(1).clamp(max=1.0).to(self.skipped.device)
+
+    def locate(self, param):
+        """Where the optimizer holds a param whose grad amp reads (overflow reports)."""
+        return place_in_optimizer(self.optimizer, self.masters, param)
 
     # ---- clipping -----------------------------------------------------------------------
 

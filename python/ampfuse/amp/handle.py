@@ -18,6 +18,7 @@ from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
 from ampfuse.amp.reporting import OverflowReporter
 from ampfuse.loss_scaler import LossScaler
+from ampfuse.overflow import ParamNames
 from ampfuse.optimizers._base import FusedOptimizer
 
 log = logging.getLogger("ampfuse.amp")
@@ -42,7 +43,7 @@ def _overflow_counted_this_step(bindings):
 class AmpHandle:
     def __init__(self, props, low, device, num_losses, min_loss_scale, max_loss_scale,
                  hysteresis, verbosity, enabled=True, growth_interval=2000,
-                 all_reduce_found_inf=False, process_group=None):
+                 all_reduce_found_inf=False, process_group=None, attribute_overflow=True):
         self.props = props
         self.low = low
         self.device = device
@@ -62,8 +63,14 @@ class AmpHandle:
             for _ in range(num_losses)
         ]
         self.reporter = OverflowReporter(self, log)
+        self.attribute_overflow = attribute_overflow
+        self.param_names = ParamNames()  # the models' names, for overflow reports
 
     # ---- binding models and optimizers ---------------------------------------------------
+
+    def name_model(self, model):
+        """Overflow reports name `model`'s params by their module-qualified names."""
+        self.param_names.add(model, "amp.initialize")
 
     def watch_model(self, model):
         """Masters follow weights loaded into `model` with load_state_dict."""
@@ -103,12 +110,15 @@ class AmpHandle:
                         if p in fp32_originals:
                             optimizer.state[p]["master_param"] = fp32_originals[p]
             kind = "fold" if len(self.scalers) == 1 else "inplace"
-            binding = Binding(optimizer, kind, self.device)
+            binding = Binding(optimizer, kind, self.device,
+                              attribute_overflow=self.attribute_overflow)
         elif wants_masters:
             binding = Binding(optimizer, "masters", self.device,
-                              self._swap_in_masters(optimizer, fp32_originals))
+                              self._swap_in_masters(optimizer, fp32_originals),
+                              attribute_overflow=self.attribute_overflow)
         else:
-            binding = Binding(optimizer, "inplace", self.device)
+            binding = Binding(optimizer, "inplace", self.device,
+                              attribute_overflow=self.attribute_overflow)
         self.bindings.append(binding)
         return binding
 
@@ -235,6 +245,29 @@ class AmpHandle:
         skip together). Several overflowing losses in one step count once."""
         counts = [int(c.item()) for c in self.skipped_counts() if c is not None]
         return max(counts, default=0)
+
+    def last_overflow(self, optimizer=None):
+        """None if the optimizer's latest checked step was clean, else an OverflowReport (reads
+        the device flags). Its latest checked step: the one in progress if scale_loss checked
+        its grads since the last optimizer.step(), else the last step."""
+        if not self.attribute_overflow:
+            raise RuntimeError(
+                "amp.last_overflow: overflow attribution was turned off with "
+                "amp.initialize(..., attribute_overflow=False)."
+            )
+        if optimizer is None:
+            if len(self.bindings) > 1:
+                raise ValueError(
+                    f"amp.last_overflow: amp.initialize was given {len(self.bindings)} "
+                    "optimizers; pass the optimizer whose last step you are asking about."
+                )
+            if not self.bindings:
+                return None
+            binding = self.bindings[0]
+        else:
+            binding = self.binding_of(optimizer)
+        record = binding.attribution.latest()
+        return None if record is None else record.report(self.param_names, binding.locate)
 
     def state_dict(self) -> dict:
         self.sync_with_model()
