@@ -15,7 +15,7 @@ Nothing in the training step reads a value back to the host: losses and loss sca
 on the device and read once at the end (the progress bar reads the loss every 50 steps).
 
 With bf16, four more O2 runs update the bf16 weights without fp32 masters, one per
-FusedAdamW master_weights value (False, "stochastic", "kahan", "split"), for half the steps
+FusedAdamW master_weights value (False, "stochastic", "kahan", "split"), for a quarter of the steps
 to keep the demo short; the table gives each run's bytes per param (params, grads and optimizer
 state), which is where the modes differ (MASTER_MODE_STEPS_NOTE).
 
@@ -54,7 +54,7 @@ FP16_INITIAL_SCALE = 2.0**16  # amp's initial dynamic loss scale for fp16
 # The master-free bf16 runs (FusedAdamW master_weights; O2's row is master_weights=True), each
 # for a fraction of the steps so that the demo stays short.
 MASTER_MODES = (False, "stochastic", "kahan", "split")
-MASTER_MODE_STEPS = 0.5
+MASTER_MODE_STEPS = 0.25
 MASTER_MODE_STEPS_NOTE = ("O2 master=...: bf16 weights without fp32 masters (FusedAdamW "
                           "master_weights), {steps} steps each.")
 

@@ -40,7 +40,6 @@ from ampfuse.optimizers._precision import (
     check_master_weights,
     check_param_for_mode,
     has_foreign_state,
-    param_mode,
     prepare_extra,
     reset_extra,
 )
@@ -216,6 +215,10 @@ class FusedOptimizer(
         new_steps = {}  # (device, mode) -> the step tensor of params starting now
         all_state = self.state
         master_weights = group["master_weights"]
+        # Modes per param, decided here once per group: the loop below runs for every param
+        # at every step. fp32 params always step as "none"; see _precision.param_mode.
+        low_mode = "fp32" if master_weights is True else "none"
+        bf16_mode = master_weights if master_weights in BF16_MODES else low_mode
         # Param ids key stochastic rounding: a param's index in the optimizer, as state_dict()
         # numbers it, so a resumed optimizer draws the same bits.
         first_id = (sum(len(g["params"]) for g in self.param_groups[:index])
@@ -232,9 +235,15 @@ class FusedOptimizer(
                 continue
             if grad.layout != torch.strided or p.dtype not in FLOAT_DTYPES:
                 self._reject(index, i, p, grad)
-            if p.dtype == torch.float16 and master_weights in BF16_MODES:
-                check_param_for_mode(self, index, i, p, master_weights)  # raises
-            mode = param_mode(master_weights, p)
+            dtype = p.dtype
+            if dtype == torch.bfloat16:
+                mode = bf16_mode
+            elif dtype == torch.float16:
+                if bf16_mode is not low_mode:
+                    check_param_for_mode(self, index, i, p, master_weights)  # raises
+                mode = low_mode
+            else:
+                mode = "none"
             state = all_state[p]
             if "step" not in state or self._starts_over(group, state):
                 self._check_not_capturing(index, i)
@@ -262,7 +271,8 @@ class FusedOptimizer(
                     prepare_extra(p, state, mode)
                 elif follow_params and self._written_since_step(p):
                     reset_extra(state, mode)
-            elif has_foreign_state(state, mode):  # "none" or "stochastic": no extra tensor
+            elif ("master_param" in state or "kahan_compensation" in state
+                  or "master_low_bits" in state):  # "none"/"stochastic" keep no extra tensor
                 self._check_not_capturing(index, i)
                 prepare_extra(p, state, mode)
             if self._layouts.get(p) != p.stride():
