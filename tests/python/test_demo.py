@@ -212,8 +212,8 @@ def test_flags_reach_the_demo(monkeypatch):
 
 
 def test_master_free_runs_show_their_bytes_per_param(tmp_path, capsys):
-    """One O2 run per master_weights value without fp32 masters, for half the steps, each
-    skipping the injected overflow; the table's bytes per param fall with the extra state."""
+    """One O2 run per master_weights value without fp32 masters, for a quarter of the steps,
+    each skipping the injected overflow; the table's bytes per param fall with the extra state."""
     results = demo.run_demo(steps=8, device="cpu", dtype="bf16", opt_levels=("O2",),
                             out=tmp_path, seed=1, inject_overflow=6, progress=False)
     names = [r["name"] for r in results]
@@ -221,7 +221,8 @@ def test_master_free_runs_show_their_bytes_per_param(tmp_path, capsys):
                      "O2 master=kahan", "O2 master=split"]
     assert demo.failures(results, inject_overflow=6) == []
     by_name = {r["name"]: r for r in results}
-    assert all(by_name[n]["steps"] == 4 and by_name[n]["skipped"] == 1 for n in names[2:])
+    assert all(by_name[n]["steps"] == 8 * demo.MASTER_MODE_STEPS and by_name[n]["skipped"] == 1
+               for n in names[2:])
     per_param = {n: by_name[n]["bytes_per_param"] for n in names}
     # fp32 and O2 (fp32 masters): 16 bytes per param; bf16 weights without masters: 12, plus
     # 2 for kahan's compensation or split's low halves (BatchNorm stays fp32 at O2: a little

@@ -85,11 +85,6 @@ def param_mode(master_weights, p):
     return "none"
 
 
-def op_master_mode(mode):
-    """The op's master_mode argument for params stepped in `mode`."""
-    return mode if mode in BF16_MODES else "fp32"
-
-
 def has_foreign_state(state, mode):
     """Whether `state` holds an extra tensor of a mode other than `mode` (to convert)."""
     own = EXTRA_KEYS.get(mode)
