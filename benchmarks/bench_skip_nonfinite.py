@@ -21,7 +21,7 @@ import statistics
 import torch
 from _timing import element_count, generator, model_like_shapes, report
 from bench_adam import LR, half_model
-from interleaved import interleave
+from interleaved import add_interleaved_args, interleave
 
 from ampfuse.optimizers import FusedAdamW
 
@@ -102,13 +102,9 @@ def format_rows(rows, env):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--total-elements", nargs="+", type=float, default=[1e7])
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls of each (30)")
-    parser.add_argument("--sets", type=int, default=2, help="argument sets rotated (2)")
+    add_interleaved_args(parser)
     parser.add_argument("--no-masters", action="store_true",
                         help="time only master_weights=False")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     return parser.parse_args(argv)
 
 

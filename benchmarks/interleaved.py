@@ -45,6 +45,16 @@ def interleave(sets, ampfuse_call, torch_call, repeats):
     return times
 
 
+def add_interleaved_args(parser):
+    """The flags of the interleaved optimizer benchmarks (bench_skip_nonfinite,
+    bench_master_modes)."""
+    parser.add_argument("--total-elements", nargs="+", type=float, default=[1e7])
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls of each (30)")
+    parser.add_argument("--sets", type=int, default=2, help="argument sets rotated (2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+
+
 def cases(shapes):
     """(name, element bytes of one set, make_set, ampfuse_call, torch_call) per op and dtype."""
     inv_scales = [torch.full((1,), 0.5), torch.full((1,), 2.0)]

@@ -11,6 +11,8 @@ The benchmarks, each with its own section of the table:
          in fp32, torch's AMP, and ampfuse O1 and O2
   overhead  bench_amp_overhead: amp's per-step cost, O1 and O2 against torch autocast +
          GradScaler on models of many small ops, interleaved step by step
+  master_modes  bench_master_modes: FusedAdamW on bf16 params per master_weights value
+         (False, "stochastic", "kahan", "split") against fp32 masters (True), interleaved
 
 Sizes and step counts not given on the command line are each benchmark's own defaults for the
 device (--total-elements applies to ops, adam and sgd; --warmup, --repeats and --seed to all;
@@ -28,6 +30,7 @@ import traceback
 import bench_adam
 import bench_amp_overhead
 import bench_l2norm
+import bench_master_modes
 import bench_scale
 import bench_sgd
 import bench_train
@@ -56,6 +59,7 @@ BENCHMARKS = {
     "sgd": (_optimizer_run(bench_sgd), bench_adam.format_rows),
     "train": (bench_train.run, bench_train.format_rows),
     "overhead": (bench_amp_overhead.run, bench_amp_overhead.format_rows),
+    "master_modes": (bench_master_modes.run, bench_master_modes.format_rows),
 }
 
 

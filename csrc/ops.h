@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
 
 #include <tuple>
 
@@ -31,13 +32,15 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                     bool bias_correction, bool amsgrad, bool maximize,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                    double momentum, double dampening, double weight_decay, bool nesterov,
                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                   bool wd_after_momentum);
+                   bool wd_after_momentum,
+                   c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
@@ -60,13 +63,15 @@ void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                      bool bias_correction, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
                     double momentum, double dampening, double weight_decay, bool nesterov,
                     bool maximize, const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    bool wd_after_momentum);
+                    bool wd_after_momentum,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 #endif
 
 }  // namespace ampfuse::ops

@@ -35,20 +35,24 @@ TORCH_LIBRARY(ampfuse, m) {
   // Adam/AdamW step over lists: fp32 moments and optional fp32 masters, grads of any float
   // dtype divided by grad_scale (and, with write_unscaled_grads, stored back so divided, as
   // torch's fused optimizers leave them), step advanced on the device; a set found_inf writes
-  // nothing at all.
+  // nothing at all. master_mode "stochastic", "kahan" or "split" updates bf16 params without
+  // fp32 masters: master_params then holds nothing, bf16 compensations or int16 low halves,
+  // and stochastic rounding is keyed by (seed, step, param_ids[i], element index).
   m.def(
       "fused_adam_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] master_params, "
       "Tensor(g!) step, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adam_w_mode, bool bias_correction, bool amsgrad, bool maximize, "
-      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False) -> ()");
+      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False, "
+      "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
   // SGD step (momentum, dampening, nesterov, weight decay before or after the momentum,
-  // maximize), same contract as Adam.
+  // maximize), same contract as Adam, master modes included.
   m.def(
       "fused_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
       "Tensor(d!)[] master_params, Tensor(e!) step, Tensor lr, float momentum, float dampening, "
       "float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
-      "Tensor? found_inf, bool write_unscaled_grads=False, bool wd_after_momentum=False) -> ()");
+      "Tensor? found_inf, bool write_unscaled_grads=False, bool wd_after_momentum=False, "
+      "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_modes.h"
 #include "dtype.h"
 #include "optimizer_math.h"
 
@@ -49,18 +50,18 @@ void update_scale(float* scale, std::int32_t* growth_tracker, std::int32_t* hyst
 // *scalars.grad_scale and, with write_grads, stored back so. `constants` is device
 // memory for one AdamStep, which a one-thread prologue fills before the update; the
 // prologue also advances *scalars.step (not on overflow), so an empty list still costs
-// one launch.
+// one launch. `master_mode` says what `masters` holds (bf16_modes.h).
 void adam(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
           const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
           const std::vector<TensorRef>& max_exp_avg_sqs, const std::vector<TensorRef>& masters,
           const AdamConfig& config, const StepScalars& scalars, bool write_grads,
-          AdamStep* constants, StreamHandle stream);
+          AdamStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
 
 // SGD; momentum_buffers (fp32) empty when momentum is 0, masters optional; grads,
 // constants and the step count as for adam.
 void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
          const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
          const SgdConfig& config, const StepScalars& scalars, bool write_grads,
-         SgdStep* constants, StreamHandle stream);
+         SgdStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
 
 }  // namespace ampfuse::kernels::cuda

@@ -144,21 +144,41 @@ inline void require_large_kernel_parameters() {
   }
 }
 
-// Runs functor over every chunk of `lists` (Depth parallel lists) on `stream`.
+// Runs functor over every chunk of `lists` (Depth parallel lists) on `stream`. With `ids`, each
+// table slot's list_index is replaced by ids[list_index]: an identity the caller gives each
+// tensor (the optimizers' param ids, which key stochastic rounding), read by the functor.
 template <int Depth, typename Functor, typename... Args>
-void launch_multi_tensor(const char* what, const std::vector<TensorRef>* const lists[Depth],
-                         StreamHandle stream, Functor functor, Args... args) {
+void launch_multi_tensor_with_ids(const char* what, const std::vector<TensorRef>* const lists[Depth],
+                                  const std::vector<std::int32_t>* ids, StreamHandle stream,
+                                  Functor functor, Args... args) {
   // Padding between parameters is at most 8 bytes each (no argument is over-aligned).
   static_assert(sizeof(ChunkTable<Depth>) + sizeof(Functor) + (sizeof(Args) + ... + 0) +
                         8 * (sizeof...(Args) + 1) <=
                     kMaxKernelParamBytes,
                 "kernel parameters over CUDA's 32,764-byte limit: shrink kChunkTableBytes");
   require_large_kernel_parameters();
-  plan_launches<Depth>(lists, [&](const ChunkTable<Depth>& table, int blocks) {
-    multi_tensor_kernel<Depth><<<blocks, kThreadsPerBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        table, functor, args...);
-    throw_on_launch_error(what);
+  plan_launches<Depth>(lists, [&](const ChunkTable<Depth>& planned, int blocks) {
+    const auto launch = [&](const ChunkTable<Depth>& table) {
+      multi_tensor_kernel<Depth><<<blocks, kThreadsPerBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+          table, functor, args...);
+      throw_on_launch_error(what);
+    };
+    if (ids == nullptr) {
+      launch(planned);
+      return;
+    }
+    ChunkTable<Depth> relabeled = planned;
+    for (int slot = 0; slot < relabeled.tensors; ++slot) {
+      relabeled.list_index[slot] = (*ids)[relabeled.list_index[slot]];
+    }
+    launch(relabeled);
   });
+}
+
+template <int Depth, typename Functor, typename... Args>
+void launch_multi_tensor(const char* what, const std::vector<TensorRef>* const lists[Depth],
+                         StreamHandle stream, Functor functor, Args... args) {
+  launch_multi_tensor_with_ids<Depth>(what, lists, nullptr, stream, functor, args...);
 }
 
 }  // namespace ampfuse::kernels::cuda

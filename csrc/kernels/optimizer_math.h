@@ -77,6 +77,7 @@ struct AdamStep {
   float grad_sign;              // -1 for `maximize`, else 1
   bool lerp_from_start;         // which of torch's two lerp formulas applies
   bool amsgrad;
+  float steps_taken;  // the count before this step: keys stochastic rounding (bf16_modes.h)
 };
 
 struct AdamConfig {
@@ -112,6 +113,7 @@ AMPFUSE_HOST_DEVICE inline AdamStep make_step_constants(const AdamConfig& c, flo
   s.grad_sign = c.maximize ? -1.0f : 1.0f;
   s.lerp_from_start = s.one_minus_beta1 < 0.5f;
   s.amsgrad = c.amsgrad;
+  s.steps_taken = steps_taken;
   return s;
 }
 
@@ -162,6 +164,7 @@ struct SgdStep {
   float decay_after_momentum;
   bool nesterov;
   bool first_step;  // seeds the momentum buffer with the grad, as torch does on its first step
+  float steps_taken;  // the count before this step: keys stochastic rounding (bf16_modes.h)
 };
 
 AMPFUSE_HOST_DEVICE inline SgdStep make_step_constants(const SgdConfig& c, float steps_taken,
@@ -177,6 +180,7 @@ AMPFUSE_HOST_DEVICE inline SgdStep make_step_constants(const SgdConfig& c, float
   s.decay_after_momentum = c.wd_after_momentum ? decay : 0.0f;
   s.nesterov = c.nesterov;
   s.first_step = steps_taken == 0.0f;
+  s.steps_taken = steps_taken;
   return s;
 }
 

@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "bf16_modes.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 
@@ -75,6 +76,26 @@ struct ChunkState {
   float* master;
 };
 
+// Element i's grad with the loss scale divided out, stored back so with kWriteGrad.
+template <bool kWriteGrad, typename Grad>
+__device__ __forceinline__ float unscaled_grad(Grad* grad, int i, float grad_scale) {
+  const float g = unscale_grad(DeviceElement<Grad>::load(grad[i]), grad_scale);
+  if (kWriteGrad) grad[i] = DeviceElement<Grad>::store(g);
+  return g;
+}
+
+// update(p, g, s) with element i of the K state arrays loaded into s and stored back after.
+template <int K, typename Update>
+__device__ __forceinline__ void update_element(const ChunkState<K>& state, int i, float& p,
+                                               float g, Update& update) {
+  float s[K > 0 ? K : 1];
+#pragma unroll
+  for (int k = 0; k < K; ++k) s[k] = state.arrays[k][i];
+  update(p, g, s);
+#pragma unroll
+  for (int k = 0; k < K; ++k) state.arrays[k][i] = s[k];
+}
+
 // Runs update(p, g, s) on every element of a chunk: p the fp32 param (its master when there is
 // one), g the unscaled grad, s[0..K) the state values. Writes back the state, the master, the
 // param rounded to its dtype and, with kWriteGrad, the unscaled grad in its own dtype. Chunks
@@ -86,15 +107,9 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
   using F4 = Pack<float, kPack>;
   const bool has_master = state.master != nullptr;
   const auto element = [&](int i) {
-    const float g = unscale_grad(DeviceElement<Grad>::load(grad[i]), grad_scale);
-    if (kWriteGrad) grad[i] = DeviceElement<Grad>::store(g);
+    const float g = unscaled_grad<kWriteGrad>(grad, i, grad_scale);
     float p = has_master ? state.master[i] : DeviceElement<Param>::load(param[i]);
-    float s[K > 0 ? K : 1];
-#pragma unroll
-    for (int k = 0; k < K; ++k) s[k] = state.arrays[k][i];
-    update(p, g, s);
-#pragma unroll
-    for (int k = 0; k < K; ++k) state.arrays[k][i] = s[k];
+    update_element(state, i, p, g, update);
     if (has_master) state.master[i] = p;
     param[i] = DeviceElement<Param>::store(p);
   };
@@ -139,6 +154,49 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
 #pragma unroll
   for (int k = 0; k < K; ++k) aligned = aligned && is_aligned_16(state.arrays[k]);
   visit_chunk<kPack>(n, aligned, pack, element);
+}
+
+// The bf16 modes (bf16_modes.h): update(p, g, s) on every element of a chunk of a bf16 param
+// read and written through Bf16Param<kMode>; `extra` (list `extra_list` of the table) holds
+// the kahan compensations or split low halves, and is not touched in kStochastic, whose random
+// bits are keyed by the param id the launcher put in the table's list_index. One element per
+// access: a pack of 4 bf16s is only 8 bytes, and these modes exist to save memory, not time.
+template <MasterMode kMode, int K, bool kWriteGrad, int Depth, typename Grad, typename Update>
+__device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
+                                  Grad* grad, int extra_list, const ChunkState<K>& state,
+                                  std::uint64_t seed, float steps_taken, float grad_scale,
+                                  Update&& update) {
+  auto* param = static_cast<std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start;
+  auto* extra = static_cast<std::uint16_t*>(table.addresses[extra_list][chunk.slot]) + chunk.start;
+  const RoundingKey key = chunk_key(
+      rounding_key(seed, steps_taken, static_cast<std::uint32_t>(table.list_index[chunk.slot])),
+      chunk.start);
+  const auto first_lo = static_cast<std::uint32_t>(chunk.start);
+  for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
+    const float g = unscaled_grad<kWriteGrad>(grad, i, grad_scale);
+    constexpr bool stochastic = kMode == MasterMode::kStochastic;
+    float p = Bf16Param<kMode>::load(param[i], stochastic ? std::uint16_t{0} : extra[i]);
+    update_element(state, i, p, g, update);
+    std::uint16_t new_param, new_extra;
+    Bf16Param<kMode>::store(p, new_param, new_extra,
+                            stochastic ? rounding_bits(key, first_lo + i) : 0u);
+    param[i] = new_param;
+    if constexpr (!stochastic) extra[i] = new_extra;
+  }
+}
+
+// Calls f(param, grad, write_grad, mode) like with_param_and_grad for a chunk of a bf16 mode
+// (the op admits only bf16 params there), `mode` a std::integral_constant: the mode is a
+// branch per block, each mode its own loop.
+template <int Depth, typename F>
+__device__ void with_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
+                                bool write_grad, MasterMode mode, F&& f) {
+  with_param_and_grad(table, chunk, write_grad, [&](auto* param, auto* grad, auto write) {
+    using Param = std::remove_pointer_t<decltype(param)>;
+    if constexpr (std::is_same_v<Param, __nv_bfloat16>) {
+      with_bf16_mode(mode, [&](auto m) { f(grad, write, m); });
+    }
+  });
 }
 
 }  // namespace ampfuse::kernels::cuda

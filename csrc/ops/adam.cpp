@@ -6,6 +6,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "master_args.h"
 #include "optimizer_args.h"
 
 namespace ampfuse::ops {
@@ -14,7 +15,8 @@ namespace {
 constexpr const char* kAdam = "fused_adam_";
 
 struct AdamArgs {
-  std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters;
+  std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
+  MasterArgs masters;
   kernels::AdamConfig config;
   kernels::StepScalars scalars;
   bool write_grads;
@@ -28,7 +30,8 @@ AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList 
                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                     bool bias_correction, bool amsgrad, bool maximize,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kAdam, ": beta1 must be in [0, 1), got ",
               beta1, ".");
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kAdam, ": beta2 must be in [0, 1), got ",
@@ -49,7 +52,8 @@ AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList 
   a.exp_avgs = state(exp_avgs, "exp_avgs", false);
   a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
   a.max_exp_avg_sqs = state(max_exp_avg_sqs, "max_exp_avg_sqs", /*optional=*/!amsgrad);
-  a.masters = state(master_params, "master_params", true);
+  a.masters = master_args(kAdam, master_mode, params, master_params, param_ids, seed,
+                          a.keep_alive);
   a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
   return a;
 }
@@ -62,11 +66,12 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                     bool bias_correction, bool amsgrad, bool maximize,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                 master_params, step, lr, beta1, beta2, eps, weight_decay,
                                 adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
-                                found_inf, write_unscaled_grads);
+                                found_inf, write_unscaled_grads, master_mode, param_ids, seed);
   if (cpu_step_skipped(a.scalars)) return;
   const kernels::AdamStep adam_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
@@ -74,12 +79,21 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
+    if (a.masters.is_bf16_mode()) {
+      kernels::cpu::adam_bf16_span(
+          static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+          a.masters.span(span, adam_step.steps_taken), element_ptr(grad, span.offset),
+          grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
+          optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.max_exp_avg_sqs, span),
+          span.size, adam_step);
+      return;
+    }
     kernels::cpu::adam_span(element_ptr(param, span.offset), param.dtype,
                             element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                             optional_fp32_ptr(a.exp_avgs, span),
                             optional_fp32_ptr(a.exp_avg_sqs, span),
                             optional_fp32_ptr(a.max_exp_avg_sqs, span),
-                            optional_fp32_ptr(a.masters, span), span.size, adam_step);
+                            optional_fp32_ptr(a.masters.list, span), span.size, adam_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -92,19 +106,20 @@ void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                      bool bias_correction, bool amsgrad, bool maximize,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                 master_params, step, lr, beta1, beta2, eps, weight_decay,
                                 adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
-                                found_inf, write_unscaled_grads);
+                                found_inf, write_unscaled_grads, master_mode, param_ids, seed);
   check_cuda_step(kAdam, step);
   // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::AdamStep>(step.device());
-  kernels::cuda::adam(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs, a.masters,
-                      a.config, a.scalars, a.write_grads,
+  kernels::cuda::adam(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs,
+                      a.masters.list, a.config, a.scalars, a.write_grads,
                       static_cast<kernels::AdamStep*>(constants.data_ptr()),
-                      current_stream(step.device()));
+                      current_stream(step.device()), a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif

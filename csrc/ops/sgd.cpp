@@ -6,6 +6,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "master_args.h"
 #include "optimizer_args.h"
 
 namespace ampfuse::ops {
@@ -14,7 +15,8 @@ namespace {
 constexpr const char* kSgd = "fused_sgd_";
 
 struct SgdArgs {
-  std::vector<kernels::TensorRef> params, grads, momentum_buffers, masters;
+  std::vector<kernels::TensorRef> params, grads, momentum_buffers;
+  MasterArgs masters;
   kernels::SgdConfig config;
   kernels::StepScalars scalars;
   bool write_grads;
@@ -27,7 +29,8 @@ SgdArgs check_sgd(at::TensorList params, at::TensorList grads, at::TensorList mo
                   double momentum, double dampening, double weight_decay, bool nesterov,
                   bool maximize, const c10::optional<at::Tensor>& grad_scale,
                   const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                  bool wd_after_momentum) {
+                  bool wd_after_momentum,
+                  c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   TORCH_CHECK(momentum >= 0.0, "ampfuse.", kSgd, ": momentum must be >= 0, got ", momentum, ".");
   TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), "ampfuse.", kSgd,
               ": nesterov needs momentum > 0 and dampening == 0.");
@@ -41,8 +44,8 @@ SgdArgs check_sgd(at::TensorList params, at::TensorList grads, at::TensorList mo
   a.grads = grad_refs(kSgd, grads, params, a.write_grads, a.keep_alive, a.copy_back);
   a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", params,
                                       Access::kWrite, true, /*optional=*/true, a.keep_alive);
-  a.masters = companion_refs(kSgd, master_params, "master_params", params, Access::kWrite, true,
-                             /*optional=*/true, a.keep_alive);
+  a.masters = master_args(kSgd, master_mode, params, master_params, param_ids, seed,
+                          a.keep_alive);
   a.config = {momentum, dampening, weight_decay, nesterov, maximize, wd_after_momentum};
   return a;
 }
@@ -54,10 +57,12 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
                    double momentum, double dampening, double weight_decay, bool nesterov,
                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                   bool wd_after_momentum) {
+                   bool wd_after_momentum,
+                   c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
                               dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
-                              write_unscaled_grads, wd_after_momentum);
+                              write_unscaled_grads, wd_after_momentum, master_mode, param_ids,
+                              seed);
   if (cpu_step_skipped(a.scalars)) return;
   const kernels::SgdStep sgd_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
@@ -65,10 +70,18 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
+    if (a.masters.is_bf16_mode()) {
+      kernels::cpu::sgd_bf16_span(static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+                                  a.masters.span(span, sgd_step.steps_taken),
+                                  element_ptr(grad, span.offset), grad.dtype, a.write_grads,
+                                  optional_fp32_ptr(a.momentum_buffers, span), span.size,
+                                  sgd_step);
+      return;
+    }
     kernels::cpu::sgd_span(element_ptr(param, span.offset), param.dtype,
                            element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                            optional_fp32_ptr(a.momentum_buffers, span),
-                           optional_fp32_ptr(a.masters, span), span.size, sgd_step);
+                           optional_fp32_ptr(a.masters.list, span), span.size, sgd_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -80,17 +93,19 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     double momentum, double dampening, double weight_decay, bool nesterov,
                     bool maximize, const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    bool wd_after_momentum) {
+                    bool wd_after_momentum,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
                               dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
-                              write_unscaled_grads, wd_after_momentum);
+                              write_unscaled_grads, wd_after_momentum, master_mode, param_ids,
+                              seed);
   check_cuda_step(kSgd, step);
   // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::SgdStep>(step.device());
-  kernels::cuda::sgd(a.params, a.grads, a.momentum_buffers, a.masters, a.config, a.scalars,
+  kernels::cuda::sgd(a.params, a.grads, a.momentum_buffers, a.masters.list, a.config, a.scalars,
                      a.write_grads, static_cast<kernels::SgdStep*>(constants.data_ptr()),
-                     current_stream(step.device()));
+                     current_stream(step.device()), a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif

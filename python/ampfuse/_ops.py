@@ -143,35 +143,39 @@ def _lr_tensor(lr, step: torch.Tensor) -> torch.Tensor:
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
                 beta1, beta2, eps, weight_decay, adam_w_mode=True, bias_correction=True,
                 amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
-                write_unscaled_grads=False) -> None:
+                write_unscaled_grads=False, master_mode="fp32", param_ids=(), seed=0) -> None:
     """One Adam/AdamW step over lists (see the op's schema in csrc/registration.cpp).
 
     lr is a float or a one-element float32 tensor on the params' device. With
     write_unscaled_grads and a grad_scale, the grads are left divided by grad_scale (unless the
-    step is skipped), as torch's fused optimizers leave them."""
+    step is skipped), as torch's fused optimizers leave them. master_mode "stochastic",
+    "kahan" or "split" updates bf16 params without fp32 masters (master_params: none, bf16
+    compensations, int16 low halves; param_ids and seed key the stochastic rounding)."""
     lr = _lr_tensor(lr, step)
     _dtensor_rules()
     torch.ops.ampfuse.fused_adam_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
         list(master_params), step, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
         bias_correction, amsgrad, maximize, grad_scale, found_inf, write_unscaled_grads,
+        master_mode, list(param_ids), seed,
     )
 
 
 def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentum=0.0,
                dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
-               found_inf=None, write_unscaled_grads=False, wd_after_momentum=False) -> None:
+               found_inf=None, write_unscaled_grads=False, wd_after_momentum=False,
+               master_mode="fp32", param_ids=(), seed=0) -> None:
     """One SGD step over lists (see the op's schema in csrc/registration.cpp).
 
     lr is a float or a one-element float32 tensor on the params' device; write_unscaled_grads
-    as for fused_adam_; wd_after_momentum adds the weight decay to the update after the
-    momentum step (apex's option) instead of to the grad before it."""
+    and the master modes as for fused_adam_; wd_after_momentum adds the weight decay to the
+    update after the momentum step (apex's option) instead of to the grad before it."""
     lr = _lr_tensor(lr, step)
     _dtensor_rules()
     torch.ops.ampfuse.fused_sgd_(
         list(params), list(grads), list(momentum_buffers), list(master_params), step, lr,
         momentum, dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
-        write_unscaled_grads, wd_after_momentum,
+        write_unscaled_grads, wd_after_momentum, master_mode, list(param_ids), seed,
     )
 
 
@@ -312,27 +316,70 @@ def _check_step_scalars(op, device, step, lr, grad_scale, found_inf):
             _check_scalar(op, name, t, torch.float32, device, device_owner=owner)
 
 
+_MASTER_MODES = ("fp32", "stochastic", "kahan", "split")
+
+
+def _check_master_mode(op, params, master_params, master_mode, param_ids):
+    """The master_params/param_ids contract of each master_mode (csrc/ops/master_args.h)."""
+    if master_mode not in _MASTER_MODES:
+        raise RuntimeError(
+            f"ampfuse.{op}: master_mode={master_mode!r} is not one of 'fp32', 'stochastic', "
+            "'kahan', 'split'."
+        )
+    if master_mode != "stochastic" and len(param_ids) != 0:
+        raise RuntimeError(
+            f"ampfuse.{op}: param_ids key stochastic rounding; pass them with "
+            f"master_mode='stochastic' only (got {len(param_ids)} with "
+            f"master_mode={master_mode!r})."
+        )
+    if master_mode == "fp32":
+        _check_companions(op, params, "master_params", master_params, True, True)
+        return
+    for i, p in enumerate(params):
+        if p.dtype != torch.bfloat16:
+            raise RuntimeError(
+                f"ampfuse.{op}: master_mode={master_mode!r} updates torch.bfloat16 params, but "
+                f"params[{i}] is {p.dtype}."
+            )
+    if master_mode == "stochastic":
+        if len(master_params) != 0 or len(param_ids) != len(params):
+            raise RuntimeError(
+                f"ampfuse.{op}: master_mode='stochastic' takes master_params=[] and one param id "
+                f"per param ({len(params)}), got {len(master_params)} and {len(param_ids)}."
+            )
+        return
+    expected = torch.int16 if master_mode == "split" else torch.bfloat16
+    _check_companions(op, params, "master_params", master_params, False, False)
+    for i, t in enumerate(master_params):
+        if t.dtype != expected:
+            raise RuntimeError(
+                f"ampfuse.{op}: master_params[{i}] must be {expected} with "
+                f"master_mode={master_mode!r}, got {t.dtype}."
+            )
+
+
 @torch.library.register_fake("ampfuse::fused_adam_")
 def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
                beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize,
-               grad_scale, found_inf, write_unscaled_grads=False):
+               grad_scale, found_inf, write_unscaled_grads=False, master_mode="fp32",
+               param_ids=(), seed=0):
     op = "fused_adam_"
     device = _check_list(op, "params", params)
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
     _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
     _check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
     _check_companions(op, params, "max_exp_avg_sqs", max_exp_avg_sqs, True, not amsgrad)
-    _check_companions(op, params, "master_params", master_params, True, True)
+    _check_master_mode(op, params, master_params, master_mode, param_ids)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
 
 
 @torch.library.register_fake("ampfuse::fused_sgd_")
 def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum, dampening,
               weight_decay, nesterov, maximize, grad_scale, found_inf, write_unscaled_grads=False,
-              wd_after_momentum=False):
+              wd_after_momentum=False, master_mode="fp32", param_ids=(), seed=0):
     op = "fused_sgd_"
     device = _check_list(op, "params", params)
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
     _check_companions(op, params, "momentum_buffers", momentum_buffers, True, True)
-    _check_companions(op, params, "master_params", master_params, True, True)
+    _check_master_mode(op, params, master_params, master_mode, param_ids)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)

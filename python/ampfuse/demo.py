@@ -15,6 +15,11 @@ inf, read once, at that step.
 Nothing in the training step reads a value back to the host: losses and loss scales are kept
 on the device and read once at the end (the progress bar reads the loss every 50 steps).
 
+With bf16, four more O2 runs update the bf16 weights without fp32 masters, one per
+FusedAdamW master_weights value (False, "stochastic", "kahan", "split"), for a quarter of the steps
+to keep the demo short; the table gives each run's bytes per param (params, grads and optimizer
+state), which is where the modes differ (MASTER_MODE_STEPS_NOTE).
+
 With watch=True (`--watch`), a few more O1 steps run under ampfuse.numerics.watch and its table
 is printed: the dtype each op of each layer ran in, the values' range against fp16's, and what
 would need custom_black_list to train in fp16 at amp's initial loss scale.
@@ -48,6 +53,12 @@ WARMUP_STEPS = 20  # untimed: the first steps pay one-off costs (allocations, ke
 WATCH_STEPS = 3  # steps of the --watch run
 FP16_INITIAL_SCALE = 2.0**16  # amp's initial dynamic loss scale for fp16
 INJECTED_PARAM = "0.weight"  # the first convolution's weight: where --inject-overflow writes
+# The master-free bf16 runs (FusedAdamW master_weights; O2's row is master_weights=True), each
+# for a fraction of the steps so that the demo stays short.
+MASTER_MODES = (False, "stochastic", "kahan", "split")
+MASTER_MODE_STEPS = 0.25
+MASTER_MODE_STEPS_NOTE = ("O2 master=...: bf16 weights without fp32 masters (FusedAdamW "
+                          "master_weights), {steps} steps each.")
 
 
 def load_digits(device) -> tuple[torch.Tensor, ...]:
@@ -106,6 +117,12 @@ def state_bytes(model, optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _numel(model) -> int:
+    """Elements of the model's params this process holds (its shards of sharded ones)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+               for p in model.parameters())
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -113,14 +130,17 @@ def _sync(device) -> None:
 
 def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device, dtype,
               inject_overflow: int | None = None, progress: bool = True,
-              sharding=None) -> dict:
+              sharding=None, master_weights=None) -> dict:
     """Trains one model at `opt_level` ("O0" is the fp32 baseline) and returns its results:
     name, opt_level, test accuracy (%) and loss, final loss (the mean training loss of the
     last FINAL_LOSS_STEPS steps), per-step losses and loss scales, ms per step after warm-up,
-    memory, skipped steps, the final loss scale and amp.last_overflow() at the injected step.
+    memory (and bytes per param), skipped steps, the final loss scale and amp.last_overflow()
+    at the injected step.
 
     sharding: None, or the FSDP2 set-up of a multi-process run (demo_fsdp2.Sharding), which
-    shards the model, gives this process its rows of each batch and averages the losses."""
+    shards the model, gives this process its rows of each batch and averages the losses.
+    master_weights: None (amp's choice), or FusedAdamW's master_weights for an O2 run in which
+    amp makes no fp32 masters (the master-free bf16 modes)."""
     from tqdm import tqdm
 
     device = torch.device(device)
@@ -129,7 +149,10 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
     amp_options = {}
     if sharding is not None:
         model, amp_options = sharding.shard(model, opt_level, dtype)
-    optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    if master_weights is not None:
+        amp_options["master_weights"] = False  # the optimizer's own mode, not amp's masters
+    optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                           master_weights=False if master_weights is None else master_weights)
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype,
                                       verbosity=0, **amp_options)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
@@ -184,6 +207,8 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
         "peak_mib": (torch.cuda.max_memory_allocated(device) / 2**20
                      if device.type == "cuda" else None),
         "state_kib": state_bytes(model, optimizer) / 2**10,
+        "bytes_per_param": state_bytes(model, optimizer) / _numel(model),
+        "steps": steps,
         "skipped": amp.skipped_steps(optimizer),
         "overflow": overflow,
         "final_scale": amp.state_dict(optimizer)["loss_scaler0"]["scale"],
@@ -193,17 +218,21 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
 def format_table(results: list[dict], device) -> str:
     cuda = torch.device(device).type == "cuda"
     memory = "peak MiB (cuda alloc)" if cuda else "KiB params+grads+opt"
-    header = (f"{'run':<10}{'test acc %':>11}{'train loss':>12}{'ms/step':>9}{memory:>23}"
-              f"{'skipped':>9}{'loss scale':>12}")
+    width = max(10, max(len(r["name"]) for r in results) + 1)
+    header = (f"{'run':<{width}}{'test acc %':>11}{'train loss':>12}{'ms/step':>9}{memory:>23}"
+              f"{'B/param':>9}{'skipped':>9}{'loss scale':>12}")
     lines = [header, "-" * len(header)]
     for r in results:
         used = r["peak_mib"] if cuda else r["state_kib"]
-        lines.append(f"{r['name']:<10}{r['accuracy']:>11.2f}{r['final_loss']:>12.4f}"
-                     f"{r['ms_per_step']:>9.2f}{used:>23.1f}{r['skipped']:>9}"
-                     f"{r['final_scale']:>12g}")
+        lines.append(f"{r['name']:<{width}}{r['accuracy']:>11.2f}{r['final_loss']:>12.4f}"
+                     f"{r['ms_per_step']:>9.2f}{used:>23.1f}{r['bytes_per_param']:>9.2f}"
+                     f"{r['skipped']:>9}{r['final_scale']:>12g}")
     lines.append(f"train loss: mean of the last {FINAL_LOSS_STEPS} steps. ms/step: after "
                  f"{results[0]['warmup_steps']} warm-up steps. skipped: steps with inf/nan "
-                 "gradients.")
+                 "gradients. B/param: bytes of params, grads and optimizer state per param.")
+    mode_steps = [r["steps"] for r in results if "master=" in r["name"]]
+    if mode_steps:
+        lines.append(MASTER_MODE_STEPS_NOTE.format(steps=mode_steps[0]))
     if not cuda:
         lines.append("Memory on CPU: bytes of params, grads and optimizer state. O2's low-precision"
                      " params and grads\nplus fp32 masters take as many bytes as fp32; mixed "
@@ -279,11 +308,12 @@ def save_plot(results: list[dict], path: Path, inject_overflow: int | None = Non
 def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = None,
              opt_levels=("O1", "O2"), out: str | Path = "demo_out", seed: int = 0,
              inject_overflow: int | None = None, progress: bool = True,
-             ranks: int = 1, watch: bool = False) -> list[dict]:
+             ranks: int = 1, watch: bool = False, master_modes=MASTER_MODES) -> list[dict]:
     """Runs the fp32 baseline and each opt level, prints the table, saves the plot under `out`
     and returns one result dict per run (see train_run). ranks > 1: FSDP2 on that many CPU
     processes (demo_fsdp2). watch: then prints numerics.watch's table of a short O1 run (in
-    this process, unsharded)."""
+    this process, unsharded). master_modes: the master-free bf16 O2 runs (MASTER_MODES), made
+    when the low precision is bf16 and the run is unsharded."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ranks > 1 and device.type != "cpu":
         raise ValueError("the sharded demo (ranks > 1) runs on CPU processes (gloo); "
@@ -311,11 +341,13 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
         results = train_sharded(runs, ranks, **options)
     else:
         results = [train_run(name, level, data, **options) for name, level in runs]
+        results += master_mode_runs(master_modes, low, data, options, inject_overflow)
     print(format_table(results, device))
     if inject_overflow is not None:
         print("where it overflowed (amp.last_overflow):")
+        width = max(len(r["name"]) for r in results) + 2
         for r in results:
-            print(f"  {r['name']:<10}{r['overflow']}")
+            print(f"  {r['name']:<{width}}{r['overflow']}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plot = out / "loss_curves.png"
@@ -327,6 +359,22 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
         print_watch(watch_run(data, seed=seed, device=device, dtype=watch_dtype), WATCH_STEPS,
                     "bf16" if bf16 else low_name)
     return results
+
+
+def master_mode_runs(modes, low, data, options, inject_overflow) -> list[dict]:
+    """O2 runs of bf16 weights without fp32 masters, one per FusedAdamW master_weights value in
+    `modes`, for MASTER_MODE_STEPS of the steps (the overflow injected at the same fraction)."""
+    if not modes:
+        return []
+    if low != torch.bfloat16:
+        print("  master-free runs (master_weights='stochastic', 'kahan', 'split') need bf16: "
+              "skipped for this dtype")
+        return []
+    steps = max(1, int(options["steps"] * MASTER_MODE_STEPS))
+    inject = None if inject_overflow is None else int(inject_overflow * MASTER_MODE_STEPS)
+    options = dict(options, steps=steps, inject_overflow=inject)
+    return [train_run(f"O2 master={mode}", "O2", data, master_weights=mode, **options)
+            for mode in modes]
 
 
 def failures(results: list[dict], inject_overflow: int | None) -> list[str]:

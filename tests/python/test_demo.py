@@ -42,9 +42,11 @@ def test_demo_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     rows = _table_rows(proc.stdout)
-    assert list(rows) == ["fp32", "O1 bf16", "O2 bf16"], proc.stdout
+    assert list(rows) == ["fp32", "O1 bf16", "O2 bf16", "O2 master=False",
+                          "O2 master=stochastic", "O2 master=kahan", "O2 master=split"], proc.stdout
     for name, cells in rows.items():
-        accuracy, loss, ms, memory, skipped, scale = cells
+        accuracy, loss, ms, memory, bytes_per_param, skipped, scale = cells
+        assert 12.0 < float(bytes_per_param) <= 16.1
         assert 0.0 <= float(accuracy) <= 100.0
         assert math.isfinite(float(loss)) and float(ms) > 0.0 and float(memory) > 0.0
         # The overflow injected by default at the middle step is skipped by every run.
@@ -52,9 +54,13 @@ def test_demo_runs_end_to_end(tmp_path):
         assert float(scale) == 1.0  # fp32, and bf16, which amp trains unscaled by default
     assert "at step 15" in proc.stdout
     # amp.last_overflow() names the gradient the inf was written into, for every run.
-    named = proc.stdout.split("where it overflowed (amp.last_overflow):\n")[1].splitlines()[:3]
-    assert named == [f"  {name:<10}overflow at step 15 in 1 tensor: 0.weight (inf)"
-                     for name in rows], proc.stdout
+    named = proc.stdout.split("where it overflowed (amp.last_overflow):\n")[1].splitlines()
+    for name, line in zip(rows, named[:len(rows)], strict=True):
+        assert line.startswith(f"  {name} "), (name, line)
+        # The master-free runs take a quarter of the steps; the overflow goes in their middle.
+        step = 3 if name.startswith("O2 master=") else 15
+        assert line[len(name) + 2:].strip() == (
+            f"overflow at step {step} in 1 tensor: 0.weight (inf)"), (name, line)
 
     # --watch: numerics.watch's table of a short O1 run follows the demo's own.
     watched = proc.stdout.split("numerics.watch: ")[1].splitlines()
@@ -71,7 +77,8 @@ def test_demo_runs_end_to_end(tmp_path):
 
 def test_run_demo_results(tmp_path, capsys):
     results = demo.run_demo(steps=12, device="cpu", dtype="bf16", opt_levels=("O1", "O2"),
-                            out=tmp_path, seed=1, inject_overflow=5, progress=False)
+                            out=tmp_path, seed=1, inject_overflow=5, progress=False,
+                            master_modes=())
     assert [r["opt_level"] for r in results] == ["O0", "O1", "O2"]
     for r in results:
         assert len(r["losses"]) == len(r["loss_scales"]) == 12
@@ -217,3 +224,28 @@ def test_flags_reach_the_demo(monkeypatch):
     assert calls[4]["watch"] is True and calls[4]["steps"] == 5
     assert calls[1]["opt_levels"] == ("O2", "O1") and calls[1]["inject_overflow"] is None
     assert (calls[1]["dtype"], calls[1]["seed"], calls[1]["out"]) == ("fp16", 7, "elsewhere")
+
+
+def test_master_free_runs_show_their_bytes_per_param(tmp_path, capsys):
+    """One O2 run per master_weights value without fp32 masters, for a quarter of the steps,
+    each skipping the injected overflow; the table's bytes per param fall with the extra state."""
+    results = demo.run_demo(steps=8, device="cpu", dtype="bf16", opt_levels=("O2",),
+                            out=tmp_path, seed=1, inject_overflow=6, progress=False)
+    names = [r["name"] for r in results]
+    assert names == ["fp32", "O2 bf16", "O2 master=False", "O2 master=stochastic",
+                     "O2 master=kahan", "O2 master=split"]
+    assert demo.failures(results, inject_overflow=6) == []
+    by_name = {r["name"]: r for r in results}
+    assert all(by_name[n]["steps"] == 8 * demo.MASTER_MODE_STEPS and by_name[n]["skipped"] == 1
+               for n in names[2:])
+    per_param = {n: by_name[n]["bytes_per_param"] for n in names}
+    # fp32 and O2 (fp32 masters): 16 bytes per param; bf16 weights without masters: 12, plus
+    # 2 for kahan's compensation or split's low halves (BatchNorm stays fp32 at O2: a little
+    # more, and the step counts a few bytes).
+    assert 16 <= per_param["fp32"] < 16.1 and 16 <= per_param["O2 bf16"] < 16.1
+    assert per_param["O2 master=False"] == per_param["O2 master=stochastic"]
+    assert per_param["O2 master=kahan"] == per_param["O2 master=split"]
+    assert 12 < per_param["O2 master=False"] < 12.1
+    assert 1.95 < per_param["O2 master=kahan"] - per_param["O2 master=False"] < 2.0
+    out = capsys.readouterr().out
+    assert "B/param" in out and "bf16 weights without fp32 masters" in out

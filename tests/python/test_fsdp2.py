@@ -45,8 +45,13 @@ def _shard(model):
 
 
 def _full(t):
-    """The whole tensor of a DTensor (an all-gather; test only), or t itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The whole tensor of a DTensor (an all-gather; test only), or t itself. int16 (split's
+    low halves) is gathered as int32: neither gloo nor NCCL all-gathers int16."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.dtype == torch.int16:
+        return t.to(torch.int32).full_tensor().to(torch.int16)
+    return t.full_tensor()
 
 
 OPTIMIZERS = {
@@ -59,6 +64,14 @@ OPTIMIZERS = {
     # bf16 without masters: the update is rounded to bf16 directly.
     "FusedAdam (no masters)": lambda params: ampfuse.optimizers.FusedAdam(
         params, lr=1e-2, amsgrad=True, master_weights=False
+    ),
+    # The master-free bf16 modes keep their state (int16 low halves, bf16 compensations) as
+    # DTensors sharded like the params; the ops run on the local shards.
+    "FusedAdamW (no masters, split)": lambda params: ampfuse.optimizers.FusedAdamW(
+        params, lr=1e-2, weight_decay=0.1, master_weights="split"
+    ),
+    "FusedSGD (no masters, kahan)": lambda params: ampfuse.optimizers.FusedSGD(
+        params, lr=1e-2, momentum=0.9, weight_decay=0.1, master_weights="kahan"
     ),
 }
 

@@ -34,6 +34,7 @@ _BITS_DTYPE = {
     torch.float32: torch.int32,
     torch.float16: torch.int16,
     torch.bfloat16: torch.int16,
+    torch.int16: torch.int16,  # bit patterns kept as integers (split's low halves)
 }
 
 

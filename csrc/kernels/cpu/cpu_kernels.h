@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../bf16_modes.h"
 #include "../dtype.h"
 #include "../nonfinite_kind.h"
 #include "../optimizer_math.h"
@@ -42,5 +43,23 @@ void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, boo
 // adam_span.
 void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
               float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
+
+// bf16 params without an fp32 master (master_weights="stochastic", "kahan", "split"):
+// `extra` holds the kahan compensations or the split low halves (bf16 bits; null for
+// kStochastic), and element i of the span is element first_index + i of a param whose
+// stochastic-rounding key is `key`.
+struct Bf16Span {
+  MasterMode mode;
+  std::uint16_t* extra;
+  RoundingKey key;
+  std::int64_t first_index;
+};
+
+// adam_span and sgd_span for such a param (`param` holds bf16 bits); same grads and state.
+void adam_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                    bool write_grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+                    std::int64_t n, const AdamStep& step);
+void sgd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                   bool write_grad, float* momentum_buffer, std::int64_t n, const SgdStep& step);
 
 }  // namespace ampfuse::kernels::cpu

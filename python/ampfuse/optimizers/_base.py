@@ -33,7 +33,16 @@ from __future__ import annotations
 import torch
 
 from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin, param_name
-from ampfuse.optimizers._masters import LOW_PRECISION, MasterWeightsMixin, make_master
+from ampfuse.optimizers._masters import MasterWeightsMixin, make_master
+from ampfuse.optimizers._precision import (
+    BF16_MODES,
+    EXTRA_KEYS,
+    check_master_weights,
+    check_param_for_mode,
+    has_foreign_state,
+    prepare_extra,
+    reset_extra,
+)
 from ampfuse.optimizers._skip import SkipRecord, check_skip_nonfinite, on_device, step_verdicts
 from ampfuse.optimizers._state import OptimizerStateMixin
 # The state helpers lived here before _state was split out; still importable from here.
@@ -41,17 +50,32 @@ from ampfuse.optimizers._state import fp32_copy, fp32_like, same_layout  # noqa:
 
 
 class _Call:
-    """The tensors of one op call: params sharing one step tensor and master-ness."""
+    """The tensors of one op call: params sharing one step tensor and master mode ("fp32",
+    "none" or a bf16 mode, see _precision)."""
 
-    __slots__ = ("step", "has_master", "params", "grads", "states")
+    __slots__ = ("step", "mode", "params", "grads", "states", "param_ids")
 
-    def __init__(self, step, has_master):
+    def __init__(self, step, mode):
         self.step = step
-        self.has_master = has_master
+        self.mode = mode
         self.params, self.grads, self.states = [], [], []
+        self.param_ids = []  # each param's index in the optimizer ("stochastic" only)
+
+    @property
+    def has_master(self):
+        return self.mode == "fp32"
 
     def masters(self):
-        return [s["master_param"] for s in self.states] if self.has_master else []
+        """The op's master_params: fp32 masters, compensations, low halves, or none."""
+        key = EXTRA_KEYS.get(self.mode)
+        return [s[key] for s in self.states] if key is not None else []
+
+    def master_args(self, group):
+        """The op's master_mode, param_ids and seed for this call."""
+        if self.mode not in BF16_MODES:
+            return {}
+        return {"master_mode": self.mode, "param_ids": self.param_ids,
+                "seed": int(group.get("rounding_seed", 0))}
 
 
 class FusedOptimizer(
@@ -135,6 +159,7 @@ class FusedOptimizer(
         plans = []
         for index, group in enumerate(self.param_groups):
             self._check_hyperparameters(index, group)
+            check_master_weights(self, index, group, check_params=False)
             check_skip_nonfinite(self, index, group)
             plans.append((index, group, self._calls(index, group)))
         # Every check before any update: one verdict for the whole step.
@@ -152,7 +177,7 @@ class FusedOptimizer(
                     on_device(grad_scale, device, scales, "grad_scale"),
                     verdicts.get(device),
                 )
-                if call.has_master and not torch.compiler.is_compiling():
+                if call.mode in EXTRA_KEYS and not torch.compiler.is_compiling():
                     self.mark_masters(call.params)
         self._skips.record(verdicts, home)
         return loss
@@ -187,9 +212,17 @@ class FusedOptimizer(
         and plain lists, not id() and dicts, so that torch.compile traces step() whole."""
         calls = []
         idle_steps = []  # step tensors of params that have no grad this time
-        new_steps = {}  # (device, has_master) -> the step tensor of params starting now
+        new_steps = {}  # (device, mode) -> the step tensor of params starting now
         all_state = self.state
-        master_weights = bool(group["master_weights"])
+        master_weights = group["master_weights"]
+        # Modes per param, decided here once per group: the loop below runs for every param
+        # at every step. fp32 params always step as "none"; see _precision.param_mode.
+        low_mode = "fp32" if master_weights is True else "none"
+        bf16_mode = master_weights if master_weights in BF16_MODES else low_mode
+        # Param ids key stochastic rounding: a param's index in the optimizer, as state_dict()
+        # numbers it, so a resumed optimizer draws the same bits.
+        first_id = (sum(len(g["params"]) for g in self.param_groups[:index])
+                    if master_weights == "stochastic" else 0)
         # Host-side bookkeeping that torch.compile cannot trace; compiled steps skip it.
         follow_params = not torch.compiler.is_compiling()
         call = None
@@ -202,39 +235,60 @@ class FusedOptimizer(
                 continue
             if grad.layout != torch.strided or p.dtype not in FLOAT_DTYPES:
                 self._reject(index, i, p, grad)
-            has_master = master_weights and p.dtype in LOW_PRECISION
+            dtype = p.dtype
+            if dtype == torch.bfloat16:
+                mode = bf16_mode
+            elif dtype == torch.float16:
+                if bf16_mode is not low_mode:
+                    check_param_for_mode(self, index, i, p, master_weights)  # raises
+                mode = low_mode
+            else:
+                mode = "none"
             state = all_state[p]
             if "step" not in state or self._starts_over(group, state):
                 self._check_not_capturing(index, i)
-                key = (p.device, has_master)
+                key = (p.device, mode)
                 if key not in new_steps:
                     new_steps[key] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["step"] = new_steps[key]
             self._prepare_state(group, p, state)
-            if has_master:
+            if mode == "fp32":
                 if "master_param" not in state:
                     self._check_not_capturing(index, i)
-                    state["master_param"] = make_master(p)
+                    if has_foreign_state(state, mode):
+                        prepare_extra(p, state, mode)
+                    else:
+                        state["master_param"] = make_master(p)
                 elif follow_params:
                     self._follow(p, state["master_param"])
                 # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
                 # they then take the place of the params' low-precision ones for this step.
                 if self._step_on_master_grads and state["master_param"].grad is not None:
                     grad = state["master_param"].grad
-            elif "master_param" in state:
-                del state["master_param"]
+            elif mode in EXTRA_KEYS:  # "kahan", "split"
+                if EXTRA_KEYS[mode] not in state or has_foreign_state(state, mode):
+                    self._check_not_capturing(index, i)
+                    prepare_extra(p, state, mode)
+                elif follow_params and self._written_since_step(p):
+                    reset_extra(state, mode)
+            elif ("master_param" in state or "kahan_compensation" in state
+                  or "master_low_bits" in state):  # "none"/"stochastic" keep no extra tensor
+                self._check_not_capturing(index, i)
+                prepare_extra(p, state, mode)
             if self._layouts.get(p) != p.stride():
                 self._match_layout(index, i, p, state)
             step = state["step"]
-            if call is None or call.step is not step or call.has_master != has_master:
+            if call is None or call.step is not step or call.mode != mode:
                 call = None
                 for candidate in calls:
-                    if candidate.step is step and candidate.has_master == has_master:
+                    if candidate.step is step and candidate.mode == mode:
                         call = candidate
                         break
                 if call is None:
-                    call = _Call(step, has_master)
+                    call = _Call(step, mode)
                     calls.append(call)
+            if mode == "stochastic":
+                call.param_ids.append(first_id + i)
             call.params.append(p)
             call.grads.append(grad)
             call.states.append(state)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ampfuse.optimizers._precision import check_master_weights
 from ampfuse.optimizers._skip import check_skip_nonfinite
 
 # The param dtypes the fused ops update.
@@ -57,6 +58,7 @@ class ParamGroupsMixin:
         for i, p in enumerate(group["params"]):
             self._check_param_dtype(index, i, p)
         self._check_hyperparameters(index, group)
+        check_master_weights(self, index, group)
         check_skip_nonfinite(self, index, group)
 
     def _check_param_dtype(self, group_index, param_index, p):

@@ -20,8 +20,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def keeps_master(group, p):
-    """Whether the fused optimizers keep an fp32 master for param `p` of `group`."""
-    return bool(group["master_weights"]) and p.dtype in LOW_PRECISION
+    """Whether the fused optimizers keep an fp32 master for param `p` of `group`
+    (master_weights=True; the bf16 modes of _precision keep none)."""
+    return group["master_weights"] is True and p.dtype in LOW_PRECISION
 
 
 def make_master(p):
@@ -67,6 +68,15 @@ class MasterWeightsMixin:
             refresh_master(master, p)
             self._master_marks[p] = param_mark(p)
 
+    def _written_since_step(self, p):
+        """Whether something other than a step wrote `p` since it was marked (then marks it):
+        a kahan compensation or split low half no longer belongs to its value."""
+        mark = self._master_marks.get(p)
+        if mark is None or mark == param_mark(p):
+            return False
+        self._master_marks[p] = param_mark(p)
+        return True
+
     def follow_masters(self):
         """What each step does for the params it updates, for every param with a master now
         (before its masters are saved, say)."""
@@ -86,8 +96,8 @@ class MasterWeightsMixin:
 
     def master_params(self):
         """The tensors the optimizer actually updates, one per param in param-group order: the
-        fp32 master of each fp16/bf16 param of a group with master_weights (created now from the
-        param if no step has created it yet), else the param itself."""
+        fp32 master of each fp16/bf16 param of a group with master_weights=True (created now
+        from the param if no step has created it yet), else the param itself."""
         out = []
         for group in self.param_groups:
             for p in group["params"]:

@@ -23,7 +23,7 @@ import numbers
 import torch
 
 from ampfuse.optimizers._groups import param_name
-from ampfuse.optimizers._masters import keeps_master
+from ampfuse.optimizers._precision import import_extras, param_mode
 from ampfuse.optimizers._skip import SkipRecord
 
 
@@ -144,6 +144,8 @@ class OptimizerStateMixin:
         kept (or made) fp32. Params whose saved step counts are equal share one step tensor
         again; unequal counts simply make more op calls. Hyperparameters come from the saved
         groups; keys of ours that a torch checkpoint lacks keep their current values.
+        master_weights keeps its current value: a checkpoint saved with another value is
+        converted to it at each param's next step (see ampfuse.optimizers._precision).
         """
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -179,6 +181,9 @@ class OptimizerStateMixin:
         for index, (group, saved) in enumerate(zip(groups, saved_groups)):
             new_group = {k: v for k, v in saved.items() if k not in self._TORCH_GROUP_KEYS}
             self._import_group(saved, group, new_group)
+            # master_weights is this run's precision choice, not a hyperparameter to resume:
+            # a checkpoint of another mode is converted to it (_precision).
+            new_group["master_weights"] = group["master_weights"]
             for key, value in group.items():
                 new_group.setdefault(key, value)
             new_group["params"] = group["params"]
@@ -189,7 +194,7 @@ class OptimizerStateMixin:
         state = collections.defaultdict(dict)
         param_ids = set()
         for group_index, (group, saved) in enumerate(zip(new_groups, saved_groups)):
-            shared_steps = {}  # (device, has_master, value) -> one step tensor
+            shared_steps = {}  # (device, mode, value) -> one step tensor
             for param_index, (index_in_dict, p) in enumerate(zip(saved["params"], group["params"])):
                 param_ids.add(index_in_dict)
                 if index_in_dict not in saved_state:
@@ -198,8 +203,7 @@ class OptimizerStateMixin:
                     group, p, saved_state[index_in_dict], param_name(group_index, param_index)
                 )
                 if step_value is not None:
-                    has_master = keeps_master(group, p)
-                    key = (p.device, has_master, step_value)
+                    key = (p.device, param_mode(group["master_weights"], p), step_value)
                     if key not in shared_steps:
                         shared_steps[key] = torch.full(
                             (), step_value, dtype=torch.float32, device=p.device
@@ -211,6 +215,12 @@ class OptimizerStateMixin:
             if key not in param_ids:
                 state[key] = value  # state not tied to a param is kept as it is, as torch does
 
+        # A loaded compensation or low half goes with the param as the checkpoint left it,
+        # which the model is loaded with too, before or after: not a foreign write.
+        for p, entry in state.items():
+            if isinstance(p, torch.Tensor) and ("kahan_compensation" in entry
+                                                or "master_low_bits" in entry):
+                self._master_marks.pop(p, None)
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._lr_tensors = {}
         self._layouts = {}
@@ -223,14 +233,13 @@ class OptimizerStateMixin:
         group's missing keys are filled in."""
 
     def _import_master(self, group, p, saved, imported, where):
-        """Takes a saved master over for a param that keeps one; where the group keeps no
-        master for the param (master_weights off, or an fp32 param), the param's value rules and
-        the saved master is dropped."""
-        master = saved.get("master_param")
-        if master is None or not keeps_master(group, p):
-            return
-        self._check_saved_shape(where, "master_param", master, p)
-        imported["master_param"] = fp32_copy(master, p)
+        """Takes over a saved fp32 master, kahan compensation or split low half, to be
+        converted at p's next step if the group's master_weights is another (_precision)."""
+        extras = import_extras(group, p, saved, where, type(self).__name__)
+        if "master_param" in extras:
+            # torch.optim's rule for a loaded tensor already right: use it as it is.
+            extras["master_param"] = fp32_copy(saved["master_param"], p)
+        imported.update(extras)
 
     def _check_saved_shape(self, where, key, value, p):
         if tuple(value.shape) != tuple(p.shape):

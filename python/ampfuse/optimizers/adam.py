@@ -8,6 +8,7 @@ import torch
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import fp32_copy, fp32_like
 
 
@@ -25,10 +26,20 @@ class FusedAdam(FusedOptimizer):
             one-element tensor (see capturable).
         adam_w_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False.
         bias_correction: divide by 1 - beta^t as Adam does; False leaves the moments uncorrected.
-        master_weights: keep an fp32 master of every fp16/bf16 param in the optimizer state
-            ('master_param'), update the master and write it back rounded to the param's dtype.
-            It changes nothing for fp32 params. Masters are made from the params at their first
-            step.
+        master_weights: how low-precision params keep the bits of their updates. True: an
+            fp32 master of every fp16/bf16 param in the optimizer state ('master_param'),
+            updated and written back rounded to the param's dtype (4 bytes per param). False:
+            none, the param is updated in place and rounded to nearest. For bf16 params
+            without fp32 masters: "stochastic" rounds stochastically (0 bytes), "kahan" keeps
+            a bf16 compensation ('kahan_compensation', 2 bytes), "split" keeps the low 16 bits
+            of the fp32 master ('master_low_bits', int16, 2 bytes; the param is the master's
+            high half and the master equals True's exactly). fp32 params are updated in fp32
+            whatever the value; fp16 params are refused by the bf16 modes. Extra state is made
+            at a param's first step, and state of another mode (a checkpoint) is converted
+            then (README, "Master-free bf16").
+        rounding_seed: the seed of master_weights="stochastic"'s random bits, which depend only
+            on (seed, step, param index, element), so runs are reproducible and resume bit for
+            bit. A param-group option, saved in state_dict().
         capturable: allow step() to be captured in a CUDA graph. Every step is free of host
             syncs either way; for a learning rate that changes between replays, give lr as a
             CUDA tensor and change it in place (torch's LR schedulers do so for tensor lrs).
@@ -89,6 +100,7 @@ class FusedAdam(FusedOptimizer):
         set_grad_none=True,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        rounding_seed=0,
     ):
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             # Tensor betas are read once here rather than at every step.
@@ -106,6 +118,7 @@ class FusedAdam(FusedOptimizer):
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
+            "rounding_seed": rounding_seed,
         }
         super().__init__(params, defaults, set_grad_none)
 
@@ -159,6 +172,7 @@ class FusedAdam(FusedOptimizer):
             grad_scale,
             found_inf,
             write_unscaled_grads=bool(group["write_unscaled_grads"]),
+            **call.master_args(group),
         )
 
     def _export_state(self, group, state, step_value):
@@ -169,8 +183,7 @@ class FusedAdam(FusedOptimizer):
         out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         if "max_exp_avg_sq" in state:
             out["max_exp_avg_sq"] = state["max_exp_avg_sq"]
-        if "master_param" in state:
-            out["master_param"] = state["master_param"]
+        export_extra(state, out)
         return out
 
     def _import_state(self, group, p, saved, where):
@@ -218,6 +231,7 @@ class FusedAdamW(FusedAdam):
         set_grad_none=True,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        rounding_seed=0,
     ):
         super().__init__(
             params,
@@ -234,6 +248,7 @@ class FusedAdamW(FusedAdam):
             set_grad_none=set_grad_none,
             write_unscaled_grads=write_unscaled_grads,
             skip_nonfinite=skip_nonfinite,
+            rounding_seed=rounding_seed,
         )
 
     def __setstate__(self, state):

@@ -3,9 +3,12 @@ op call per device, with optional fp32 master weights, on top of torch.ops.ampfu
 
 from __future__ import annotations
 
+import torch
+
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import fp32_copy, fp32_like
 
 
@@ -29,7 +32,9 @@ class FusedSGD(FusedOptimizer):
             out in the kernel (apex's False), so both values give the same update. fp32 master
             grads are made only when a caller asks for them, e.g. to clip
             amp.master_params(optimizer).
-        master_weights: fp32 masters for fp16/bf16 params, as in FusedAdam.
+        master_weights: True (fp32 masters), False, "stochastic", "kahan" or "split", as in
+            FusedAdam.
+        rounding_seed: the seed of master_weights="stochastic", as in FusedAdam.
         set_grad_none: zero_grad()'s default for set_to_none (apex's spelling).
         write_unscaled_grads: leave p.grad unscaled after a step that divides out a loss scale,
             as torch does (default); see FusedAdam.
@@ -40,7 +45,9 @@ class FusedSGD(FusedOptimizer):
     Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
     keeps one device-side step count per group and device (the op needs it to tell the first
     step); state_dict() leaves it out, as torch.optim.SGD has none, and load_state_dict() infers
-    it from whether a momentum buffer exists. GradScaler and grad_scale/found_inf work as for
+    it from whether a momentum buffer exists. With master_weights="stochastic" the count keys
+    the random bits, so state_dict() saves it as each param's 'step' and a resumed run draws
+    the same bits. GradScaler and grad_scale/found_inf work as for
     FusedAdam. Like torch.optim.SGD, step() may be captured in a CUDA graph; the learning rate
     is then fixed unless it is a CUDA tensor changed in place.
     """
@@ -64,6 +71,7 @@ class FusedSGD(FusedOptimizer):
         set_grad_none=True,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        rounding_seed=0,
     ):
         defaults = {
             "lr": lr,
@@ -77,6 +85,7 @@ class FusedSGD(FusedOptimizer):
             "materialize_master_grads": materialize_master_grads,
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
+            "rounding_seed": rounding_seed,
         }
         super().__init__(params, defaults, set_grad_none)
 
@@ -120,14 +129,17 @@ class FusedSGD(FusedOptimizer):
             found_inf,
             write_unscaled_grads=bool(group["write_unscaled_grads"]),
             wd_after_momentum=bool(group["wd_after_momentum"]),
+            **call.master_args(group),
         )
 
     def _export_state(self, group, state, step_value):
         out = {}
+        if group["master_weights"] == "stochastic" and step_value is not None:
+            # The step keys the random bits: a resumed run draws the same ones only with it.
+            out["step"] = step_value
         if "momentum_buffer" in state:
             out["momentum_buffer"] = state["momentum_buffer"]
-        if "master_param" in state:
-            out["master_param"] = state["master_param"]
+        export_extra(state, out)
         return out
 
     def _import_state(self, group, p, saved, where):
@@ -137,6 +149,9 @@ class FusedSGD(FusedOptimizer):
             self._check_saved_shape(where, "momentum_buffer", buffer, p)
             imported["momentum_buffer"] = fp32_copy(buffer, p)
         self._import_master(group, p, saved, imported, where)
+        step = saved.get("step")
+        if step is not None:  # saved by master_weights="stochastic"
+            return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
         if not imported:
             return {}, None
         # The op only asks whether any step was taken: a buffer exists after the first one.

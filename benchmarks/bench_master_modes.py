@@ -1,0 +1,109 @@
+"""What each FusedAdamW master_weights value costs per step on bf16 params, against fp32-master
+Adam (master_weights=True), side by side in one run.
+
+Bytes a step moves per bf16 param without a scaler (grad read 2, moments read and written 16,
+param read or written): True 28 (the master read and written, the param only written),
+False 22, "stochastic" 22 (plus hashing 32 random bits per element), "kahan" 26 (the
+compensation read and written), "split" 26 (the low half read and written). The bf16 modes
+convert bf16 with shifts in the portable loops (AVX2 clones on the CPU), True and False use the
+F16C-staged loops; on CUDA the bf16 modes move one element per access where True and False use
+16-byte packs.
+
+The calls are interleaved (interleaved.py's method): in each pair the two steps alternate call by
+call on rotated argument sets, and the fastest call of each is reported next to the median. The
+first pair, True against True, shows the noise of the comparison itself.
+
+    PYTHONPATH=python python benchmarks/bench_master_modes.py [--device cpu|cuda]
+        [--total-elements 1e7] [--repeats 30] [--json PATH]
+"""
+
+import argparse
+import statistics
+
+import torch
+from _timing import element_count, generator, model_like_shapes, report, synchronize
+from bench_adam import LR, half_model
+from interleaved import add_interleaved_args, interleave
+
+from ampfuse.optimizers import FusedAdamW
+
+MODES = (True, False, "stochastic", "kahan", "split")
+MODE_NAMES = {True: "True", False: "False"}
+
+
+def mode_name(mode):
+    return MODE_NAMES.get(mode, mode)
+
+
+def make_set(shapes, device, gen):
+    """bf16 params with bf16 grads and one FusedAdamW per mode over them, plus a second True
+    one for the noise pair (lr is small: the params stay finite through any number of steps)."""
+    params = half_model(shapes, torch.bfloat16, device, gen)
+    optimizers = {mode_name(m): FusedAdamW(params, lr=LR, master_weights=m) for m in MODES}
+    optimizers["True2"] = FusedAdamW(params, lr=LR, master_weights=True)
+    for optimizer in optimizers.values():
+        optimizer.step()  # creates the state outside the timed calls
+    return optimizers
+
+
+def run(args):
+    """The rows for this script's flags, or for benchmarks/run.py's (whose --total-elements and
+    --repeats default to None: this script's defaults then apply)."""
+    device = getattr(args, "device", "cpu") or "cpu"
+    totals = args.total_elements or [1e7]
+    repeats = args.repeats or 30
+    rows = []
+    for total in totals:
+        shapes = model_like_shapes(int(total))
+        gen = generator(device, args.seed)
+        sets = [make_set(shapes, device, gen) for _ in range(getattr(args, "sets", 2))]
+        for mode in MODES:
+            second = "True2" if mode is True else mode_name(mode)
+
+            def step(s, i, name):
+                s[name].step()
+                synchronize(device)
+
+            times = interleave(sets, lambda s, i: step(s, i, "True"),
+                               lambda s, i, name=second: step(s, i, name), repeats)
+            rows.append({
+                "device": device, "mode": mode_name(mode), "params": element_count(shapes),
+                "tensors": len(shapes),
+                "true_min_ms": min(times[0]) * 1e3,
+                "true_median_ms": statistics.median(times[0]) * 1e3,
+                "mode_min_ms": min(times[1]) * 1e3,
+                "mode_median_ms": statistics.median(times[1]) * 1e3,
+            })
+        del sets
+    return rows
+
+
+def format_rows(rows, env):
+    device = rows[0]["device"] if rows else "cpu"
+    where = (f"CPU x{env['cpu_threads']} threads" if device == "cpu"
+             else env.get("gpu") or device)
+    lines = [f"# {where}; torch {env['torch']}; {env['date']}; {env['command']}",
+             f"{'params':>11}  {'master_weights':14} {'True min':>8} {'median':>8} "
+             f"{'mode min':>8} {'median':>8} {'ratio min':>9} {'median':>7}"]
+    for r in rows:
+        lines.append(
+            f"{r['params']:>11,}  {r['mode']:14} {r['true_min_ms']:8.2f} "
+            f"{r['true_median_ms']:8.2f} {r['mode_min_ms']:8.2f} {r['mode_median_ms']:8.2f} "
+            f"{r['mode_min_ms'] / r['true_min_ms']:9.3f} "
+            f"{r['mode_median_ms'] / r['true_median_ms']:7.3f}")
+    lines.append("# ms per FusedAdamW step of bf16 params (lr 1e-4, no scaler); ratio: the mode "
+                 "over master_weights=True (below 1: faster). The True row is the noise of the "
+                 "comparison (True against a second True optimizer).")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_interleaved_args(parser)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    report(run(args), None, args.json, format_rows)

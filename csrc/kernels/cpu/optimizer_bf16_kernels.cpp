@@ -1,0 +1,112 @@
+// CPU Adam/AdamW and SGD span kernels for bf16 params without an fp32 master
+// (master_weights="stochastic", "kahan" and "split"; bf16_modes.h). The loops are
+// optimizer_variants.h's with the param read and written through Bf16Param<kMode>: the update
+// math is the same optimizer_math.h code. bf16 converts with shifts, so the portable loops
+// (with their AVX2 clone) vectorize without the F16C staging of optimizer_kernels_avx2.cpp.
+#include "../bf16_modes.h"
+#include "cpu_kernels.h"
+#include "optimizer_variants.h"
+
+namespace ampfuse::kernels::cpu {
+namespace {
+
+// Reads element i's grad (unscaled, written back with kWriteGrad) and the value its update
+// starts from; `extra` is not read in kStochastic, which has none.
+template <MasterMode kMode, bool kWriteGrad, typename Grad>
+AMPFUSE_BF16_INLINE float load_bf16_param_and_grad(const std::uint16_t* __restrict param,
+                                      const std::uint16_t* __restrict extra,
+                                      Grad* __restrict grad, std::int64_t i, float grad_scale,
+                                      float& g) {
+  g = unscale_grad(Element<Grad>::load(grad[i]), grad_scale);
+  if (kWriteGrad) grad[i] = Element<Grad>::store(g);
+  return Bf16Param<kMode>::load(param[i], kMode == MasterMode::kStochastic ? 0 : extra[i]);
+}
+
+// `key` is the span's chunk_key and `first_lo` the low word of its first element's index.
+template <MasterMode kMode>
+AMPFUSE_BF16_INLINE void store_bf16_param(float p, std::uint16_t* __restrict param,
+                                          std::uint16_t* __restrict extra, std::int64_t i,
+                                          const RoundingKey& key, std::uint32_t first_lo) {
+  std::uint16_t new_param, new_extra;
+  const std::uint32_t random16 =
+      kMode == MasterMode::kStochastic
+          ? rounding_bits(key, first_lo + static_cast<std::uint32_t>(i))
+          : 0u;
+  Bf16Param<kMode>::store(p, new_param, new_extra, random16);
+  param[i] = new_param;
+  if constexpr (kMode != MasterMode::kStochastic) extra[i] = new_extra;
+}
+
+template <MasterMode kMode, bool kWriteGrad, bool kAmsgrad, typename Grad>
+AMPFUSE_CPU_CLONES void adam_bf16_loop(std::uint16_t* __restrict param,
+                                       std::uint16_t* __restrict extra, Grad* __restrict grad,
+                                       float* __restrict exp_avg, float* __restrict exp_avg_sq,
+                                       float* __restrict max_exp_avg_sq, std::int64_t n,
+                                       const RoundingKey key, std::uint32_t first_lo,
+                                       const AdamStep step) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    float g;
+    float p = load_bf16_param_and_grad<kMode, kWriteGrad>(param, extra, grad, i,
+                                                           step.grad_scale, g);
+    float unused = 0.0f;
+    adam_update<kAmsgrad>(p, g, exp_avg[i], exp_avg_sq[i], kAmsgrad ? max_exp_avg_sq[i] : unused,
+                          step);
+    store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
+  }
+}
+
+template <MasterMode kMode, bool kWriteGrad, bool kMomentum, typename Grad>
+AMPFUSE_CPU_CLONES void sgd_bf16_loop(std::uint16_t* __restrict param,
+                                      std::uint16_t* __restrict extra, Grad* __restrict grad,
+                                      float* __restrict momentum_buffer, std::int64_t n,
+                                      const RoundingKey key, std::uint32_t first_lo,
+                                      const SgdStep step) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    float g;
+    float p = load_bf16_param_and_grad<kMode, kWriteGrad>(param, extra, grad, i,
+                                                           step.grad_scale, g);
+    float unused = 0.0f;
+    sgd_update<kMomentum>(p, g, kMomentum ? momentum_buffer[i] : unused, step);
+    store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
+  }
+}
+
+// Calls f(mode, typed grad, write_grad) for one span.
+template <typename F>
+void with_bf16_span_types(const Bf16Span& bf16, void* grad, DType grad_dtype, bool write_grad,
+                          F&& f) {
+  with_bf16_mode(bf16.mode, [&](auto mode) {
+    with_storage(grad_dtype, grad, [&](auto* g) {
+      with_flag(write_grad, [&](auto write) { f(mode, g, write); });
+    });
+  });
+}
+
+}  // namespace
+
+void adam_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                    bool write_grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+                    std::int64_t n, const AdamStep& step) {
+  with_bf16_span_types(bf16, grad, grad_dtype, write_grad, [&](auto mode, auto* g, auto write) {
+    with_flag(step.amsgrad, [&](auto amsgrad) {
+      adam_bf16_loop<decltype(mode)::value, write, amsgrad>(
+          param, bf16.extra, g, exp_avg, exp_avg_sq, max_exp_avg_sq, n,
+          chunk_key(bf16.key, bf16.first_index), static_cast<std::uint32_t>(bf16.first_index),
+          step);
+    });
+  });
+}
+
+void sgd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                   bool write_grad, float* momentum_buffer, std::int64_t n,
+                   const SgdStep& step) {
+  with_bf16_span_types(bf16, grad, grad_dtype, write_grad, [&](auto mode, auto* g, auto write) {
+    with_flag(momentum_buffer != nullptr, [&](auto has_momentum) {
+      sgd_bf16_loop<decltype(mode)::value, write, has_momentum>(
+          param, bf16.extra, g, momentum_buffer, n, chunk_key(bf16.key, bf16.first_index),
+          static_cast<std::uint32_t>(bf16.first_index), step);
+    });
+  });
+}
+
+}  // namespace ampfuse::kernels::cpu

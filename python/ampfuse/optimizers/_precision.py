@@ -1,0 +1,224 @@
+"""master_weights: how a fused optimizer keeps the precision that a low-precision param lacks.
+
+A group's ``master_weights`` is one of
+
+- ``True``: an fp32 master per fp16/bf16 param (state 'master_param', 4 extra bytes per param);
+- ``False``: none; the param is updated in place and rounded to nearest;
+- ``"stochastic"``: none; a bf16 param is rounded stochastically, with counter-based random bits
+  from (the group's ``rounding_seed``, the step, the param's index in the optimizer, the
+  element), so a run is reproducible and resumes bit for bit (0 extra bytes);
+- ``"kahan"``: a bf16 compensation per bf16 param (state 'kahan_compensation', 2 extra bytes)
+  that carries each update's rounding error into the next;
+- ``"split"``: the low 16 bits of an fp32 master (state 'master_low_bits', int16, 2 extra
+  bytes); the bf16 param is the master's high half (rounded toward zero), so the masters are
+  exactly those of ``True``.
+
+The three bf16 modes apply to bf16 params; fp32 params of such a group are updated in fp32 as
+with ``False``, and fp16 params are refused (fp16 is not the high half of an fp32, and its
+narrow range wants the loss scaling and fp32 masters of ``True``).
+
+Each param's state holds at most one of the three keys. A state holding another mode's key (a
+checkpoint of another mode, or a group whose mode was changed) is converted at the param's next
+step, through the precise value the state stands for: the fp32 master; the param with its low
+half; the param plus its compensation; or the param itself. Converting True -> "split" and
+"split" -> True is exact both ways; a mode that holds less than that value rounds it to what it
+can hold (to nearest, and for "kahan" the remainder into the compensation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# master_weights values that update bf16 params without an fp32 master.
+BF16_MODES = ("stochastic", "kahan", "split")
+MASTER_WEIGHTS_VALUES = (True, False) + BF16_MODES
+
+# The state key of each mode's extra tensor, by the mode a param is stepped in ("fp32": a
+# low-precision param with master_weights=True).
+EXTRA_KEYS = {"fp32": "master_param", "kahan": "kahan_compensation", "split": "master_low_bits"}
+
+# Optimizer-state bytes per param that each master_weights value adds for a bf16 param, on top
+# of the param, its grad and the optimizer's own fp32 state (Adam's two moments, SGD's buffer).
+EXTRA_BYTES_PER_PARAM = {True: 4, False: 0, "stochastic": 0, "kahan": 2, "split": 2}
+
+
+def check_master_weights(optimizer, index, group, check_params=True):
+    """A group's master_weights must be one of MASTER_WEIGHTS_VALUES, and (check_params) a bf16
+    mode takes no fp16 param. step() checks the params itself, as it walks them anyway."""
+    value = group["master_weights"]
+    if not any(value is v if isinstance(v, bool) else value == v
+               for v in MASTER_WEIGHTS_VALUES):
+        raise ValueError(
+            f"{type(optimizer).__name__}: param_groups[{index}] has master_weights={value!r}; it "
+            "must be True (fp32 masters), False (none, round to nearest), 'stochastic', "
+            "'kahan' or 'split' (bf16 params without fp32 masters)."
+        )
+    if check_params and value in BF16_MODES:
+        for i, p in enumerate(group["params"]):
+            check_param_for_mode(optimizer, index, i, p, value)
+    seed = group.get("rounding_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(
+            f"{type(optimizer).__name__}: param_groups[{index}] has rounding_seed={seed!r}; it "
+            "must be an int in [0, 2**63)."
+        )
+
+
+def check_param_for_mode(optimizer, group_index, param_index, p, value):
+    from ampfuse.optimizers._groups import param_name  # _groups imports this module
+
+    if p.dtype == torch.float16:
+        raise ValueError(
+            f"{type(optimizer).__name__}: {param_name(group_index, param_index)} is "
+            f"torch.float16, but master_weights={value!r} updates bfloat16 params only; put fp16 "
+            "params in a param group with master_weights=True (fp32 masters)."
+        )
+
+
+def param_mode(master_weights, p):
+    """How `p` is stepped: "fp32" (fp32 master), "none" (in place, to nearest), or a bf16
+    mode. The caller has checked master_weights."""
+    if master_weights is True:
+        return "fp32" if p.dtype in (torch.float16, torch.bfloat16) else "none"
+    if master_weights and p.dtype == torch.bfloat16:
+        return master_weights
+    return "none"
+
+
+def has_foreign_state(state, mode):
+    """Whether `state` holds an extra tensor of a mode other than `mode` (to convert)."""
+    own = EXTRA_KEYS.get(mode)
+    for key in EXTRA_KEYS.values():
+        if key != own and key in state:
+            return True
+    return False
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+# The dtype each extra tensor is kept in.
+EXTRA_DTYPES = {"master_param": torch.float32, "kahan_compensation": torch.bfloat16,
+                "master_low_bits": torch.int16}
+
+
+def export_extra(state, out):
+    """Copies the extra tensor `state` holds (if any) into the state_dict entry `out`."""
+    for key in EXTRA_DTYPES:
+        if key in state:
+            out[key] = state[key]
+
+
+def import_extras(group, p, saved, where, owner):
+    """{key: tensor} of the extra tensors of a saved state that `p` keeps, laid out like p in
+    their dtype; converted to the group's mode at p's next step. A saved fp32 master is left
+    out where the mode holds nothing it could convert into ("none", "stochastic"): the param
+    holds it rounded to nearest. Compensations and low halves belong to bf16 params only."""
+    out = {}
+    mode = param_mode(group["master_weights"], p)
+    for key, dtype in EXTRA_DTYPES.items():
+        value = saved.get(key)
+        if value is None:
+            continue
+        if key == "master_param" and mode not in EXTRA_KEYS:
+            continue
+        if key != "master_param" and p.dtype != torch.bfloat16:
+            continue
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{owner}.load_state_dict: state of {where} has {key!r} of shape "
+                f"{tuple(value.shape)} but the param has shape {tuple(p.shape)}; the state dict "
+                "belongs to another model."
+            )
+        if value.dtype != dtype and (key != "master_param" or not value.is_floating_point()):
+            raise ValueError(
+                f"{owner}.load_state_dict: state of {where} has {key!r} of dtype {value.dtype}; "
+                f"it must be {dtype} (saved by master_weights="
+                f"{ {v: k for k, v in EXTRA_KEYS.items()}[key]!r})."
+            )
+        out[key] = like(p, dtype).copy_(value)
+    return out
+
+
+# ---- conversions ------------------------------------------------------------------------------
+
+
+def _split_bits(x):
+    """(high, low) int16 halves of the fp32 tensor x's bit patterns."""
+    bits = x.view(torch.int32)
+    high = (bits >> 16).to(torch.int16)  # arithmetic shift: exactly the int16 range
+    low = bits & 0xFFFF
+    low = torch.where(low >= 0x8000, low - 0x10000, low).to(torch.int16)
+    return high, low
+
+
+def _joined(p, low):
+    """The fp32 master whose high half is bf16 `p` and low half `low`."""
+    high = p.view(torch.int16).to(torch.int32)
+    # high * 2^16 fits an int32 for every int16 high; the low 16 bits are then free for low.
+    return (high * 0x10000 + (low.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def precise_value(p, state):
+    """The fp32 value the param's state stands for (see the module docstring)."""
+    if "master_param" in state:
+        return state["master_param"].detach().float()
+    if "master_low_bits" in state:
+        return _joined(p.detach(), state["master_low_bits"])
+    if "kahan_compensation" in state:
+        return p.detach().float() + state["kahan_compensation"].float()
+    return p.detach().float()
+
+
+def like(p, dtype):
+    """Zeros of `dtype` shaped and laid out like p."""
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+
+@torch.no_grad()
+def prepare_extra(p, state, mode):
+    """Makes `state` hold exactly `mode`'s extra tensor (none for "none" and "stochastic"),
+    converting another mode's (see the module docstring) or starting from the param's value.
+    Writes the param when the conversion moves it (e.g. "split" -> True rounds the master to
+    nearest where "split" kept it rounded toward zero)."""
+    own = EXTRA_KEYS.get(mode)
+    if own is not None and own in state and not has_foreign_state(state, mode):
+        return
+    if own is None and set(state).isdisjoint(("kahan_compensation", "master_low_bits")):
+        # Only an fp32 master to drop: the param holds it rounded to nearest already (or a
+        # value someone wrote since, which wins), as when master_weights was turned off.
+        state.pop("master_param", None)
+        return
+    converting = has_foreign_state(state, mode)
+    x = precise_value(p, state) if converting else None
+    for key in EXTRA_KEYS.values():
+        state.pop(key, None)
+    if mode == "fp32":
+        master = like(p, torch.float32)
+        state["master_param"] = master.copy_(x if converting else p)
+        if converting:
+            p.copy_(x)
+    elif mode == "split":
+        low = like(p, torch.int16)
+        if converting:
+            high, low_bits = _split_bits(x.contiguous())
+            p.view(torch.int16).copy_(high)
+            low.copy_(low_bits)
+        state["master_low_bits"] = low
+    elif mode == "kahan":
+        compensation = like(p, torch.bfloat16)
+        if converting:
+            p.copy_(x)
+            error = x - p.float()
+            compensation.copy_(torch.where(torch.isfinite(p), error, torch.zeros_like(error)))
+        state["kahan_compensation"] = compensation
+    elif converting:
+        p.copy_(x)
+
+
+@torch.no_grad()
+def reset_extra(state, mode):
+    """After something else wrote the param: a compensation or low half left over would be
+    added to a value it does not belong to, so it is zeroed (the param's value rules)."""
+    key = EXTRA_KEYS.get(mode)
+    if key is not None and key != "master_param" and key in state:
+        state[key].zero_()
