@@ -58,9 +58,12 @@ def params_and_grads(params, what="scale_loss"):
         grad = p.grad
         if grad is None:
             continue
+        with_grads.append(p)
+        if grad.layout == torch.strided:  # dense_grad's answer, without a call per param
+            out.append(grad)
+            continue
         if grad.layout == torch.sparse_coo and grad.dtype == torch.float16:
             p.grad = grad = grad.coalesce()
-        with_grads.append(p)
         out.append(dense_grad(grad, what))
     return with_grads, out
 

@@ -84,7 +84,7 @@ class FusedOptimizer(
     """Base class of the ampfuse optimizers; subclasses supply the per-family parts:
 
     _check_hyperparameters(index, group); _prepare_state(group, p, state), which creates what a
-    param's state lacks; _launch(group, call, lr, grad_scale, found_inf); _export_state(group,
+    param's state lacks, and _state_keys(group), the entries it creates; _launch(group, call, lr, grad_scale, found_inf); _export_state(group,
     state, step_value) -> the torch-layout dict; _import_state(group, p, saved, where) -> (state,
     step value or None); _import_group(saved, current, new); and the class attributes below.
     """
@@ -225,6 +225,8 @@ class FusedOptimizer(
                     if master_weights == "stochastic" else 0)
         # Host-side bookkeeping that torch.compile cannot trace; compiled steps skip it.
         follow_params = not torch.compiler.is_compiling()
+        marks = self._master_marks
+        state_keys = self._state_keys(group)
         call = None
         for i, p in enumerate(group["params"]):
             grad = p.grad
@@ -245,13 +247,19 @@ class FusedOptimizer(
             else:
                 mode = "none"
             state = all_state[p]
-            if "step" not in state or self._starts_over(group, state):
+            prepared = True  # a loop, not all(): no Python call per param in the steady state
+            for key in state_keys:
+                if key not in state:
+                    prepared = False
+                    break
+            if "step" not in state or (not prepared and self._starts_over(group, state)):
                 self._check_not_capturing(index, i)
                 key = (p.device, mode)
                 if key not in new_steps:
                     new_steps[key] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["step"] = new_steps[key]
-            self._prepare_state(group, p, state)
+            if not prepared:
+                self._prepare_state(group, p, state)
             if mode == "fp32":
                 if "master_param" not in state:
                     self._check_not_capturing(index, i)
@@ -260,7 +268,9 @@ class FusedOptimizer(
                     else:
                         state["master_param"] = make_master(p)
                 elif follow_params:
-                    self._follow(p, state["master_param"])
+                    mark = marks.get(p)  # _follow's test, inline: it runs for every master
+                    if mark is not None and (mark[0] != p._version or mark[1] != p.data_ptr()):
+                        self._follow(p, state["master_param"])
                 # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
                 # they then take the place of the params' low-precision ones for this step.
                 if self._step_on_master_grads and state["master_param"].grad is not None:
@@ -302,6 +312,11 @@ class FusedOptimizer(
                     state["step"] = call.step
             launched.append(shared)
         return calls
+
+    def _state_keys(self, group):
+        """The state entries _prepare_state gives each param of `group`: a param holding them
+        all is not passed to _prepare_state or _starts_over again."""
+        return ()
 
     def _starts_over(self, group, state):
         """True when a param's existing state must count steps from zero again."""

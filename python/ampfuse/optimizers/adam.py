@@ -141,6 +141,11 @@ class FusedAdam(FusedOptimizer):
         self._check_nonnegative(index, group, "eps")
         self._check_nonnegative(index, group, "weight_decay")
 
+    def _state_keys(self, group):
+        if group["amsgrad"]:
+            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq")
+
     def _prepare_state(self, group, p, state):
         if "exp_avg" not in state:
             state["exp_avg"] = fp32_like(p)

@@ -102,6 +102,9 @@ class FusedSGD(FusedOptimizer):
                 "momentum needs momentum > 0 and dampening == 0."
             )
 
+    def _state_keys(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
     def _starts_over(self, group, state):
         # A buffer made after the param's first step (momentum switched on later) is seeded
         # from the grad like torch's, which needs the op to see step == 0.
