@@ -29,6 +29,9 @@ _OPS = (
     "update_scale_",
     "fused_adam_",
     "fused_sgd_",
+    "fp8_cast_amax",
+    "fp8_update_scales_",
+    "fp8_gemm",
 )
 
 
@@ -301,3 +304,6 @@ def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum
     _check_companions(op, params, "momentum_buffers", momentum_buffers, True, True)
     _check_companions(op, params, "master_params", master_params, True, True)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+
+
+from ampfuse import _fp8_ops  # noqa: E402,F401  (the FP8 ops' wrappers and fake kernels)
