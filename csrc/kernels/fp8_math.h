@@ -59,45 +59,59 @@ AMPFUSE_FP8_HD float add_rn(float a, float b) {
 
 }  // namespace fp8_detail
 
-// The fp8 code of v, rounded to nearest even, for |v| <= fp8_max(format) or nan (callers
-// saturate first). Mantissa bits M, exponent bias B:
+// cond ? a : b on bit patterns, spelled with masks: GCC vectorizes this form where a ternary
+// stays a branch ("control flow in loop").
+AMPFUSE_FP8_HD std::uint32_t select_bits(bool cond, std::uint32_t a, std::uint32_t b) {
+  const std::uint32_t mask = 0u - static_cast<std::uint32_t>(cond);
+  return (a & mask) | (b & ~mask);
+}
+
+// The fp8 code (without sign) of a magnitude given as fp32 bits `a` (sign cleared), rounded
+// to nearest even, for a value <= fp8_max(format) or nan (callers saturate first). Mantissa
+// bits M, exponent bias B:
 //  - normal values keep fp32's exponent rebased to B and round the mantissa to M bits with
 //    the carry trick (adding 0x7f..f plus the lowest kept bit), a carry into the exponent
 //    being the correct result;
 //  - values below the smallest normal are rounded by a float addition of a constant whose
 //    ulp is the fp8 subnormal step, so the sum's low bits count subnormal steps; rounding
 //    up to the smallest normal gives its code as well.
-// nan becomes 0x7f with its sign, as torch's conversions write it.
+// nan becomes 0x7f, as torch's conversions write it.
 template <Fp8Format kFormat>
-AMPFUSE_FP8_HD std::uint8_t encode_fp8(float v) {
+AMPFUSE_FP8_HD std::uint32_t encode_fp8_magnitude(std::uint32_t a) {
   using fp8_detail::bits_of;
   constexpr int kMantissa = kFormat == Fp8Format::kE4M3 ? 3 : 2;
   constexpr std::uint32_t kBias = kFormat == Fp8Format::kE4M3 ? 7 : 15;
   // Smallest normal 2^(1-B) as fp32 bits, and 2^23 subnormal steps (2^(1-B-M+23)).
   constexpr std::uint32_t kMinNormalBits = (128u - kBias) << 23;
   constexpr std::uint32_t kSubnormalMagicBits = (128u - kBias - kMantissa + 23u) << 23;
-  const std::uint32_t b = bits_of(v);
-  const std::uint32_t sign = (b >> 24) & 0x80u;
-  const std::uint32_t a = b & 0x7fffffffu;
   const std::uint32_t round = ((1u << (22 - kMantissa)) - 1u) + ((a >> (23 - kMantissa)) & 1u);
   const std::uint32_t normal = ((a + round) >> (23 - kMantissa)) - ((127u - kBias) << kMantissa);
   const float magic = fp8_detail::float_of(kSubnormalMagicBits);
   const std::uint32_t subnormal =
       bits_of(fp8_detail::add_rn(fp8_detail::float_of(a), magic)) - kSubnormalMagicBits;
-  std::uint32_t code = a < kMinNormalBits ? subnormal : normal;
-  code = a > 0x7f800000u ? 0x7fu : code;
-  return static_cast<std::uint8_t>(sign | code);
+  const std::uint32_t code = select_bits(a < kMinNormalBits, subnormal, normal);
+  return select_bits(a > 0x7f800000u, 0x7fu, code);
 }
 
-// x * scale saturated to [-fp8_max, fp8_max] (so inf becomes the largest finite value; nan
-// stays nan, because both comparisons are false for it) and encoded.
+// The fp8 code of v (|v| <= fp8_max(format), or nan), with v's sign.
+template <Fp8Format kFormat>
+AMPFUSE_FP8_HD std::uint8_t encode_fp8(float v) {
+  const std::uint32_t b = fp8_detail::bits_of(v);
+  return static_cast<std::uint8_t>(((b >> 24) & 0x80u) |
+                                   encode_fp8_magnitude<kFormat>(b & 0x7fffffffu));
+}
+
+// x * scale saturated to [-fp8_max, fp8_max] and encoded: inf and finite values beyond the
+// range become the largest finite code of their sign, nan stays nan. The saturation compares
+// magnitudes as bits, whose order is the value order for non-negative floats (nan above inf).
 template <Fp8Format kFormat>
 AMPFUSE_FP8_HD std::uint8_t scale_to_fp8(float x, float scale) {
-  constexpr float kMax = kFormat == Fp8Format::kE4M3 ? 448.0f : 57344.0f;
-  float v = fp8_detail::mul_rn(x, scale);
-  v = v > kMax ? kMax : v;
-  v = v < -kMax ? -kMax : v;
-  return encode_fp8<kFormat>(v);
+  constexpr std::uint32_t kMaxBits = kFormat == Fp8Format::kE4M3 ? 0x43e00000u   // 448
+                                                                 : 0x47600000u;  // 57344
+  const std::uint32_t b = fp8_detail::bits_of(fp8_detail::mul_rn(x, scale));
+  std::uint32_t a = b & 0x7fffffffu;
+  a = select_bits((a > kMaxBits) & (a <= 0x7f800000u), kMaxBits, a);
+  return static_cast<std::uint8_t>(((b >> 24) & 0x80u) | encode_fp8_magnitude<kFormat>(a));
 }
 
 // |x| as bits. For non-negative floats and nan the unsigned order of the bits is the order

@@ -2,6 +2,8 @@
 // vectorizes, with an AVX2 clone picked at load time like the other span kernels.
 #include "fp8_kernels.h"
 
+#include <algorithm>
+
 #include "half_convert.h"
 #include "storage_dispatch.h"
 
@@ -14,8 +16,7 @@ AMPFUSE_CPU_CLONES std::uint32_t cast_amax(const Storage* src, std::uint8_t* dst
   std::uint32_t largest = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const float x = Element<Storage>::load(src[i]);
-    const std::uint32_t bits = abs_bits(x);
-    largest = bits > largest ? bits : largest;
+    largest = std::max(largest, abs_bits(x));
     dst[i] = scale_to_fp8<kFormat>(x, scale);
   }
   return largest;
