@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from ampfuse.amp import casting, per_op
+from ampfuse.amp import casting, fp8_layers, per_op
 from ampfuse.amp.apex_state import AmpStash, AmpStateView
 from ampfuse.amp.binding import hookable, optimizer_params
 from ampfuse.amp.casting import register_norm_type
@@ -152,7 +152,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
                custom_white_list=None, custom_black_list=None, growth_interval=2000,
-               all_reduce_found_inf=False, process_group=None):
+               all_reduce_found_inf=False, process_group=None, fp8=False):
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
 
@@ -166,6 +166,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     default group / this group before each skip decision, so ranks whose local gradients
     differ (DDP under no_sync, sharded gradients) skip together. With dtype=torch.bfloat16, O1
     and O2 default to loss_scale=1.0 (bad steps are still skipped); fp16 to "dynamic".
+    fp8: True or an ampfuse.fp8.DelayedScaling recipe, at O2 only: nn.Linear layers whose
+    sizes are multiples of 16 compute their GEMMs in FP8 (see ampfuse.amp.fp8_layers).
     """
     global _latest
     model_list, models_were_list = _as_list(models)
@@ -192,6 +194,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                     cast_model_outputs=cast_model_outputs)
     if num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be >= 1, got {num_losses}.")
+    fp8_recipe = fp8_layers.resolve(fp8, props.opt_level, device)
     if enabled:
         _check_param_dtypes(model_list, props)
         refuse_casting_sharded_models(model_list, props.cast_model_type, props.opt_level)
@@ -233,6 +236,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                 handle.hooks.append(casting.AutocastHooks(model, lists, low, device.type))
                 if props.cast_model_outputs is not None:
                     handle.hooks += casting.cast_model_io(model, None, props.cast_model_outputs)
+        if fp8_recipe is not None:
+            fp8_layers.swap_linears(model_list, fp8_recipe)
         # Only params that were actually cast down need fp32 masters.
         cast_down = {p: v for p, v in originals.items() if p.dtype != torch.float32}
         for optimizer in optimizer_list:
@@ -241,6 +246,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         if cast_down:
             for model in model_list:
                 handle.watch_model(model)
+        if fp8_recipe is not None and optimizer_list:
+            handle.hooks.append(fp8_layers.ScaleUpdates(
+                model_list, handle.binding_of(optimizer_list[0])))
 
     for obj in model_list + optimizer_list:
         setattr(obj, _ATTR, handle)
