@@ -135,6 +135,20 @@ def test_resume_is_bit_for_bit():
         assert torch.equal(a, b), key
 
 
+def test_eval_mode_uses_the_scales_and_records_nothing():
+    layer = make_layer(5)
+    x, g = step_data(6)
+    layer(x).backward(g)
+    fp8.update_scales(layer)
+    before = copy.deepcopy(layer.state_dict())
+    layer.eval()
+    with torch.no_grad():
+        out = layer(x * 100)
+    torch.testing.assert_close(out, reference(layer, x * 100, g)[0], rtol=1e-5, atol=1e-6)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def test_state_stays_fp32_when_the_model_is_cast():
     layer = make_layer(3).to(torch.bfloat16)
     assert layer.weight.dtype == torch.bfloat16

@@ -87,7 +87,8 @@ class Linear(torch.nn.Linear):
     shape works (rows are padded internally). The FP8 state is fp32 buffers, so
     ``state_dict`` and checkpoints carry it: ``fp8_{input,weight,grad_output}_{amax,
     amax_history,scale,scale_inv}``. Call ``ampfuse.fp8.update_scales(model)`` once per
-    optimizer step (amp.initialize(..., fp8=True) does it for you).
+    optimizer step (amp.initialize(..., fp8=True) does it for you). Amaxes are recorded in
+    training mode only; in eval mode the layer uses the current scales and changes nothing.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
@@ -157,7 +158,11 @@ class Linear(torch.nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"ampfuse.fp8.Linear: input has {x.shape[-1]} features in its "
                              f"last dimension, the layer takes {self.in_features}.")
-        state = (self.fp8_state("amax"), self.fp8_state("scale"), self.fp8_state("scale_inv"))
+        # In eval mode the casts record into scratch amaxes: evaluation data must not steer
+        # the scales of the next training step.
+        amax = (self.fp8_state("amax") if self.training
+                else [torch.zeros(1, device=self.fp8_input_amax.device) for _ in ROLES])
+        state = (amax, self.fp8_state("scale"), self.fp8_state("scale_inv"))
         r = self.fp8_recipe
         x2d = x.reshape(-1, self.in_features)
         out = _Fp8LinearFunction.apply(_pad_rows(x2d), self.weight, self.bias, state,
