@@ -121,3 +121,31 @@ def test_cuda_refuses_gpus_below_sm89():
         pytest.skip("this GPU has FP8 GEMMs")
     with raises_naming("compute capability 8.9"):
         amp.initialize(mlp().cuda(), opt_level="O2", fp8=True)
+
+
+def test_resume_through_amp_is_bit_for_bit(one_thread):
+    """initialize, then load model, optimizer and amp state: the next steps give the bits of
+    the run that never stopped, FP8 scales and histories included."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(24, 1, 8, 8, generator=gen), torch.randint(0, 10, (24,),
+                                                                        generator=gen))
+               for _ in range(6)]
+    recipe = fp8.DelayedScaling(amax_history_len=4)
+    model, optimizer = setup(recipe, seed=0)
+    for x, y in batches[:3]:
+        train_step(model, optimizer, x, y)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": optimizer.state_dict(),
+                                "amp": amp.state_dict(optimizer)})
+    for x, y in batches[3:]:
+        train_step(model, optimizer, x, y)
+
+    resumed, resumed_opt = setup(recipe, seed=5)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    amp.load_state_dict(checkpoint["amp"], resumed_opt)
+    for x, y in batches[3:]:
+        train_step(resumed, resumed_opt, x, y)
+    state = resumed.state_dict()
+    assert any(k.endswith("fp8_weight_scale") for k in state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
