@@ -163,6 +163,10 @@ def test_from_linear_keeps_the_module_and_its_parameters():
     assert converted is linear and isinstance(linear, fp8.Linear) and linear.weight is weight
     with pytest.raises(TypeError, match="got ampfuse.fp8.linear.Linear; subclasses"):
         fp8.Linear.from_linear(fp8.Linear(16, 16))
+    odd = torch.nn.Linear(16, 10)
+    with raises_naming("out_features=10"):
+        fp8.Linear.from_linear(odd)
+    assert type(odd) is torch.nn.Linear and not list(odd.buffers())  # left as it was
 
 
 def test_compiles_around_the_fp8_linear():

@@ -104,21 +104,27 @@ class Linear(torch.nn.Linear):
             name = f"{type(module).__module__}.{type(module).__qualname__}"
             raise TypeError(f"ampfuse.fp8.Linear.from_linear: expected a torch.nn.Linear, got "
                             f"{name}; subclasses may change forward, so they are not converted.")
+        recipe = cls._checked(module, recipe)  # before the class changes: no half conversion
         module.__class__ = cls
         module._init_fp8(recipe)
         return module
 
-    def _init_fp8(self, recipe):
+    @staticmethod
+    def _checked(module, recipe):
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, DelayedScaling):
             raise TypeError(f"ampfuse.fp8.Linear: recipe must be an ampfuse.fp8.DelayedScaling, "
                             f"got {type(recipe).__name__}.")
-        bad = [f"{n}={v}" for n, v in (("in_features", self.in_features),
-                                       ("out_features", self.out_features)) if v % ALIGN]
+        bad = [f"{n}={v}" for n, v in (("in_features", module.in_features),
+                                       ("out_features", module.out_features)) if v % ALIGN]
         if bad:
             raise ValueError(f"ampfuse.fp8.Linear: {', '.join(bad)} must be a multiple of "
                              f"{ALIGN} (cuBLASLt's FP8 GEMM rule); keep this layer an "
                              "nn.Linear or pad its features.")
+        return recipe
+
+    def _init_fp8(self, recipe):
+        recipe = self._checked(self, recipe)
         self.fp8_recipe = recipe
         device = self.weight.device
         for role in ROLES:
