@@ -306,4 +306,6 @@ def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
 
 
-from ampfuse import _fp8_ops  # noqa: E402,F401  (the FP8 ops' wrappers and fake kernels)
+# The FP8 ops' wrappers and fake kernels live in _fp8_ops; their wrappers are also here, beside
+# every other op's.
+from ampfuse._fp8_ops import fp8_cast_amax, fp8_gemm, fp8_update_scales_  # noqa: E402,F401
