@@ -150,3 +150,19 @@ def test_cuda_gives_the_cpu_bits(src, fp8):
     fp8_cast_amax(x, scale, amax_cpu, fp8)
     fp8_cast_amax(x.cuda(), scale.cuda(), amax_gpu, fp8)
     assert amax_gpu.item() == amax_cpu.item()
+
+
+def test_sparse_and_nested_inputs_get_ampfuse_errors():
+    """Tensors no kernel takes reach the ops' refusal, which names the argument and the fix."""
+    sparse = torch.ones(4, 4).to_sparse()
+    one = torch.ones(1)
+    with raises_naming(r"ampfuse\.fp8_cast_amax: input is a sparse COO tensor", "to_dense"):
+        fp8_cast_amax(sparse, one, torch.zeros(1), torch.float8_e4m3fn)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with raises_naming(r"ampfuse\.fp8_cast_amax: input is a nested tensor"):
+        fp8_cast_amax(nested, one, torch.zeros(1), torch.float8_e4m3fn)
+    with raises_naming(r"ampfuse\.fp8_update_scales_: amaxes\[0\] is a sparse COO tensor"):
+        torch.ops.ampfuse.fp8_update_scales_([one.to_sparse()], [torch.zeros(2)], [one], [one],
+                                             [448.0], 0, "max")
+    with raises_naming(r"ampfuse\.fp8_gemm: a is a sparse COO tensor"):
+        torch.ops.ampfuse.fp8_gemm(sparse, torch.ones(16, 4), one, one, None, torch.float32)
