@@ -56,10 +56,16 @@ tests_status=${PIPESTATUS[0]}
 echo "== benchmarks"
 bench_status=0
 python3 benchmarks/run.py --device cuda --out "$out" >/dev/null || bench_status=$?
+# FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, and the fused cast+amax.
+python3 benchmarks/bench_fp8.py --device cuda --json "$out/bench_fp8.json" \
+  >"$out/bench_fp8.txt" 2>&1 || bench_status=$?
 
 echo "== exit status: ctest $ctest_status; CUDA pytest $tests_status; benchmarks $bench_status"
 if [[ -f "$out/bench_table.txt" ]]; then
   cat "$out/bench_table.txt"
+fi
+if [[ -f "$out/bench_fp8.txt" ]]; then
+  cat "$out/bench_fp8.txt"
 fi
 if [[ $ctest_status -ne 0 || $tests_status -ne 0 || $bench_status -ne 0 ]]; then
   exit 1

@@ -42,6 +42,23 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
                    bool wd_after_momentum,
                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 
+// FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
+at::Tensor fp8_cast_amax_cpu(const at::Tensor& input, const at::Tensor& scale,
+                             const at::Tensor& amax, at::ScalarType dtype);
+void fp8_update_scales_cpu(at::TensorList amaxes, at::TensorList amax_histories,
+                           at::TensorList scales, at::TensorList scale_invs,
+                           at::ArrayRef<double> fp8_maxes, std::int64_t margin,
+                           c10::string_view amax_compute,
+                           const c10::optional<at::Tensor>& found_inf);
+void fp8_update_scales_fallback(at::TensorList amaxes, at::TensorList amax_histories,
+                                at::TensorList scales, at::TensorList scale_invs,
+                                at::ArrayRef<double> fp8_maxes, std::int64_t margin,
+                                c10::string_view amax_compute,
+                                const c10::optional<at::Tensor>& found_inf);
+at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                        const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
+                        at::ScalarType out_dtype);
+
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
                                const at::Tensor& inv_scale,
@@ -72,6 +89,17 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                     bool wd_after_momentum,
                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
+// FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
+at::Tensor fp8_cast_amax_cuda(const at::Tensor& input, const at::Tensor& scale,
+                              const at::Tensor& amax, at::ScalarType dtype);
+void fp8_update_scales_cuda(at::TensorList amaxes, at::TensorList amax_histories,
+                            at::TensorList scales, at::TensorList scale_invs,
+                            at::ArrayRef<double> fp8_maxes, std::int64_t margin,
+                            c10::string_view amax_compute,
+                            const c10::optional<at::Tensor>& found_inf);
+at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                         const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
+                         at::ScalarType out_dtype);
 #endif
 
 }  // namespace ampfuse::ops

@@ -53,6 +53,21 @@ TORCH_LIBRARY(ampfuse, m) {
       "float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
       "Tensor? found_inf, bool write_unscaled_grads=False, bool wd_after_momentum=False, "
       "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
+  // FP8 (delayed scaling). input * scale saturated to dtype's range (e4m3fn or e5m2) and
+  // cast; amax = max(amax, max |input|), nan propagating, in the same pass.
+  m.def("fp8_cast_amax(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> Tensor");
+  // For each FP8 tensor: roll its amax history, insert the step's amax (then zero it), and set
+  // scale = fp8_max / amax / 2**margin (amax by "max" or "most_recent"; the old scale stays
+  // when amax is 0 or not finite) and scale_inv = 1 / scale. A set found_inf drops the step.
+  m.def(
+      "fp8_update_scales_(Tensor(a!)[] amaxes, Tensor(b!)[] amax_histories, "
+      "Tensor(c!)[] scales, Tensor(d!)[] scale_invs, float[] fp8_maxes, int margin, "
+      "str amax_compute, Tensor? found_inf=None) -> ()");
+  // (a @ b.T) * a_scale_inv * b_scale_inv + bias for fp8 a [m, k], b [n, k]: cuBLASLt on CUDA,
+  // its fp32 emulation on the CPU.
+  m.def(
+      "fp8_gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor? bias, "
+      "ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
@@ -63,6 +78,9 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("update_scale_", &ampfuse::ops::update_scale_cpu);
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cpu);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cpu);
+  m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cpu);
+  m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cpu);
+  m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cpu);
 }
 
 #ifdef AMPFUSE_WITH_CUDA
@@ -74,11 +92,15 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("update_scale_", &ampfuse::ops::update_scale_cuda);
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cuda);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cuda);
+  m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cuda);
+  m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cuda);
+  m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cuda);
 }
 #endif
 
 // Reached when no CPU or CUDA kernel is picked: sparse, quantized or mkldnn tensors, devices
-// ampfuse has no kernels for, and (l2norm) an empty list, whose norms are 0 on the CPU. Each
+// ampfuse has no kernels for, and (l2norm, fp8_update_scales_) an empty list, whose norms are
+// 0 on the CPU and whose update does nothing. Each
 // refuses with ampfuse's own error naming the tensor and the fix.
 TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   const auto refuse = [] {
@@ -91,6 +113,9 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   m.impl("update_scale_", refuse());
   m.impl("fused_adam_", refuse());
   m.impl("fused_sgd_", refuse());
+  m.impl("fp8_cast_amax", refuse());
+  m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_fallback);
+  m.impl("fp8_gemm", refuse());
 }
 
 // Nested tensors dispatch to their autograd key before any backend.
@@ -100,7 +125,8 @@ TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
   };
   for (const char* op : {"multi_tensor_unscale_", "multi_tensor_nonfinite_check_",
                          "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_",
-                         "fused_adam_", "fused_sgd_"}) {
+                         "fused_adam_", "fused_sgd_", "fp8_cast_amax", "fp8_update_scales_",
+                         "fp8_gemm"}) {
     m.impl(op, refuse());
   }
 }

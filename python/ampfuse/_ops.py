@@ -29,6 +29,9 @@ _OPS = (
     "update_scale_",
     "fused_adam_",
     "fused_sgd_",
+    "fp8_cast_amax",
+    "fp8_update_scales_",
+    "fp8_gemm",
 )
 
 
@@ -383,3 +386,8 @@ def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum
     _check_companions(op, params, "momentum_buffers", momentum_buffers, True, True)
     _check_master_mode(op, params, master_params, master_mode, param_ids)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+
+
+# The FP8 ops' wrappers and fake kernels live in _fp8_ops; their wrappers are also here, beside
+# every other op's.
+from ampfuse._fp8_ops import fp8_cast_amax, fp8_gemm, fp8_update_scales_  # noqa: E402,F401

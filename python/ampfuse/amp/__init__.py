@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from ampfuse.amp import casting, per_op
+from ampfuse.amp import casting, fp8_layers, per_op
 from ampfuse.amp.apex_state import AmpStash, AmpStateView
 from ampfuse.amp.binding import hookable, optimizer_params
 from ampfuse.amp.casting import register_norm_type
@@ -153,7 +153,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
                custom_white_list=None, custom_black_list=None, growth_interval=2000,
-               all_reduce_found_inf=False, process_group=None, attribute_overflow=True):
+               all_reduce_found_inf=False, process_group=None, attribute_overflow=True,
+               fp8=False):
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
 
@@ -170,6 +171,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     attribute_overflow (default True): the unscale/check kernels also record which gradients
     held inf/nan, in the same pass, for amp.last_overflow() and the overflow summary; False
     turns that off.
+    fp8: True or an ampfuse.fp8.DelayedScaling recipe, at O2 only: nn.Linear layers whose
+    sizes are multiples of 16 compute their GEMMs in FP8 (see ampfuse.amp.fp8_layers).
     """
     global _latest
     model_list, models_were_list = _as_list(models)
@@ -201,6 +204,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             f"amp.initialize: attribute_overflow must be True or False, got "
             f"{attribute_overflow!r}."
         )
+    fp8_recipe = fp8_layers.resolve(fp8, props.opt_level, device)
     if enabled:
         _check_param_dtypes(model_list, props)
         refuse_casting_sharded_models(model_list, props.cast_model_type, props.opt_level)
@@ -244,6 +248,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                 handle.hooks.append(casting.AutocastHooks(model, lists, low, device.type))
                 if props.cast_model_outputs is not None:
                     handle.hooks += casting.cast_model_io(model, None, props.cast_model_outputs)
+        if fp8_recipe is not None:
+            fp8_layers.swap_linears(model_list, fp8_recipe)
         # Only params that were actually cast down need fp32 masters.
         cast_down = {p: v for p, v in originals.items() if p.dtype != torch.float32}
         for optimizer in optimizer_list:
@@ -252,6 +258,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         if cast_down:
             for model in model_list:
                 handle.watch_model(model)
+        if fp8_recipe is not None and optimizer_list:
+            handle.hooks.append(fp8_layers.ScaleUpdates(
+                model_list, handle.binding_of(optimizer_list[0])))
 
     for obj in model_list + optimizer_list:
         setattr(obj, _ATTR, handle)

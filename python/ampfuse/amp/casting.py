@@ -125,8 +125,10 @@ def _cast_own_tensors(module, dtype):
         if param.is_floating_point() and param.dtype != dtype:
             original[name] = param.dtype
             param.data = param.data.to(dtype)
+    # State a module keeps in fp32 on purpose (ampfuse.fp8.Linear's scales and amaxes).
+    keep = getattr(module, "fp32_buffers", ())
     for name, buffer in module.named_buffers(recurse=False):
-        if buffer.is_floating_point() and buffer.dtype != dtype:
+        if buffer.is_floating_point() and buffer.dtype != dtype and name not in keep:
             original[name] = buffer.dtype
             setattr(module, name, buffer.to(dtype))
     return original

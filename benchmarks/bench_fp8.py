@@ -1,0 +1,129 @@
+"""Times ampfuse's FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, and the
+fused fp8 cast+amax against torch's clamp+cast plus a separate amax.
+
+GEMM shapes (m, n, k) for out[m, n] = a[m, k] @ b[n, k].T: 4096^3, and the four GEMMs of a
+GPT-2-small block at 8 x 1024 tokens (QKV 768->2304, attention out 768->768, MLP up
+768->3072, MLP down 3072->768). Reported as median ms and TFLOP/s (2mnk flops); ratios are
+bf16 / ampfuse and _scaled_mm / ampfuse (> 1: ampfuse faster). FP8 needs compute capability
+8.9+; on the CPU the GEMM rows time the fp32 emulation, which says nothing about GPU speed.
+
+    PYTHONPATH=python python benchmarks/bench_fp8.py [--device cpu|cuda] [--json PATH]
+"""
+
+import statistics
+
+import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
+import torch
+import torch.nn.functional as F
+from _timing import parse_args, report, time_calls
+from ampfuse._fp8_ops import FP8_MAX, fp8_cast_amax, fp8_gemm
+
+TOKENS = 8 * 1024
+GEMMS = {
+    "4096^3": (4096, 4096, 4096),
+    "gpt2 qkv": (TOKENS, 2304, 768),
+    "gpt2 attn-out": (TOKENS, 768, 768),
+    "gpt2 mlp-up": (TOKENS, 3072, 768),
+    "gpt2 mlp-down": (TOKENS, 768, 3072),
+}
+CPU_GEMMS = {"512^3": (512, 512, 512)}
+E4M3 = torch.float8_e4m3fn
+
+
+def _median(call, device, args):
+    return statistics.median(time_calls(call, device, args.warmup, args.repeats,
+                                        None if device == "cuda" else 2.0))
+
+
+def gemm_rows(args):
+    device = args.device
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    for name, (m, n, k) in (GEMMS if device == "cuda" else CPU_GEMMS).items():
+        x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16)
+        bias = torch.randn(n, device=device, generator=gen, dtype=torch.bfloat16)
+        scale = torch.ones(1, device=device)
+        x8 = fp8_cast_amax(x, scale, torch.zeros(1, device=device), E4M3)
+        w8 = fp8_cast_amax(w, scale, torch.zeros(1, device=device), E4M3)
+        calls = {
+            "bf16 F.linear": lambda i: F.linear(x, w, bias),
+            "ampfuse fp8_gemm": lambda i: fp8_gemm(x8, w8, scale, scale, bias, torch.bfloat16),
+        }
+        if device == "cuda":
+            # _scaled_mm wants b column-major: w8.t() is that view of the row-major weight.
+            calls["torch _scaled_mm"] = lambda i: torch._scaled_mm(
+                x8, w8.t(), scale, scale, bias=bias, out_dtype=torch.bfloat16)
+        times = {}
+        for impl, call in calls.items():
+            try:
+                times[impl] = _median(call, device, args)
+            except RuntimeError as error:
+                rows.append({"op": "gemm", "shape": name, "impl": impl,
+                             "error": str(error).splitlines()[0][:80]})
+        amp_first = times.get("ampfuse fp8_gemm")
+        if amp_first is not None:  # ampfuse timed twice: the gap is the noise
+            again = _median(calls["ampfuse fp8_gemm"], device, args)
+            times["ampfuse fp8_gemm"] = statistics.median([amp_first, again])
+            noise = 100.0 * abs(amp_first - again) / min(amp_first, again)
+        for impl, seconds in times.items():
+            row = {"op": "gemm", "shape": name, "m": m, "n": n, "k": k, "impl": impl,
+                   "device": device, "median_s": seconds, "tflops": 2 * m * n * k / seconds / 1e12}
+            if impl == "ampfuse fp8_gemm":
+                row["noise_pct"] = noise
+                for other in times:
+                    if other != impl:
+                        row[f"{other} / ampfuse"] = times[other] / seconds
+            rows.append(row)
+    return rows
+
+
+def cast_rows(args):
+    """The fused cast+amax against torch's two passes, on one 64M-element (CUDA) or 1M (CPU)
+    bf16 tensor. Byte floor: 2 bytes read and 1 written per element."""
+    device = args.device
+    numel = (64 << 20) if device == "cuda" else (1 << 20)
+    x = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    scale, amax = torch.full((1,), 3.0, device=device), torch.zeros(1, device=device)
+
+    def torch_pair(i):
+        (x.float() * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+        x.abs().amax()
+
+    rows = []
+    for impl, call in (("ampfuse fp8_cast_amax", lambda i: fp8_cast_amax(x, scale, amax, E4M3)),
+                       ("torch clamp+cast, amax", torch_pair)):
+        seconds = _median(call, device, args)
+        rows.append({"op": "cast", "shape": f"{numel:,} bf16", "impl": impl, "device": device,
+                     "median_s": seconds, "gbps": 3 * numel / seconds / 1e9})
+    rows[0]["torch / ampfuse"] = rows[1]["median_s"] / rows[0]["median_s"]
+    return rows
+
+
+def run(args):
+    return gemm_rows(args) + cast_rows(args)
+
+
+def format_rows(rows, env):
+    where = env.get("gpu") if rows and rows[0].get("device") == "cuda" else "CPU"
+    lines = [f"# {where}; torch {env['torch']}; {env['date']}; {env['command']}"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row['op']:5} {row['shape']:16} {row['impl']:24} {row['error']}")
+            continue
+        rate = (f"{row['tflops']:8.1f} TFLOP/s" if "tflops" in row
+                else f"{row['gbps']:8.1f} GB/s   ")
+        ratios = "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("/ ampfuse"))
+        noise = f"  noise {row['noise_pct']:.1f}%" if "noise_pct" in row else ""
+        lines.append(f"{row['op']:5} {row['shape']:16} {row['impl']:24} "
+                     f"{row['median_s'] * 1e3:9.3f} ms {rate}  {ratios}{noise}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(__doc__.splitlines()[0], argv)
+    return report(run(args), argv, args.json, format_rows)
+
+
+if __name__ == "__main__":
+    main()

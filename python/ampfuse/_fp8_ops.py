@@ -1,0 +1,106 @@
+"""Typed wrappers and fake (meta) kernels of the FP8 ops (schemas in csrc/registration.cpp).
+
+Kept beside ``_ops.py``, which imports this module, so the FP8 ops load with the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse._ops import _check_scalar
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The largest finite value of each format: the cast saturates to it.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+AMAX_COMPUTE = ("max", "most_recent")
+
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fp8_cast_amax(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``(input * scale)`` in fp32, saturated to ``dtype``'s range and cast (inf becomes the
+    largest finite value, nan stays nan), returned contiguous; in the same pass
+    ``amax = max(amax, input.abs().amax())`` with nan propagating (amax must hold a value >= 0
+    or nan; several casts of one step accumulate into it)."""
+    return torch.ops.ampfuse.fp8_cast_amax(input, scale, amax, dtype)
+
+
+def fp8_update_scales_(amaxes, amax_histories, scales, scale_invs, fp8_maxes, margin: int = 0,
+                       amax_compute: str = "max", found_inf: torch.Tensor | None = None) -> None:
+    """Delayed scaling for every FP8 tensor of a step in one call (see the schema's comment)."""
+    torch.ops.ampfuse.fp8_update_scales_(
+        list(amaxes), list(amax_histories), list(scales), list(scale_invs),
+        [float(m) for m in fp8_maxes], int(margin), amax_compute, found_inf,
+    )
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+             b_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(a @ b.T) * a_scale_inv * b_scale_inv + bias`` for fp8 ``a`` [m, k] and ``b`` [n, k]."""
+    return torch.ops.ampfuse.fp8_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype)
+
+
+# ---- fake kernels: the checks that need no data, with the real kernels' wording ----------
+
+
+def _check_fp8_dtype(op, what, dtype):
+    if dtype not in FP8_DTYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: {what} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
+        )
+
+
+@torch.library.register_fake("ampfuse::fp8_cast_amax")
+def _cast_amax_fake(input, scale, amax, dtype):
+    op = "fp8_cast_amax"
+    if input.dtype not in _INPUT_DTYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: input has dtype {input.dtype}; ampfuse ops take torch.float32, "
+            "torch.float16 or torch.bfloat16 tensors."
+        )
+    _check_fp8_dtype(op, "dtype", dtype)
+    _check_scalar(op, "scale", scale, torch.float32, input.device, device_owner="input")
+    _check_scalar(op, "amax", amax, torch.float32, input.device, device_owner="input")
+    return input.new_empty(input.shape, dtype=dtype)
+
+
+@torch.library.register_fake("ampfuse::fp8_update_scales_")
+def _update_scales_fake(amaxes, amax_histories, scales, scale_invs, fp8_maxes, margin,
+                        amax_compute, found_inf=None):
+    op = "fp8_update_scales_"
+    n = len(amaxes)
+    if not (len(amax_histories) == len(scales) == len(scale_invs) == len(fp8_maxes) == n):
+        raise RuntimeError(
+            f"ampfuse.{op}: amaxes, amax_histories, scales, scale_invs and fp8_maxes must have "
+            "one entry per FP8 tensor."
+        )
+    if amax_compute not in AMAX_COMPUTE:
+        raise RuntimeError(f"ampfuse.{op}: amax_compute must be \"max\" or \"most_recent\", "
+                           f"got \"{amax_compute}\".")
+    device = amaxes[0].device if n else None
+    for i in range(n):
+        for name, t in (("amaxes", amaxes[i]), ("scales", scales[i]),
+                        ("scale_invs", scale_invs[i])):
+            _check_scalar(op, f"{name}[{i}]", t, torch.float32, device, "amaxes[0]")
+        h = amax_histories[i]
+        if h.dtype != torch.float32 or h.dim() != 1 or h.numel() < 1 or h.device != device:
+            raise RuntimeError(f"ampfuse.{op}: amax_histories[{i}] must be a 1-D torch.float32 "
+                               f"tensor of >= 1 entries on {device}.")
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, torch.float32, device, "amaxes")
+
+
+@torch.library.register_fake("ampfuse::fp8_gemm")
+def _gemm_fake(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
+    op = "fp8_gemm"
+    _check_fp8_dtype(op, "a", a.dtype)
+    _check_fp8_dtype(op, "b", b.dtype)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise RuntimeError(f"ampfuse.{op}: a [m, k] and b [n, k] must be 2-D with the same k, "
+                           f"got {tuple(a.shape)} and {tuple(b.shape)}.")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError(f"ampfuse.{op}: out_dtype must be torch.bfloat16 or torch.float32, "
+                           f"got {out_dtype}.")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -1,0 +1,42 @@
+"""One delayed-scaling update for every FP8 tensor of a model, per optimizer step."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ampfuse import _fp8_ops
+from ampfuse.fp8.linear import Linear
+
+
+def fp8_modules(models):
+    """Every ampfuse.fp8.Linear in `models` (a module or a list), each once."""
+    models = models if isinstance(models, (list, tuple)) else [models]
+    seen, found = set(), []
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, Linear) and id(m) not in seen:
+                seen.add(id(m))
+                found.append(m)
+    return found
+
+
+def update_scales(models, found_inf: torch.Tensor | None = None) -> None:
+    """Moves every FP8 tensor's amax history one step and sets its next scale, on the device:
+    one ``fp8_update_scales_`` call per (device, margin, amax_compute), so usually one.
+
+    Call it once per optimizer step, after the step's backward passes (amp.initialize with
+    fp8 does, in an optimizer step pre-hook). ``found_inf``: this step's overflow flag; when
+    it is set the step's amaxes are dropped and the scales stay."""
+    groups = defaultdict(list)
+    for m in fp8_modules(models):
+        r = m.fp8_recipe
+        groups[(m.fp8_input_amax.device, r.margin, r.amax_compute)].append(m)
+    for (device, margin, amax_compute), mods in groups.items():
+        lists = {kind: [t for m in mods for t in m.fp8_state(kind)]
+                 for kind in ("amax", "amax_history", "scale", "scale_inv")}
+        flag = found_inf if found_inf is not None and found_inf.device == device else None
+        _fp8_ops.fp8_update_scales_(
+            lists["amax"], lists["amax_history"], lists["scale"], lists["scale_inv"],
+            [v for m in mods for v in m.fp8_maxes()], margin, amax_compute, flag)
