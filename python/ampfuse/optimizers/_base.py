@@ -84,9 +84,10 @@ class FusedOptimizer(
     """Base class of the ampfuse optimizers; subclasses supply the per-family parts:
 
     _check_hyperparameters(index, group); _prepare_state(group, p, state), which creates what a
-    param's state lacks, and _state_keys(group), the entries it creates; _launch(group, call, lr, grad_scale, found_inf); _export_state(group,
-    state, step_value) -> the torch-layout dict; _import_state(group, p, saved, where) -> (state,
-    step value or None); _import_group(saved, current, new); and the class attributes below.
+    param's state lacks, and _state_keys(group), the entries it creates; _launch(group, call,
+    lr, grad_scale, found_inf); _export_state(group, state, step_value) -> the torch-layout
+    dict; _import_state(group, p, saved, where) -> (state, step value or None);
+    _import_group(saved, current, new); and the class attributes below.
     """
 
     # torch.amp.GradScaler leaves unscaling to step() and hands over `grad_scale` and `found_inf`.
