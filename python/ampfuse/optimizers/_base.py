@@ -83,11 +83,11 @@ class FusedOptimizer(
 ):
     """Base class of the ampfuse optimizers; subclasses supply the per-family parts:
 
-    _check_hyperparameters(index, group); _prepare_state(group, p, state), which creates what a
-    param's state lacks, and _state_keys(group), the entries it creates; _launch(group, call,
-    lr, grad_scale, found_inf); _export_state(group, state, step_value) -> the torch-layout
-    dict; _import_state(group, p, saved, where) -> (state, step value or None);
-    _import_group(saved, current, new); and the class attributes below.
+    _check_hyperparameters(index, group); _state_keys(group), the fp32 state entries of a
+    param (which _prepare_state creates); _launch(group, call, lr, grad_scale, found_inf);
+    _export_state(group, state, step_value) -> the torch-layout dict; _import_state(group, p,
+    saved, where) -> (state, step value or None); _import_group(saved, current, new); and the
+    class attributes below.
     """
 
     # torch.amp.GradScaler leaves unscaling to step() and hands over `grad_scale` and `found_inf`.
@@ -315,9 +315,16 @@ class FusedOptimizer(
         return calls
 
     def _state_keys(self, group):
-        """The state entries _prepare_state gives each param of `group`: a param holding them
-        all is not passed to _prepare_state or _starts_over again."""
+        """The fp32 state entries each param of `group` holds (moments, momentum buffers):
+        _prepare_state makes the missing ones, and a param holding them all is not passed to
+        _prepare_state or _starts_over again."""
         return ()
+
+    def _prepare_state(self, group, p, state):
+        """Creates the entries of _state_keys(group) that `state` lacks, zeroed, in fp32."""
+        for key in self._state_keys(group):
+            if key not in state:
+                state[key] = fp32_like(p)
 
     def _starts_over(self, group, state):
         """True when a param's existing state must count steps from zero again."""

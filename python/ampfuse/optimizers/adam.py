@@ -9,7 +9,7 @@ from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
-from ampfuse.optimizers._state import fp32_copy, fp32_like
+from ampfuse.optimizers._state import fp32_copy
 
 
 class FusedAdam(FusedOptimizer):
@@ -145,13 +145,6 @@ class FusedAdam(FusedOptimizer):
         if group["amsgrad"]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
-
-    def _prepare_state(self, group, p, state):
-        if "exp_avg" not in state:
-            state["exp_avg"] = fp32_like(p)
-            state["exp_avg_sq"] = fp32_like(p)
-        if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = fp32_like(p)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         states = call.states

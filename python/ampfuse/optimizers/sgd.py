@@ -9,7 +9,7 @@ from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
-from ampfuse.optimizers._state import fp32_copy, fp32_like
+from ampfuse.optimizers._state import fp32_copy
 
 
 class FusedSGD(FusedOptimizer):
@@ -109,10 +109,6 @@ class FusedSGD(FusedOptimizer):
         # A buffer made after the param's first step (momentum switched on later) is seeded
         # from the grad like torch's, which needs the op to see step == 0.
         return group["momentum"] != 0 and "momentum_buffer" not in state
-
-    def _prepare_state(self, group, p, state):
-        if group["momentum"] != 0 and "momentum_buffer" not in state:
-            state["momentum_buffer"] = fp32_like(p)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         with_momentum = group["momentum"] != 0
