@@ -66,6 +66,16 @@ def _first_float(values):
     return None
 
 
+def _fp16_headroom(absmax):
+    """log2(65504 / absmax): +inf for an all-zero tensor, -inf once an inf was seen (the
+    tensor overflowed), nan when nothing was measured."""
+    if math.isnan(absmax):
+        return math.nan
+    if absmax == 0:
+        return math.inf
+    return -math.inf if math.isinf(absmax) else math.log2(FP16_MAX / absmax)
+
+
 def _plain(tensor):
     """Only ordinary dense tensors are measured (not meta, fake or subclass tensors)."""
     return (tensor is not None and type(tensor) in (torch.Tensor, torch.nn.Parameter)
@@ -295,9 +305,8 @@ class Watch:
         for (module, phase, op, dtype), c in self._read().items():
             if op == "input":
                 continue
-            headroom = math.log2(FP16_MAX / c.absmax) if c.absmax > 0 else math.inf
             rows.append(Row(module, phase, op, dtype, c.calls, c.absmax, c.below(FP16_TINY),
-                            headroom if not math.isnan(c.absmax) else math.nan))
+                            _fp16_headroom(c.absmax)))
         return rows
 
     def format(self) -> str:

@@ -345,3 +345,16 @@ def test_no_host_sync_while_watching_on_cuda():
     # The backward ran on CUDA's autograd thread: still attributed to the modules.
     assert rows["head", "backward", "mm", torch.float16].calls == 2
     assert ("big", "output", "overflow") in {(f.module, f.what, f.problem) for f in w.flags()}
+
+
+
+def test_a_layer_that_overflowed_to_inf_reports_negative_infinite_headroom():
+    """A tensor that already holds inf (fp16 overflowed in the layer itself) has no headroom
+    left: -inf, not a math error; an all-zero output keeps all of it (+inf)."""
+    for factor, expected in ((1e6, -math.inf), (0.0, math.inf)):
+        model = nn.Sequential(Scale(factor)).half()
+        with numerics.watch(model) as w:
+            model(torch.ones(4, 8, dtype=torch.float16))
+        row = rows_of(w)["0", "forward", "mul", torch.float16]
+        assert row.absmax == factor * math.inf if factor else row.absmax == 0.0
+        assert row.headroom_bits == expected, (factor, row)
