@@ -59,10 +59,16 @@ def smoke_gemm(ops, device):
                 return None  # refused by name, as designed: FP8 GEMMs need sm_89+
             raise
         return "an FP8 GEMM ran on a GPU below compute capability 8.9"
-    out = ops.fp8_gemm(a, b, sa, sb, None, torch.float32)
-    expected = (a.double() @ b.double().T) * 0.125
-    if not torch.allclose(out.double().cpu(), expected.cpu(), rtol=1e-5, atol=1e-5):
-        return "the product differs from the float64 product of the fp8 values"
+    out = ops.fp8_gemm(a, b, sa, sb, None, torch.float32).double().cpu()
+    expected = (a.double() @ b.double().T).cpu() * 0.125
+    # Hopper's FP8 tensor cores keep fewer bits than fp32 while they accumulate (about 14 are
+    # reported), so the error is measured against the sum of |products|, not the result: a
+    # wrong layout, scale or operand is off by the size of the terms themselves.
+    magnitude = (a.double().abs() @ b.double().abs().T).cpu() * 0.125
+    worst = ((out - expected).abs() / magnitude.clamp_min(1e-30)).max().item()
+    if not worst <= 2.0**-11:
+        return (f"the product differs from the float64 product of the fp8 values by up to "
+                f"{worst:.2e} of the sum of |products| (allowed: {2.0**-11:.2e})")
     return None
 
 
