@@ -50,7 +50,7 @@ else
 fi
 
 echo "== CUDA tests: python3 -m pytest -m cuda -q tests/python"
-python3 -m pytest -m cuda -q tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
+python3 -m pytest -m cuda -q -rfE --junitxml="$out/junit_cuda.xml" tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
 tests_status=${PIPESTATUS[0]}
 
 echo "== benchmarks"

@@ -13,7 +13,7 @@ import torch
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 from ampfuse.optimizers import FusedAdam, FusedAdamW
-from helpers import dtype_id, make_generator, raises_naming
+from helpers import dtype_id, make_generator, raises_naming, torch_scaler_class
 from tolerances import assert_close_report
 
 PARITY_RTOL = 1e-5
@@ -452,15 +452,15 @@ SCALER_CASES = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, 
                          ids=[f"{dtype_id(d)}-{'unscale_then_step' if u else 'fused_unscale'}"
                               for d, u in SCALER_CASES])
 def test_grad_scaler_drives_the_optimizer(device, dtype, unscale_first):
-    """torch.amp.GradScaler with inf and nan injected at the first, a middle and the last step:
-    those steps write nothing, the others match fp32 torch fed the unscaled grads."""
+    """torch.amp.GradScaler (ampfuse's for bf16 on CUDA: helpers.torch_scaler_class) with inf
+    and nan injected at the first, a middle and the last step: those steps write nothing, the others match fp32 torch fed the unscaled grads."""
     poison = {0: float("inf"), 6: float("nan"), 11: float("-inf")}
     params = make_params(SHAPES[:4], dtype, device)
     ref_params = clone_params(params, torch.float32)
     fused = FusedAdamW(params, lr=1e-2, master_weights=True)
     ref = torch.optim.AdamW(ref_params, lr=1e-2)
     # Scaled grads must stay finite in fp16: |grad| * 1024 is far below 65504.
-    scaler = torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=1000)
+    scaler = torch_scaler_class(device, dtype)(device, init_scale=1024.0, growth_interval=1000)
     for step, skipped in scaler_training(fused, params, 12, poison, scaler, unscale_first):
         if not skipped:
             set_grads(ref_params, [g.float() for g in step_grads(params, step)])

@@ -780,6 +780,9 @@ def test_fused_step_makes_no_host_sync():
     batches = make_batches(device, 6)
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
+    # The overflow is copied in from a device tensor: `grad[0, 0] = math.inf` would copy a
+    # host scalar, itself a sync that the debug mode reports.
+    inf = torch.full((), math.inf, device=device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -789,7 +792,7 @@ def test_fused_step_makes_no_host_sync():
                 out = model(x)
             scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
             if step == 2:
-                params[0].grad[0, 0] = math.inf
+                params[0].grad[0, 0].copy_(inf)
             scaler.step(opt)
             scaler.update()
     finally:

@@ -7,7 +7,7 @@ import torch
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 from ampfuse.optimizers import FusedSGD
-from helpers import dtype_id, raises_naming
+from helpers import dtype_id, raises_naming, torch_scaler_class
 from test_adam import (
     LOW_DTYPES,
     SHAPES,
@@ -203,7 +203,7 @@ def test_grad_scaler_drives_the_optimizer(device, dtype):
     kwargs = SGD_CASES["momentum"]
     fused = FusedSGD(params, lr=LR, master_weights=True, **kwargs)
     ref = torch.optim.SGD(ref_params, lr=LR, **kwargs)
-    scaler = torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=1000)
+    scaler = torch_scaler_class(device, dtype)(device, init_scale=1024.0, growth_interval=1000)
     for step, skipped in scaler_training(fused, params, 10, poison, scaler):
         if not skipped:
             set_grads(ref_params, [g.float() for g in step_grads(params, step)])
