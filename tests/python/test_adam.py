@@ -453,7 +453,8 @@ SCALER_CASES = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, 
                               for d, u in SCALER_CASES])
 def test_grad_scaler_drives_the_optimizer(device, dtype, unscale_first):
     """torch.amp.GradScaler (ampfuse's for bf16 on CUDA: helpers.torch_scaler_class) with inf
-    and nan injected at the first, a middle and the last step: those steps write nothing, the others match fp32 torch fed the unscaled grads."""
+    and nan injected at the first, a middle and the last step: those steps write nothing, the
+    others match fp32 torch fed the unscaled grads."""
     poison = {0: float("inf"), 6: float("nan"), 11: float("-inf")}
     params = make_params(SHAPES[:4], dtype, device)
     ref_params = clone_params(params, torch.float32)

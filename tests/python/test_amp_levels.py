@@ -8,8 +8,8 @@ level leaves the model in the precision it promises.
   dtype and keeps normalization layers (and amp's masters) fp32, and returns fp32 outputs; O3
   casts everything unless keep_batchnorm_fp32=True.
 - O1 casts per op: forward hooks on modules inside the model show that linear/conv/matmul run
-  in the low dtype and softmax/layer_norm/batch_norm in fp32, and that nothing leaks out of the
-  model's forward.
+  in the low dtype, softmax in fp32 and the norms as torch's autocast runs them, and that
+  nothing leaks out of the model's forward.
 - Custom lists (custom_black_list/custom_white_list, register_*_function, the decorators) change
   the op's precision for the model they were given to, and for no other.
 """
@@ -246,11 +246,14 @@ def test_o1_casts_per_op_in_the_cnn(device):
     model(images)
     for h in handles:
         h.remove()
+    # batch_norm is left to the kernels, as apex's O1 and torch's autocast leave it: the conv's
+    # low-precision output goes in with the fp32 weights, the statistics are fp32 inside the
+    # kernel, and the output comes back in the low dtype.
     assert seen == {
         "conv1": low,
-        "bn1": torch.float32,
+        "bn1": low,
         "conv2": low,
-        "bn2": torch.float32,
+        "bn2": low,
         "head": low,
     }
     assert_dtypes(dict(model.named_parameters()), torch.float32, "O1 params")

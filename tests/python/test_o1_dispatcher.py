@@ -61,8 +61,6 @@ FP32_SAMPLES = {
     "softmax": lambda x, y, t: x.softmax(-1),
     "log_softmax": lambda x, y, t: F.log_softmax(x, -1),
     "softmin": lambda x, y, t: F.softmin(x, -1),
-    "batch_norm": lambda x, y, t: F.batch_norm(x, None, None, training=True),
-    "instance_norm": lambda x, y, t: F.instance_norm(x.view(1, 4, 8)),
     "rms_norm": lambda x, y, t: F.rms_norm(x, (8,)),
     "normalize": lambda x, y, t: F.normalize(x, dim=-1),
     "norm": lambda x, y, t: x.norm(),
@@ -102,6 +100,11 @@ FP32_SAMPLES = {
 NORM_SAMPLES = {
     "layer_norm": lambda x, y, t: F.layer_norm(x, (8,), torch.ones(8) * 1.5, torch.ones(8) / 3),
     "group_norm": lambda x, y, t: F.group_norm(x, 2, torch.ones(8) * 1.5, torch.ones(8) / 3),
+    "batch_norm": lambda x, y, t: F.batch_norm(x, torch.zeros(8), torch.ones(8),
+                                               torch.ones(8) * 1.5, torch.ones(8) / 3,
+                                               training=True),
+    "instance_norm": lambda x, y, t: F.instance_norm(x.view(1, 4, 8), weight=torch.ones(4) * 1.5,
+                                                     bias=torch.ones(4) / 3),
 }
 
 # Ops on no ampfuse list: O1 gives them what torch.autocast gives them.

@@ -23,21 +23,25 @@ import torch
 # in fp32; CPU autocast leaves several in bf16, so this list makes both devices agree.)
 # "cpu": a fp16/bf16 accelerator tensor copied to the host arrives as fp32, as in apex's O1.
 FP32_FUNCTIONS = frozenset({
-    "softmax", "log_softmax", "softmin", "batch_norm",
-    "instance_norm", "rms_norm", "normalize", "norm", "exp", "expm1", "log", "log1p", "log2",
-    "log10", "pow", "__pow__", "__rpow__", "sum", "mean", "prod", "cumsum", "cumprod",
+    "softmax", "log_softmax", "softmin", "rms_norm", "normalize", "norm", "exp", "expm1",
+    "log", "log1p", "log2", "log10", "pow", "__pow__", "__rpow__", "sum", "mean", "prod",
+    "cumsum", "cumprod",
     "logsumexp", "var", "std", "softplus", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
     "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "poisson_nll_loss", "cosine_similarity", "cpu",
 })
 
 # Norms O1 leaves to torch's autocast on each device, where their statistics are fp32 either
-# way: CUDA autocast runs them in fp32 (as apex's O1 did); CPU autocast runs them on the low
-# dtype input with fp32 weights, and torch's CPU kernels compute mean and variance in fp32
-# and round only the output. Listing them would add a cast to fp32 and one back per call on
-# the CPU (1-4% of a step on a LayerNorm-heavy MLP, see benchmarks/RESULTS.md) for one
-# rounding of the output. custom_black_list=["layer_norm"] keeps them fp32 on the CPU too.
-NORMS_LEFT_TO_AUTOCAST = frozenset({"layer_norm", "group_norm"})
+# way. layer_norm, group_norm: CUDA autocast runs them in fp32 (as apex's O1 did); CPU
+# autocast runs them on the low dtype input with fp32 weights. batch_norm, instance_norm: on
+# no autocast list, and apex's O1 left them alone too: with a fp16/bf16 input and the fp32
+# weights of an O1 model, cuDNN's and torch's CPU kernels compute the statistics in fp32 and
+# round only the output. Listing any of them adds a cast to fp32 and one back per call, for
+# one rounding of the output: 1-4% of a step on a LayerNorm-heavy MLP on the CPU; on the H100
+# the kernels of a ResNet-18 O1 step summed to 30.1 ms (torch.profiler) against torch
+# autocast's 17.8, and the step used 1.9x its memory (benchmarks/RESULTS.md).
+# custom_black_list=["batch_norm"] (or any of them) gives fp32.
+NORMS_LEFT_TO_AUTOCAST = frozenset({"layer_norm", "group_norm", "batch_norm", "instance_norm"})
 
 # Python-level torch functions whose work is one or more aten ops of other names.
 _ALIASES = {
