@@ -6,11 +6,16 @@
   dtype on. Lazy ones materialize in fp32.
 - A user's own norm type, registered with register_norm_type, stays fp32 with everything
   inside it, in the models initialized after the registration.
+- The kept norms cast in a forward set on the instance, not in hooks (torch's fast call
+  path); it follows the model into deep copies and pickles, and a module whose instance has a
+  forward of its own keeps it and gets hooks.
 - model.state_dict() at O2 and O3 gives the cast params and buffers back in fp32, as apex did,
   and that state dict loads into a fresh fp32 model and back into the amp model.
 """
 
+import copy
 import inspect
+import io
 
 import pytest
 import torch
@@ -19,7 +24,7 @@ from torch import nn
 from aten_probe import AtenDtypes
 from amp_models import low_dtype, make_model
 from ampfuse import amp
-from ampfuse.amp import casting
+from ampfuse.amp import casting, kept_norms
 
 # Each normalization class in torch.nn: how to build one with params and buffers, and an input.
 NORM_LAYERS = {
@@ -48,7 +53,7 @@ NORM_LAYERS = {
 
 
 # Norm layers whose kernels take a low-precision input with fp32 weights (O2 feeds them the
-# model's dtype); SyncBatchNorm is left out on purpose (casting._MIXED_DTYPE_NORM_FORWARDS).
+# model's dtype); SyncBatchNorm is left out on purpose (kept_norms._MIXED_DTYPE_NORM_FORWARDS).
 MIXED_DTYPE_NORMS = {name for name in NORM_LAYERS
                      if name.replace("Lazy", "").startswith(("BatchNorm", "InstanceNorm"))}
 
@@ -93,7 +98,7 @@ def test_o2_keeps_every_torch_norm_layer_fp32(device, name):
     if name in MIXED_DTYPE_NORMS:
         # torch's batch and instance norms take the low dtype input with their fp32 weights,
         # as apex's O2 gave them: one kernel, statistics in fp32, no cast to fp32 and back.
-        assert casting._takes_low_precision_input(model[0])
+        assert kept_norms.takes_low_precision_input(model[0])
         kernels = [dtypes for op, dtypes in ran if "batch_norm" in op]
         assert kernels and all(dtypes == {low, torch.float32} for dtypes in kernels), ran
     else:
@@ -228,3 +233,52 @@ def test_state_dict_is_fp32_and_loads_at_any_level(device, opt_level, model_name
     model.load_state_dict(state)
     for key, value in model.state_dict(keep_vars=True).items():
         assert value.dtype == live[key].dtype and torch.equal(value.detach(), live[key]), key
+
+
+def o2_norm_model(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 16),
+                          nn.BatchNorm1d(16), nn.Linear(16, 4)).to(device)
+    return o2_cast(model, low_dtype(device))
+
+
+def test_kept_norms_cast_without_hooks_and_follow_copies(device):
+    model = o2_norm_model(device)
+    x = torch.randn(5, 8, device=device)
+    out = model(x)
+    for norm in (model[1], model[4]):
+        assert not norm._forward_pre_hooks and not norm._forward_hooks
+        assert isinstance(norm.forward, kept_norms.KeptNormForward)
+        assert norm.weight.dtype == torch.float32
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert clone[1].forward.module is clone[1] and clone[4].forward.module is clone[4]
+        assert torch.equal(clone(x), out)
+        with torch.no_grad():
+            clone[1].weight.mul_(3.0)
+        assert not torch.equal(clone(x), out)  # the copy runs its own weights...
+        assert torch.equal(model(x), out)  # ...and the original is untouched
+    model[1].forward.remove()
+    assert "forward" not in model[1].__dict__
+    assert model[1].forward.__func__ is nn.LayerNorm.forward  # the class's forward again
+
+
+def test_a_norm_with_its_own_instance_forward_keeps_it(device):
+    low = low_dtype(device)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).to(device)
+    norm = model[1]
+    seen = []
+
+    def patched(x):  # what another library's instance-level patch looks like
+        seen.append(x.dtype)
+        return type(norm).forward(norm, x)
+
+    norm.forward = patched
+    o2_cast(model, low)
+    assert norm.forward is patched
+    out = model(torch.randn(5, 8, device=device))
+    assert seen == [torch.float32]  # hooks gave it fp32 in...
+    assert out.dtype == torch.float32 and model[2].weight.dtype == low  # ...and low out
+

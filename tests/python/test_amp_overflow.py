@@ -209,12 +209,13 @@ def test_cuda_names_the_layer_that_overflowed(kind):
     assert (report.step, report.param_names) == (3, ["encoder.layer3.fc1.weight"])
 
 
-def test_a_pickled_or_deep_copied_model_names_its_own_params():
+@pytest.mark.parametrize("kind", ["inplace torch", "fold"], ids=["O1", "O2"])
+def test_a_pickled_or_deep_copied_model_names_its_own_params(kind):
     # EMA helpers deepcopy the model and checkpoints pickle it, amp's handle included.
     import copy
     import io
 
-    model, optimizer = setup("inplace torch")  # O1: an O2 model's cast hooks do not pickle
+    model, optimizer = setup(kind)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)

@@ -29,7 +29,7 @@ from ampfuse.amp.per_op import (  # noqa: F401
     cast_decorator,
     check_custom_lists,
 )
-from ampfuse.amp.tensor_casts import cast_floats
+from ampfuse.amp import kept_norms
 
 NORM_TYPES = (
     torch.nn.modules.batchnorm._BatchNorm,  # BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*
@@ -72,44 +72,6 @@ def register_norm_type(cls) -> RemovableHandle:
 def norm_types() -> tuple:
     """Every module type that a cast model keeps in fp32: torch's and the registered ones."""
     return NORM_TYPES + tuple(_registered_norm_types.values())
-
-
-def _fp32_inputs(module, args, kwargs):
-    return cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)
-
-
-# torch's own forwards of the norms whose kernels take a fp16/bf16 input with fp32 weights
-# and compute the statistics in fp32 (cuDNN on CUDA, torch's CPU kernels), as apex's O2 relied
-# on: a kept module with one of these forwards gets the model's dtype in and gives it out, with
-# no cast to fp32 and back (on the H100 the kernels of a ResNet-18 O2 step summed to 27.1 ms
-# against torch autocast's 17.8, the casts and fp32 batch norms the largest difference). A subclass
-# with its own forward (a frozen batch norm doing its own arithmetic) keeps the fp32 casts, and
-# so does SyncBatchNorm, whose cross-process statistics ampfuse has not checked in mixed dtypes.
-_MIXED_DTYPE_NORM_FORWARDS = (
-    torch.nn.modules.batchnorm._BatchNorm.forward,
-    torch.nn.modules.instancenorm._InstanceNorm.forward,
-)
-
-
-def _takes_low_precision_input(module):
-    return (type(module).forward in _MIXED_DTYPE_NORM_FORWARDS
-            and not isinstance(module, torch.nn.SyncBatchNorm))
-
-
-class _InputsTo:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, kwargs):
-        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
-
-
-class _OutputsTo:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, output):
-        return cast_floats(output, self.dtype)
 
 
 class _StateDictInOriginalDtypes:
@@ -163,11 +125,10 @@ def _cast_own_tensors(module, dtype):
 def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_norm_fp32: bool):
     """Casts floating parameters and buffers to `dtype` in place (the Parameter objects stay
     the same, so optimizers keep pointing at them). With keep_norm_fp32, modules of
-    norm_types() stay fp32 with their submodules and get hooks that feed them fp32 inputs and
-    hand `dtype` outputs on; torch's batch and instance norms instead get `dtype` inputs, which
-    their kernels take with fp32 weights (_MIXED_DTYPE_NORM_FORWARDS). Every cast module gets
-    a state_dict hook that gives its cast entries back in their original dtype. Returns the
-    hook handles."""
+    norm_types() stay fp32 with their submodules and run as kept_norms describes (fp32 in and
+    `dtype` out, or `dtype` in for torch's batch and instance norms). Every cast module gets a
+    state_dict hook that gives its cast entries back in their original dtype. Returns the
+    handles of what it installed."""
     kept = norm_types() if keep_norm_fp32 else ()
     handles = []
     seen = set()
@@ -178,13 +139,7 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_norm_fp32: bool)
             continue
         seen.add(id(module))
         if kept and isinstance(module, kept):
-            if _takes_low_precision_input(module):
-                # The output is then in `dtype` already: no hook after the forward.
-                handles.append(module.register_forward_pre_hook(_InputsTo(dtype),
-                                                                with_kwargs=True))
-            else:
-                handles.append(module.register_forward_pre_hook(_fp32_inputs, with_kwargs=True))
-                handles.append(module.register_forward_hook(_OutputsTo(dtype)))
+            handles += kept_norms.keep_in_fp32(module, dtype)
             continue  # with everything inside it
         _refuse_lazy(module, name)
         original = _cast_own_tensors(module, dtype)
@@ -202,10 +157,8 @@ def cast_model_io(model, input_dtype, output_dtype):
     (either may be None)."""
     handles = []
     if input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(
-            lambda m, args, kwargs: (cast_floats(args, input_dtype),
-                                     cast_floats(kwargs, input_dtype)),
-            with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(kept_norms.InputsTo(input_dtype),
+                                                       with_kwargs=True))
     if output_dtype is not None:
-        handles.append(model.register_forward_hook(_OutputsTo(output_dtype)))
+        handles.append(model.register_forward_hook(kept_norms.OutputsTo(output_dtype)))
     return handles

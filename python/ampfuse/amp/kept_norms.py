@@ -1,0 +1,106 @@
+"""The norm layers that O2 (and O3 with keep_batchnorm_fp32=True) keeps in fp32 inside a
+low-precision model: what runs around their forward.
+
+A kept module's parameters and buffers stay fp32. Its floating inputs arrive in the model's
+dtype and its outputs must leave in it, so that the next fp16/bf16 layer can take them:
+- torch's batch and instance norms take the low dtype as it is. Their kernels (cuDNN on CUDA,
+  torch's on the CPU) accept a fp16/bf16 input with fp32 weights, keep mean, variance and the
+  running statistics in fp32, and round only the output, which is what apex's O2 gave them.
+  On an H100 the casts to fp32 and back around them made a ResNet-18 O2 step's kernels sum
+  to 27.1 ms against torch autocast's 17.8 (benchmarks/RESULTS.md). SyncBatchNorm is left
+  out (its cross-process statistics were not checked in mixed dtypes), and so is a subclass
+  with a forward of its own (a frozen batch norm doing its own arithmetic).
+- every other kept norm (LayerNorm, GroupNorm, RMSNorm, LRN, registered types) computes in
+  fp32: its inputs are cast to fp32 and its outputs back to the model's dtype. torch's CUDA
+  layer_norm does not take a fp16 input with fp32 weights.
+
+The casts run in a forward set on the module instance, not in forward hooks: a module with
+hooks makes torch's Module.__call__ take its slow path (about 30 Python calls per call, the
+bulk of O2's per-step Python on a LayerNorm-heavy model, issue 14); a module without any
+calls self.forward directly. A module whose instance already has a forward of its own (set by
+another library) keeps it, and gets the casts as hooks instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse.amp.tensor_casts import cast_floats
+
+_MIXED_DTYPE_NORM_FORWARDS = (
+    torch.nn.modules.batchnorm._BatchNorm.forward,
+    torch.nn.modules.instancenorm._InstanceNorm.forward,
+)
+
+
+def takes_low_precision_input(module) -> bool:
+    """Whether a kept module runs on the model's dtype (torch's batch and instance norms)."""
+    return (type(module).forward in _MIXED_DTYPE_NORM_FORWARDS
+            and not isinstance(module, torch.nn.SyncBatchNorm))
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor):  # the common case, without cast_floats' dispatch
+        return value.to(dtype) if value.dtype != dtype and value.is_floating_point() else value
+    return cast_floats(value, dtype)
+
+
+class KeptNormForward:
+    """The forward set on a kept module's instance: the class's forward, with the floating
+    inputs cast to `compute_dtype` and, when `output_dtype` is given, the outputs to it.
+
+    It holds the module itself, so that copy.deepcopy of a model (EMA helpers) and pickling
+    carry it over to the copy, pointing at the copied module."""
+
+    def __init__(self, module, compute_dtype, output_dtype):
+        self.module = module
+        self.compute_dtype = compute_dtype
+        self.output_dtype = output_dtype
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        if len(args) == 1 and not kwargs:  # norm(x): no tuple or dict rebuilt
+            output = type(module).forward(module, _cast(args[0], self.compute_dtype))
+        else:
+            output = type(module).forward(module, *cast_floats(args, self.compute_dtype),
+                                          **cast_floats(kwargs, self.compute_dtype))
+        return output if self.output_dtype is None else _cast(output, self.output_dtype)
+
+    def remove(self):
+        """Gives the module its class's forward back (a hook handle's interface)."""
+        if self.module.__dict__.get("forward") is self:
+            del self.module.__dict__["forward"]
+
+
+class InputsTo:
+    """A forward pre-hook casting the floating inputs to `dtype` (a class, so that it pickles)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
+
+
+class OutputsTo:
+    """A forward hook casting the floating outputs to `dtype`."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return cast_floats(output, self.dtype)
+
+
+def keep_in_fp32(module, dtype) -> list:
+    """Makes `module` (left fp32) run inside a model of `dtype`; returns handles with remove()."""
+    low_input = takes_low_precision_input(module)
+    compute_dtype = dtype if low_input else torch.float32
+    output_dtype = None if low_input else dtype  # a low input already gives a low output
+    if "forward" not in module.__dict__:
+        module.forward = KeptNormForward(module, compute_dtype, output_dtype)
+        return [module.forward]
+    handles = [module.register_forward_pre_hook(InputsTo(compute_dtype), with_kwargs=True)]
+    if output_dtype is not None:
+        handles.append(module.register_forward_hook(OutputsTo(output_dtype)))
+    return handles
