@@ -83,3 +83,24 @@ def test_standalone_benchmarks_run(tmp_path):
     rows = json.loads((tmp_path / "skip.json").read_text())["results"]
     assert {r["master_weights"] for r in rows} == {False, True}
     assert all(r["first_min_ms"] > 0 and r["second_min_ms"] > 0 for r in rows), rows
+
+
+def test_profile_gpu_runs_on_the_cpu():
+    """benchmarks/profile_gpu.py (host against device time, for the next GPU session): on the
+    CPU it prints a host-time row per op and implementation, and one per training set-up."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    train_sizes = TINY[TINY.index("--layers"):]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_gpu.py"), "--device", "cpu",
+         "--total-elements", "2e4", "--calls", "2", "--steps", "1", "--warmup", "1",
+         *train_sizes],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for op in ("unscale_", "nonfinite_check_", "l2norm", "scale_"):
+        for impl in ("ampfuse", "torch"):
+            assert any(line.split()[:3] == [op, "20,000", impl] for line in lines), (op, impl)
+    for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
+        assert sum(line.strip().startswith(impl) for line in lines) == 2, impl  # gpt and cnn
+

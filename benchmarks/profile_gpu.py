@@ -1,0 +1,179 @@
+"""Where the time goes, for the GPU goals a benchmark missed: host against device, per call.
+
+    PYTHONPATH=python python benchmarks/profile_gpu.py [--device cuda] [--what ops train]
+        [--total-elements 1e6 1e8] [--models gpt cnn] [--steps 4] [bench_train's size flags]
+
+The benchmarks (run.py) give one time per call or step. This splits it:
+- ops: for unscale_, nonfinite_check_, l2norm and the scale_ cast copy, and torch's
+  counterparts, on model-shaped lists (291 tensors): the host time to issue one call (no
+  sync), the kernels it launched and their summed device time (torch.profiler), and the
+  wall time per call of back-to-back calls. Wall near host: host-bound (validation, launch
+  cost); wall near kernels: the kernels are the cost, and their bandwidth is the question.
+- train: per training step of bench_train's models (torch amp, ampfuse O1, O2): wall time,
+  host time to issue the step, summed kernel time and count, how much of it is copy/cast
+  kernels, and the largest kernels.
+On the CPU the kernel columns are empty ("-"): the host figures still compare ampfuse's
+per-call cost with torch's. Figures from a GPU go in RESULTS.md with the command.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
+import bench_train
+from _timing import default_device, generator, model_like_shapes, random_tensors, synchronize
+
+OPS = ("unscale_", "nonfinite_check_", "l2norm", "scale_")
+
+
+def _op_calls(name, grads, device):
+    """(ampfuse call, torch call) for one op on `grads`."""
+    found_inf = torch.zeros(1, device=device)
+    inv_scale = torch.ones(1, device=device)  # repeated calls leave the values as they are
+    ops = torch.ops.ampfuse
+    if name == "unscale_":
+        return (lambda: ops.multi_tensor_unscale_(grads, found_inf, inv_scale),
+                lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                                         inv_scale))
+    if name == "nonfinite_check_":
+        # torch has no read-only check: its counterpart is the unscale by 1.
+        one = torch.ones(1, device=device)
+        return (lambda: ops.multi_tensor_nonfinite_check_(grads, found_inf),
+                lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one))
+    if name == "l2norm":
+        return (lambda: ops.multi_tensor_l2norm(grads, False),
+                lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+    dst = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+    return (lambda: ops.multi_tensor_scale_(grads, dst, inv_scale, found_inf),
+            lambda: torch._foreach_copy_(dst, torch._foreach_mul(grads, inv_scale[0])))
+
+
+def _kernels(call, device, calls):
+    """(kernel launches per call, summed kernel microseconds per call), or (None, None)."""
+    if device != "cuda":
+        return None, None
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    return len(kernels) / calls, busy / calls
+
+
+def _host_and_wall(call, device, calls):
+    """Median host microseconds to issue one call, and wall microseconds per call."""
+    host = []
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        t = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t)
+    synchronize(device)
+    wall = (time.perf_counter() - start) / calls
+    return statistics.median(host) * 1e6, wall * 1e6
+
+
+def profile_ops(args):
+    rows = []
+    for total in args.total_elements:
+        shapes = model_like_shapes(int(total))
+        grads = random_tensors(shapes, torch.float32, args.device, generator(args.device, 0))
+        for name in OPS:
+            for impl, call in zip(("ampfuse", "torch"), _op_calls(name, grads, args.device)):
+                for _ in range(args.warmup):
+                    call()
+                host, wall = _host_and_wall(call, args.device, args.calls)
+                launches, busy = _kernels(call, args.device, args.calls)
+                rows.append((name, f"{int(total):,}", impl, host, wall, launches, busy))
+    print(f"# ops on {args.device}: {len(shapes)} fp32 tensors; us per call; host: median "
+          "time to issue one call; wall: back-to-back calls; kernels: launches and summed time")
+    print(f"{'op':>17} {'elements':>12} {'impl':>8} {'host us':>9} {'wall us':>9} "
+          f"{'launches':>9} {'kernel us':>10}")
+    for name, total, impl, host, wall, launches, busy in rows:
+        print(f"{name:>17} {total:>12} {impl:>8} {host:9.1f} {wall:9.1f} "
+              f"{_fmt(launches, '9.1f')} {_fmt(busy, '10.1f')}")
+
+
+def _fmt(value, spec):
+    return f"{value:{spec}}" if value is not None else f"{'-':>{spec.split('.')[0]}}"
+
+
+def profile_train(args):
+    train_args = bench_train.finish_args(
+        bench_train.parse_args(["--device", args.device, *args.train_argv]))
+    for name in args.models:
+        workload = bench_train.Workload(name, train_args)
+        batches = workload.batches()
+        print(f"# train {name} on {args.device}: ms per step, mean of {args.steps} profiled "
+              "steps after warm-up")
+        print(f"{'impl':>11} {'wall':>8} {'host':>8} {'kernels':>8} {'launches':>9} "
+              f"{'copy ms':>8} {'copies':>7}  largest kernels (ms per step)")
+        for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
+            step, _, _ = bench_train.make_step(impl, workload, bench_train.AMP_DTYPES["fp16"]
+                                               if args.device == "cuda" else torch.bfloat16)
+            for i in range(args.warmup):
+                step(batches[i % len(batches)])
+            host_s = []
+            synchronize(args.device)
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if args.device == "cuda" else [])
+            with profile(activities=activities) as prof:
+                start = time.perf_counter()
+                for i in range(args.steps):
+                    t = time.perf_counter()
+                    step(batches[i % len(batches)])
+                    host_s.append(time.perf_counter() - t)
+                synchronize(args.device)
+                wall = (time.perf_counter() - start) / args.steps * 1e3
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            per_kernel = {}
+            for e in kernels:
+                per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us()
+            copies = [e for e in kernels if "copy" in e.name.lower()]
+            busy = sum(per_kernel.values()) / args.steps / 1e3
+            copy_ms = sum(e.time_range.elapsed_us() for e in copies) / args.steps / 1e3
+            top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:3]
+            largest = "; ".join(f"{v / args.steps / 1e3:.2f} {k[:48]}" for k, v in top)
+            on_gpu = args.device == "cuda"
+            print(f"{impl:>11} {wall:8.2f} {statistics.mean(host_s) * 1e3:8.2f} "
+                  f"{_fmt(busy if on_gpu else None, '8.2f')} "
+                  f"{_fmt(len(kernels) / args.steps if on_gpu else None, '9.0f')} "
+                  f"{_fmt(copy_ms if on_gpu else None, '8.2f')} "
+                  f"{_fmt(len(copies) / args.steps if on_gpu else None, '7.0f')}  {largest}")
+            del step
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
+    parser.add_argument("--what", nargs="+", choices=["ops", "train"], default=["ops", "train"])
+    parser.add_argument("--total-elements", nargs="+", type=float, default=[1e6, 1e8])
+    parser.add_argument("--models", nargs="+", choices=["gpt", "cnn"], default=["gpt", "cnn"])
+    parser.add_argument("--calls", type=int, default=50, help="profiled calls per op")
+    parser.add_argument("--steps", type=int, default=4, help="profiled training steps")
+    parser.add_argument("--warmup", type=int, default=5)
+    # Anything else goes to bench_train (its model sizes: --layers, --cnn-width, ...).
+    args, args.train_argv = parser.parse_known_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "ops" in args.what:
+        profile_ops(args)
+    if "train" in args.what:
+        profile_train(args)
+
+
+if __name__ == "__main__":
+    main()
