@@ -30,6 +30,16 @@ from ampfuse.amp.apex_state import AmpStash, AmpStateView
 from ampfuse.amp.binding import hookable, optimizer_params
 from ampfuse.amp.casting import register_norm_type
 from ampfuse.amp.handle import AmpHandle
+from ampfuse.amp.initialize_checks import (
+    ATTR,
+    as_list,
+    check_lists,
+    check_models,
+    check_optimizers,
+    check_param_dtypes,
+    low_dtype,
+    model_device,
+)
 from ampfuse.amp.opt_levels import resolve
 from ampfuse.amp.sharded import refuse_casting_sharded_models
 
@@ -39,8 +49,6 @@ __all__ = [
     "register_promote_function", "half_function", "float_function", "promote_function",
     "disable_casts", "register_norm_type",
 ]
-
-_ATTR = "_ampfuse_amp"
 
 # Registrations made with register_*_function before initialize, as in apex. Each initialize
 # copies them into its own handle, so later registrations never change an initialized model.
@@ -57,95 +65,6 @@ def _latest_handle():
 # apex's amp._amp_state, which scripts and trainers read (loss_scalers[0].loss_scale(), ...): a
 # view of the latest initialize, holding no state of its own.
 _amp_state = AmpStateView(_latest_handle)
-
-
-def _as_list(value):
-    if value is None:
-        return [], False
-    if isinstance(value, (list, tuple)):
-        return list(value), True
-    return [value], False
-
-
-def _model_device(models):
-    for model in models:
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            return tensor.device
-    return torch.device("cpu")
-
-
-def _check_models(models):
-    for model in models:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"amp.initialize: expected torch.nn.Module models, got {type(model)}.")
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel,
-                              torch.nn.DataParallel)):
-            raise RuntimeError(
-                "amp.initialize: the model is already wrapped in "
-                f"{type(model).__name__}. Call amp.initialize on the bare model first and wrap "
-                "the model it returns: model, opt = amp.initialize(model, opt); "
-                "model = DistributedDataParallel(model)."
-            )
-        if getattr(model, _ATTR, None) is not None:
-            raise RuntimeError(
-                "amp.initialize: this model was already initialized; call amp.initialize once "
-                "per model (with all of its optimizers)."
-            )
-
-
-def _check_optimizers(optimizers):
-    for optimizer in optimizers:
-        if hookable(optimizer) is None:
-            raise TypeError(
-                f"amp.initialize: expected torch.optim.Optimizer objects, got {type(optimizer)}. "
-                "An optimizer wrapper (such as LARC) is accepted when it has `param_groups` and "
-                "keeps the torch.optim.Optimizer it steps in an attribute named `optim` or "
-                "`optimizer` that shares those param_groups."
-            )
-        if getattr(optimizer, _ATTR, None) is not None:
-            raise RuntimeError(
-                "amp.initialize: this optimizer was already passed to amp.initialize. Calling it "
-                "twice would make a second set of master weights and loss scalers; build a new "
-                "optimizer, or keep the first initialization."
-            )
-
-
-def _check_param_dtypes(models, props):
-    if props.cast_model_type == torch.float32:
-        return  # O0 (or cast_model_type=torch.float32): model.float() makes it fp32 as apex did
-    for model in models:
-        for name, p in model.named_parameters():
-            if p.dtype == torch.float64:
-                raise ValueError(
-                    f"amp.initialize: {type(model).__name__}.{name} is float64. {props.opt_level} "
-                    "trains an fp32 model in mixed precision (a float64 model would silently "
-                    "lose its precision); call model.float() before amp.initialize, or use "
-                    "opt_level='O0' to train in fp32."
-                )
-
-
-def _check_lists(props, white, black):
-    if (white or black) and not props.patch_torch_functions:
-        raise ValueError(
-            f"amp.initialize: custom_white_list/custom_black_list apply to O1's per-op casting, "
-            f"but opt_level={props.opt_level!r} casts the model instead and would ignore them. "
-            "Use opt_level='O1', or drop the lists."
-        )
-
-
-def _low_dtype(dtype, device):
-    if dtype is None:
-        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"amp.initialize: dtype must be torch.float16 or torch.bfloat16, got {dtype}."
-        )
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeError(
-            f"amp.initialize: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
-            "use dtype=torch.float16."
-        )
-    return dtype
 
 
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
@@ -175,13 +94,13 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     sizes are multiples of 16 compute their GEMMs in FP8 (see ampfuse.amp.fp8_layers).
     """
     global _latest
-    model_list, models_were_list = _as_list(models)
-    optimizer_list, optimizers_were_list = _as_list(optimizers)
-    _check_models(model_list)
-    _check_optimizers(optimizer_list)
+    model_list, models_were_list = as_list(models)
+    optimizer_list, optimizers_were_list = as_list(optimizers)
+    check_models(model_list)
+    check_optimizers(optimizer_list)
     casting.check_custom_lists(custom_white_list, custom_black_list)
-    device = _model_device(model_list)
-    low = _low_dtype(dtype, device)
+    device = model_device(model_list)
+    low = low_dtype(dtype, device)
     # apex: False leaves the model's dtype alone at every level (None takes the level's own).
     leave_model_dtype = cast_model_type is False
     if leave_model_dtype:
@@ -206,9 +125,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         )
     fp8_recipe = fp8_layers.resolve(fp8, props.opt_level, device)
     if enabled:
-        _check_param_dtypes(model_list, props)
+        check_param_dtypes(model_list, props)
         refuse_casting_sharded_models(model_list, props.cast_model_type, props.opt_level)
-        _check_lists(props, custom_white_list, custom_black_list)
+        check_lists(props, custom_white_list, custom_black_list)
     handle = AmpHandle(props, low, device, num_losses, min_loss_scale, max_loss_scale,
                        hysteresis, verbosity, enabled=enabled, growth_interval=growth_interval,
                        all_reduce_found_inf=all_reduce_found_inf, process_group=process_group,
@@ -263,7 +182,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                 model_list, handle.binding_of(optimizer_list[0])))
 
     for obj in model_list + optimizer_list:
-        setattr(obj, _ATTR, handle)
+        setattr(obj, ATTR, handle)
     _latest = weakref.ref(handle)
 
     out_models = model_list if models_were_list else model_list[0]
@@ -273,7 +192,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
 
 def _handle_of(optimizers):
-    handles = {id(getattr(o, _ATTR, None)): getattr(o, _ATTR, None) for o in optimizers}
+    handles = {id(getattr(o, ATTR, None)): getattr(o, ATTR, None) for o in optimizers}
     if None in handles.values():
         raise RuntimeError(
             "amp.scale_loss: the optimizer was not passed to amp.initialize. Call "
@@ -295,7 +214,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     delay_unscale=True leaves the gradients scaled (gradient accumulation): only the last
     micro-batch's scale_loss before step() may unscale.
     """
-    optimizer_list, _ = _as_list(optimizers)
+    optimizer_list, _ = as_list(optimizers)
     handle = _handle_of(optimizer_list)
     if not handle.enabled:
         yield loss
@@ -335,7 +254,7 @@ def disable_casts():
 
 def _handle_for(optimizer, what):
     if optimizer is not None:
-        handle = getattr(optimizer, _ATTR, None)
+        handle = getattr(optimizer, ATTR, None)
         if handle is None:
             raise RuntimeError(f"amp.{what}: the optimizer was not passed to amp.initialize.")
         return handle
@@ -355,7 +274,7 @@ def master_params(optimizer):
     master_params is not called."""
     from ampfuse.optimizers._base import FusedOptimizer
 
-    handle = getattr(optimizer, _ATTR, None)
+    handle = getattr(optimizer, ATTR, None)
     if handle is not None and handle.enabled:
         handle.binding_of(optimizer).materialize_unscaled_grads()
     inner = hookable(optimizer)
