@@ -27,7 +27,6 @@ import torch
 
 from ampfuse.amp import casting, fp8_layers, per_op
 from ampfuse.amp.apex_state import AmpStash, AmpStateView
-from ampfuse.amp.binding import hookable, optimizer_params
 from ampfuse.amp.casting import register_norm_type
 from ampfuse.amp.handle import AmpHandle
 from ampfuse.amp.initialize_checks import (
@@ -41,6 +40,7 @@ from ampfuse.amp.initialize_checks import (
     model_device,
 )
 from ampfuse.amp.opt_levels import resolve
+from ampfuse.amp.optimizer_access import hookable, optimizer_params
 from ampfuse.amp.sharded import refuse_casting_sharded_models
 
 __all__ = [

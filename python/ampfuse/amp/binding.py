@@ -29,60 +29,10 @@ import torch
 from ampfuse import _ops
 from ampfuse.amp.attribution import StepAttribution, place_in_optimizer
 from ampfuse.amp.masters import MasterTracker, refresh_master
+from ampfuse.amp.optimizer_access import hookable, optimizer_params, params_and_grads
 from ampfuse.optimizers._base import FusedOptimizer
 
 _LOW = (torch.float16, torch.bfloat16)
-
-
-def optimizer_params(optimizer):
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def dense_grad(grad, what):
-    """The tensor the unscale ops work on for `grad`: the grad itself, or a sparse grad's values
-    (coalesced first for fp16, whose duplicate indices could overflow once summed)."""
-    if grad.layout == torch.strided:
-        return grad
-    if grad.layout == torch.sparse_coo:
-        return grad._values()
-    raise RuntimeError(
-        f"amp.{what}: a gradient has layout {grad.layout}; amp unscales dense (strided) and "
-        "sparse COO gradients."
-    )
-
-
-def params_and_grads(params, what="scale_loss"):
-    """The params that have a grad, and the tensors the unscale ops work on for those grads."""
-    with_grads, out = [], []
-    for p in params:
-        grad = p.grad
-        if grad is None:
-            continue
-        with_grads.append(p)
-        if grad.layout == torch.strided:  # dense_grad's answer, without a call per param
-            out.append(grad)
-            continue
-        if grad.layout == torch.sparse_coo and grad.dtype == torch.float16:
-            p.grad = grad = grad.coalesce()
-        out.append(dense_grad(grad, what))
-    return with_grads, out
-
-
-def grads_of(params, what="scale_loss"):
-    return params_and_grads(params, what)[1]
-
-
-def hookable(optimizer):
-    """The torch.optim.Optimizer whose step hooks see `optimizer`'s steps: the optimizer itself,
-    or the one a duck-typed wrapper (such as LARC) steps with the same param groups."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    for name in ("optim", "optimizer", "_optimizer", "base_optimizer"):
-        inner = getattr(optimizer, name, None)
-        shares_groups = getattr(inner, "param_groups", None) is optimizer.param_groups
-        if isinstance(inner, torch.optim.Optimizer) and shares_groups:
-            return inner
-    return None
 
 
 def _flag_like(tensors, device):

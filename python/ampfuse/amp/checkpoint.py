@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from ampfuse.amp.binding import optimizer_params
+from ampfuse.amp.optimizer_access import optimizer_params
 
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)$")
 _OUR_KEYS = ("master_params", "skipped_steps", "unstepped_fused_masters")

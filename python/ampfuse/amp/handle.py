@@ -13,7 +13,8 @@ import logging
 import torch
 
 from ampfuse.amp import checkpoint
-from ampfuse.amp.binding import Binding, grads_of
+from ampfuse.amp.binding import Binding
+from ampfuse.amp.optimizer_access import grads_of
 from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
 from ampfuse.amp.reporting import OverflowReporter

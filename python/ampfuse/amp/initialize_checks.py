@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.amp.binding import hookable
+from ampfuse.amp.optimizer_access import hookable
 
 # The attribute amp.initialize sets on each model and optimizer it took (its handle).
 ATTR = "_ampfuse_amp"

@@ -1,0 +1,58 @@
+"""Where amp finds an optimizer's params and grads: the param list, the grads the unscale ops
+work on (sparse COO grads by their values), and the torch.optim.Optimizer whose step hooks see
+a wrapped optimizer's steps."""
+
+from __future__ import annotations
+
+import torch
+
+
+def optimizer_params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def dense_grad(grad, what):
+    """The tensor the unscale ops work on for `grad`: the grad itself, or a sparse grad's values
+    (coalesced first for fp16, whose duplicate indices could overflow once summed)."""
+    if grad.layout == torch.strided:
+        return grad
+    if grad.layout == torch.sparse_coo:
+        return grad._values()
+    raise RuntimeError(
+        f"amp.{what}: a gradient has layout {grad.layout}; amp unscales dense (strided) and "
+        "sparse COO gradients."
+    )
+
+
+def params_and_grads(params, what="scale_loss"):
+    """The params that have a grad, and the tensors the unscale ops work on for those grads."""
+    with_grads, out = [], []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        with_grads.append(p)
+        if grad.layout == torch.strided:  # dense_grad's answer, without a call per param
+            out.append(grad)
+            continue
+        if grad.layout == torch.sparse_coo and grad.dtype == torch.float16:
+            p.grad = grad = grad.coalesce()
+        out.append(dense_grad(grad, what))
+    return with_grads, out
+
+
+def grads_of(params, what="scale_loss"):
+    return params_and_grads(params, what)[1]
+
+
+def hookable(optimizer):
+    """The torch.optim.Optimizer whose step hooks see `optimizer`'s steps: the optimizer itself,
+    or the one a duck-typed wrapper (such as LARC) steps with the same param groups."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    for name in ("optim", "optimizer", "_optimizer", "base_optimizer"):
+        inner = getattr(optimizer, name, None)
+        shares_groups = getattr(inner, "param_groups", None) is optimizer.param_groups
+        if isinstance(inner, torch.optim.Optimizer) and shares_groups:
+            return inner
+    return None
