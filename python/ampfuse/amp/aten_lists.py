@@ -38,8 +38,8 @@ FP32_FUNCTIONS = frozenset({
 # weights of an O1 model, cuDNN's and torch's CPU kernels compute the statistics in fp32 and
 # round only the output. Listing any of them adds a cast to fp32 and one back per call, for
 # one rounding of the output: 1-4% of a step on a LayerNorm-heavy MLP on the CPU; on the H100
-# the kernels of a ResNet-18 O1 step summed to 30.1 ms (torch.profiler) against torch
-# autocast's 17.8, and the step used 1.9x its memory (benchmarks/RESULTS.md).
+# a ResNet-18 O1 step's CUDA self time (torch.profiler, ops and kernels summed) was 30.1 ms
+# against torch autocast's 17.8, and it used 1.9x the memory (benchmarks/RESULTS.md).
 # custom_black_list=["batch_norm"] (or any of them) gives fp32.
 NORMS_LEFT_TO_AUTOCAST = frozenset({"layer_norm", "group_norm", "batch_norm", "instance_norm"})
 

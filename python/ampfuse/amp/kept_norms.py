@@ -6,8 +6,9 @@ dtype and its outputs must leave in it, so that the next fp16/bf16 layer can tak
 - torch's batch and instance norms take the low dtype as it is. Their kernels (cuDNN on CUDA,
   torch's on the CPU) accept a fp16/bf16 input with fp32 weights, keep mean, variance and the
   running statistics in fp32, and round only the output, which is what apex's O2 gave them.
-  On an H100 the casts to fp32 and back around them made a ResNet-18 O2 step's kernels sum
-  to 27.1 ms against torch autocast's 17.8 (benchmarks/RESULTS.md). SyncBatchNorm is left
+  On an H100, with the casts to fp32 and back around them, a ResNet-18 O2 step's CUDA self
+  time (torch.profiler, ops and kernels summed) was 27.1 ms against torch autocast's 17.8
+  (benchmarks/RESULTS.md). SyncBatchNorm is left
   out (its cross-process statistics were not checked in mixed dtypes), and so is a subclass
   with a forward of its own (a frozen batch norm doing its own arithmetic).
 - every other kept norm (LayerNorm, GroupNorm, RMSNorm, LRN, registered types) computes in
