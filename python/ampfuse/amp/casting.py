@@ -30,6 +30,7 @@ from ampfuse.amp.per_op import (  # noqa: F401
     check_custom_lists,
 )
 from ampfuse.amp import kept_norms
+from ampfuse.amp.tensor_casts import InputsTo, OutputsTo
 
 NORM_TYPES = (
     torch.nn.modules.batchnorm._BatchNorm,  # BatchNorm1d/2d/3d, SyncBatchNorm, LazyBatchNorm*
@@ -157,8 +158,8 @@ def cast_model_io(model, input_dtype, output_dtype):
     (either may be None)."""
     handles = []
     if input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(kept_norms.InputsTo(input_dtype),
+        handles.append(model.register_forward_pre_hook(InputsTo(input_dtype),
                                                        with_kwargs=True))
     if output_dtype is not None:
-        handles.append(model.register_forward_hook(kept_norms.OutputsTo(output_dtype)))
+        handles.append(model.register_forward_hook(OutputsTo(output_dtype)))
     return handles

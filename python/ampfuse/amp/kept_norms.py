@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.amp.tensor_casts import cast_floats
+from ampfuse.amp.tensor_casts import InputsTo, OutputsTo, cast_floats
 
 _MIXED_DTYPE_NORM_FORWARDS = (
     torch.nn.modules.batchnorm._BatchNorm.forward,
@@ -38,12 +38,6 @@ def takes_low_precision_input(module) -> bool:
     """Whether a kept module runs on the model's dtype (torch's batch and instance norms)."""
     return (type(module).forward in _MIXED_DTYPE_NORM_FORWARDS
             and not isinstance(module, torch.nn.SyncBatchNorm))
-
-
-def _cast(value, dtype):
-    if isinstance(value, torch.Tensor):  # the common case, without cast_floats' dispatch
-        return value.to(dtype) if value.dtype != dtype and value.is_floating_point() else value
-    return cast_floats(value, dtype)
 
 
 class KeptNormForward:
@@ -61,36 +55,16 @@ class KeptNormForward:
     def __call__(self, *args, **kwargs):
         module = self.module
         if len(args) == 1 and not kwargs:  # norm(x): no tuple or dict rebuilt
-            output = type(module).forward(module, _cast(args[0], self.compute_dtype))
+            output = type(module).forward(module, cast_floats(args[0], self.compute_dtype))
         else:
             output = type(module).forward(module, *cast_floats(args, self.compute_dtype),
                                           **cast_floats(kwargs, self.compute_dtype))
-        return output if self.output_dtype is None else _cast(output, self.output_dtype)
+        return output if self.output_dtype is None else cast_floats(output, self.output_dtype)
 
     def remove(self):
         """Gives the module its class's forward back (a hook handle's interface)."""
         if self.module.__dict__.get("forward") is self:
             del self.module.__dict__["forward"]
-
-
-class InputsTo:
-    """A forward pre-hook casting the floating inputs to `dtype` (a class, so that it pickles)."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, kwargs):
-        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
-
-
-class OutputsTo:
-    """A forward hook casting the floating outputs to `dtype`."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, output):
-        return cast_floats(output, self.dtype)
 
 
 def keep_in_fp32(module, dtype) -> list:

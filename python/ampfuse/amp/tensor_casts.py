@@ -12,13 +12,34 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 def cast_floats(value, dtype):
     """Casts every floating tensor inside nested lists/tuples/dicts to `dtype`."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        # The dtype test first: it is an attribute read, is_floating_point() a call.
+        return value.to(dtype) if value.dtype != dtype and value.is_floating_point() else value
     if isinstance(value, (list, tuple)):
         cast = [cast_floats(v, dtype) for v in value]
         return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
     if isinstance(value, dict):
         return {k: cast_floats(v, dtype) for k, v in value.items()}
     return value
+
+
+class InputsTo:
+    """A forward pre-hook casting the floating inputs to `dtype` (a class, so that it pickles)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
+
+
+class OutputsTo:
+    """A forward hook casting the floating outputs to `dtype`."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return cast_floats(output, self.dtype)
 
 
 def widest_float(values):
