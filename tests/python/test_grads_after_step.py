@@ -26,10 +26,12 @@ DTYPES = (torch.float32,) + LOW_DTYPES
 SCALES = (1024.0, 3.0, 1000.0)
 
 
-def _fused_and_torch(case, dtype, device, **extra):
+def _fused_and_torch(case, dtype, device, ref_device=None, **extra):
+    """The same params for an ampfuse optimizer (on `device`) and torch's fused one (on
+    ref_device, default the same)."""
     fused_cls, torch_cls, kwargs = PAIRS[case]
     params = make_params(SHAPES, dtype, device)
-    ref_params = clone_params(params)
+    ref_params = clone_params([p.detach().to(ref_device or device) for p in params])
     fused = fused_cls(params, **kwargs, **extra)
     ref = torch_cls(ref_params, fused=True, **kwargs)
     return params, fused, ref_params, ref
@@ -83,18 +85,15 @@ def test_grad_scaler_step_leaves_grads_unscaled(device, scaler_cls, dtype):
     AdamW driven by torch's GradScaler leaves. torch's CUDA unscale does not take bf16 grads:
     there the reference runs on the CPU, and torch's scaler on our optimizer must fail as it
     does on torch's own."""
-    params, fused, ref_params, ref = _fused_and_torch("adamw", dtype, device)
+    torch_unscales = torch_scaler_class(device, dtype) is torch.amp.GradScaler
+    ref_device = device if torch_unscales else "cpu"
+    params, fused, ref_params, ref = _fused_and_torch("adamw", dtype, device, ref_device)
     scaler = scaler_cls(device, init_scale=2.0 ** 12, growth_interval=2)
-    ref_device = device
-    if torch_scaler_class(device, dtype) is not torch.amp.GradScaler:
-        if scaler_cls is torch.amp.GradScaler:
-            scaler.scale(sum(p.float().sum() for p in params)).backward()
-            with pytest.raises(NotImplementedError, match="BFloat16"):
-                scaler.step(fused)
-            return
-        ref_device = "cpu"
-        ref_params = [p.detach().to(ref_device).requires_grad_() for p in params]
-        ref = torch.optim.AdamW(ref_params, fused=True, **PAIRS["adamw"][2])
+    if not torch_unscales and scaler_cls is torch.amp.GradScaler:
+        scaler.scale(sum(p.float().sum() for p in params)).backward()
+        with pytest.raises(NotImplementedError, match="BFloat16"):
+            scaler.step(fused)
+        return
     ref_scaler = torch.amp.GradScaler(ref_device, init_scale=2.0 ** 12, growth_interval=2)
     for step in range(6):
         targets = [g.float() for g in step_grads(params, step)]
