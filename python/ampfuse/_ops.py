@@ -68,10 +68,11 @@ def _dtensor_rules() -> None:
     """Registers the ops' DTensor rules (ampfuse.distributed) once torch.distributed.tensor is
     loaded. No DTensor exists before that, and importing it eagerly would cost every ampfuse
     import over a second, so each wrapper checks: one dict lookup (skipped while torch.compile
-    traces; eager calls register the rules)."""
-    if torch.compiler.is_compiling():
+    traces; eager calls register the rules). The dict lookups come first: torch.compile traces
+    them, and they settle the usual case without a Python call."""
+    if "torch.distributed.tensor" not in sys.modules or "ampfuse.distributed" in sys.modules:
         return
-    if "torch.distributed.tensor" in sys.modules and "ampfuse.distributed" not in sys.modules:
+    if not torch.compiler.is_compiling():
         import ampfuse.distributed  # noqa: F401  (registers the rules)
 
 

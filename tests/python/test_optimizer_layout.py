@@ -134,7 +134,7 @@ def test_relayout_keeps_values_exactly():
     state = opt.state[params[0]]
     before = {key: value.clone() for key, value in state.items()}
     to_layout(params, CL)
-    opt._match_layout(0, 0, params[0], state)
+    opt._match_layout(0, 0, params[0], state, opt._record(params[0]))
     assert state.keys() == before.keys()
     for key, value in state.items():
         assert_close_report(value, before[key], exact=True, msg=key)

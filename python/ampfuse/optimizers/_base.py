@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin, param_name
-from ampfuse.optimizers._masters import MasterWeightsMixin, make_master
+from ampfuse.optimizers._masters import MasterWeightsMixin, ParamRecord, make_master
 from ampfuse.optimizers._precision import (
     BF16_MODES,
     EXTRA_KEYS,
@@ -53,13 +53,20 @@ class _Call:
     """The tensors of one op call: params sharing one step tensor and master mode ("fp32",
     "none" or a bf16 mode, see _precision)."""
 
-    __slots__ = ("step", "mode", "params", "grads", "states", "param_ids")
+    __slots__ = ("step", "mode", "entries", "params", "grads", "states", "records", "param_ids")
 
     def __init__(self, step, mode):
         self.step = step
         self.mode = mode
-        self.params, self.grads, self.states = [], [], []
+        # (param, grad, state, ParamRecord) per param while _calls sorts them: one append per
+        # param instead of four; seal() turns them into the lists the op takes.
+        self.entries = []
+        self.params, self.grads, self.states, self.records = [], [], [], []
         self.param_ids = []  # each param's index in the optimizer ("stochastic" only)
+
+    def seal(self):
+        if self.entries:
+            self.params, self.grads, self.states, self.records = map(list, zip(*self.entries))
 
     @property
     def has_master(self):
@@ -104,12 +111,9 @@ class FusedOptimizer(
         self.set_grad_none = set_grad_none
         # (group index, device) -> [last lr value, 0-dim fp32 lr tensor on that device]
         self._lr_tensors = {}
-        # param -> its strides when its state was last checked to share its layout (see
-        # _match_layout); not part of the state, so state_dict() keeps torch's layout.
-        self._layouts = {}
-        # param with a master -> param_mark(param) right after the last step wrote it; a
-        # different mark at the next step means someone else wrote the param (see _masters).
-        self._master_marks = {}
+        # param -> its ParamRecord (_masters): the mark that tells whether someone else wrote
+        # it since the last step, and the strides its state was last laid out for.
+        self._param_records = {}
         # last_step_skipped and the skipped-step count (see _skip).
         self._skips = SkipRecord()
         super().__init__(params, defaults)
@@ -126,8 +130,7 @@ class FusedOptimizer(
         self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("_lr_tensors", {})
-        self.__dict__.setdefault("_layouts", {})
-        self.__dict__.setdefault("_master_marks", {})
+        self.__dict__.setdefault("_param_records", {})
         skipped = self.__dict__.pop("skipped_steps", 0)
         self.__dict__.setdefault("_skips", SkipRecord(skipped))
         # Pickled before the option existed: such optimizers never checked.
@@ -148,7 +151,10 @@ class FusedOptimizer(
         attributes that torch.amp.GradScaler sets on the optimizer during its step() are used.
         A step with no found_inf checks the grads itself where skip_nonfinite says so.
         """
-        self._check_capture()
+        # Asked once per step: each of these is a few Python calls (issue 14 counts them).
+        compiling = torch.compiler.is_compiling()
+        capturing = self._capturing()
+        self._check_capture(capturing)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -162,11 +168,11 @@ class FusedOptimizer(
             self._check_hyperparameters(index, group)
             check_master_weights(self, index, group, check_params=False)
             check_skip_nonfinite(self, index, group)
-            plans.append((index, group, self._calls(index, group)))
+            plans.append((index, group, self._calls(index, group, follow_params=not compiling)))
         # Every check before any update: one verdict for the whole step.
         verdicts = step_verdicts(plans, found_inf)
         home = self._first_device()
-        self._skips.prepare(verdicts, home, self._capturing(), type(self).__name__)
+        self._skips.prepare(verdicts, home, capturing, type(self).__name__)
         scales = {}
         for index, group, calls in plans:
             for call in calls:
@@ -178,8 +184,8 @@ class FusedOptimizer(
                     on_device(grad_scale, device, scales, "grad_scale"),
                     verdicts.get(device),
                 )
-                if call.mode in EXTRA_KEYS and not torch.compiler.is_compiling():
-                    self.mark_masters(call.params)
+                if call.mode in EXTRA_KEYS and not compiling:
+                    self._mark_stepped(call)
         self._skips.record(verdicts, home)
         return loss
 
@@ -204,7 +210,7 @@ class FusedOptimizer(
                 return p.device
         return torch.device("cpu")
 
-    def _calls(self, index, group):
+    def _calls(self, index, group, follow_params=True):
         """Sorts the params of `group` that have grads into op calls (see the module docstring),
         creating state on a param's first step.
 
@@ -224,9 +230,9 @@ class FusedOptimizer(
         # numbers it, so a resumed optimizer draws the same bits.
         first_id = (sum(len(g["params"]) for g in self.param_groups[:index])
                     if master_weights == "stochastic" else 0)
-        # Host-side bookkeeping that torch.compile cannot trace; compiled steps skip it.
-        follow_params = not torch.compiler.is_compiling()
-        marks = self._master_marks
+        # follow_params: host-side bookkeeping that torch.compile cannot trace; compiled steps
+        # skip it.
+        records = self._param_records
         state_keys = self._state_keys(group)
         call = None
         for i, p in enumerate(group["params"]):
@@ -248,6 +254,9 @@ class FusedOptimizer(
             else:
                 mode = "none"
             state = all_state[p]
+            record = records.get(p)
+            if record is None:
+                record = records[p] = ParamRecord()
             prepared = True  # a loop, not all(): no Python call per param in the steady state
             for key in state_keys:
                 if key not in state:
@@ -269,9 +278,9 @@ class FusedOptimizer(
                     else:
                         state["master_param"] = make_master(p)
                 elif follow_params:
-                    mark = marks.get(p)  # _follow's test, inline: it runs for every master
+                    mark = record.mark  # _follow's test, inline: it runs for every master
                     if mark is not None and (mark[0] != p._version or mark[1] != p.data_ptr()):
-                        self._follow(p, state["master_param"])
+                        self._follow(p, state["master_param"], record)
                 # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
                 # they then take the place of the params' low-precision ones for this step.
                 if self._step_on_master_grads and state["master_param"].grad is not None:
@@ -280,14 +289,14 @@ class FusedOptimizer(
                 if EXTRA_KEYS[mode] not in state or has_foreign_state(state, mode):
                     self._check_not_capturing(index, i)
                     prepare_extra(p, state, mode)
-                elif follow_params and self._written_since_step(p):
+                elif follow_params and self._written_since_step(p, record):
                     reset_extra(state, mode)
             elif ("master_param" in state or "kahan_compensation" in state
                   or "master_low_bits" in state):  # "none"/"stochastic" keep no extra tensor
                 self._check_not_capturing(index, i)
                 prepare_extra(p, state, mode)
-            if self._layouts.get(p) != p.stride():
-                self._match_layout(index, i, p, state)
+            if record.strides != p.stride():
+                self._match_layout(index, i, p, state, record)
             step = state["step"]
             if call is None or call.step is not step or call.mode != mode:
                 call = None
@@ -300,14 +309,15 @@ class FusedOptimizer(
                     calls.append(call)
             if mode == "stochastic":
                 call.param_ids.append(first_id + i)
-            call.params.append(p)
-            call.grads.append(grad)
-            call.states.append(state)
+            call.entries.append((p, grad, state, record))
         # A step tensor must advance once per step, for exactly the params that stepped.
         launched = []
         for call in calls:
+            call.seal()
             shared = call.step
-            if _holds(idle_steps, shared) or _holds(launched, shared):
+            # (the emptiness tests first: no call at all for the usual one or two op calls)
+            if ((idle_steps and _holds(idle_steps, shared))
+                    or (launched and _holds(launched, shared))):
                 call.step = shared.clone()
                 for state in call.states:
                     state["step"] = call.step
@@ -352,12 +362,14 @@ class FusedOptimizer(
     # ---- CUDA graphs --------------------------------------------------------------------------
 
     def _capturing(self):
-        if torch.compiler.is_compiling() or not torch.cuda.is_available():
+        # No capture runs before CUDA is initialized; is_initialized() is a flag read where
+        # is_available() asks the driver (or NVML) on every step.
+        if torch.compiler.is_compiling() or not torch.cuda.is_initialized():
             return False
         return torch.cuda.is_current_stream_capturing()
 
-    def _check_capture(self):
-        if self._capturing() and not all(g.get("capturable", True) for g in self.param_groups):
+    def _check_capture(self, capturing):
+        if capturing and not all(g.get("capturable", True) for g in self.param_groups):
             raise RuntimeError(
                 f"{type(self).__name__}: step() is being captured in a CUDA graph but "
                 "capturable=False; construct the optimizer with capturable=True."

@@ -57,24 +57,46 @@ def refresh_master(master: torch.Tensor, model_param: torch.Tensor, source=None)
     master.copy_(source)
 
 
+class ParamRecord:
+    """What a fused optimizer remembers of one param between steps, kept outside its state so
+    that state_dict() keeps torch's layout. One record per param means one dict lookup per param
+    and step, the step loop's main Python cost.
+
+    mark: param_mark(param) right after the last step (or amp) wrote it, or None while nothing
+    is followed; a different mark at the next step means someone else wrote the param.
+    strides: the param's strides when its state was last checked to share its layout (see
+    _match_layout), or None when it must be checked again."""
+
+    __slots__ = ("mark", "strides")
+
+    def __init__(self):
+        self.mark = None
+        self.strides = None
+
+
 class MasterWeightsMixin:
     """A fused optimizer's fp32 masters: following writes to their params, and handing them out
     (master_params(), for amp and for clipping the tensors that are updated)."""
 
-    def _follow(self, p, master):
-        """Remakes `master` if something other than a step wrote `p` since it was marked."""
-        mark = self._master_marks.get(p)
-        if mark is not None and mark != param_mark(p):
-            refresh_master(master, p)
-            self._master_marks[p] = param_mark(p)
+    def _record(self, p):
+        record = self._param_records.get(p)
+        if record is None:
+            record = self._param_records[p] = ParamRecord()
+        return record
 
-    def _written_since_step(self, p):
+    def _follow(self, p, master, record=None):
+        """Remakes `master` if something other than a step wrote `p` since it was marked."""
+        record = self._param_records.get(p) if record is None else record
+        if record is not None and record.mark is not None and record.mark != param_mark(p):
+            refresh_master(master, p)
+            record.mark = param_mark(p)
+
+    def _written_since_step(self, p, record):
         """Whether something other than a step wrote `p` since it was marked (then marks it):
         a kahan compensation or split low half no longer belongs to its value."""
-        mark = self._master_marks.get(p)
-        if mark is None or mark == param_mark(p):
+        if record.mark is None or record.mark == param_mark(p):
             return False
-        self._master_marks[p] = param_mark(p)
+        record.mark = param_mark(p)
         return True
 
     def follow_masters(self):
@@ -90,9 +112,14 @@ class MasterWeightsMixin:
         """Records that `params` now hold what their masters say (the step just wrote them, or
         a caller such as amp set the masters from them): until something else writes one of
         them, its master is not looked at again."""
-        marks = self._master_marks
         for p in params:
-            marks[p] = (p._version, p.data_ptr())  # param_mark(p), inline: once per param
+            self._record(p).mark = param_mark(p)
+
+    def _mark_stepped(self, call):
+        """mark_masters for the params of an op call that just ran, through their records: no
+        dict lookup and no Python call per param."""
+        for p, record in zip(call.params, call.records):
+            record.mark = (p._version, p.data_ptr())  # param_mark(p), inline
 
     def master_params(self):
         """The tensors the optimizer actually updates, one per param in param-group order: the

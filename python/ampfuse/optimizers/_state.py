@@ -11,7 +11,7 @@ the per-step path except the layout check.
 
 OptimizerStateMixin relies on what FusedOptimizer gathers: the subclasses' _export_state and
 _import_state, _check_group, _capturing, get_skipped_steps, _TORCH_GROUP_KEYS, and the
-_layouts, _lr_tensors and _skips caches that a load starts afresh.
+_param_records, _lr_tensors and _skips caches that a load starts afresh.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class OptimizerStateMixin:
 
     # ---- state laid out like its param --------------------------------------------------------
 
-    def _match_layout(self, group_index, param_index, p, state):
+    def _match_layout(self, group_index, param_index, p, state, record):
         """Lays p's state tensors out like p when p's layout changed since they were made, e.g.
         by model.to(memory_format=torch.channels_last) after some steps: the fused ops walk a
         param and its state flat, so both must share one element order. Runs when p's strides
@@ -76,7 +76,7 @@ class OptimizerStateMixin:
                         "capture; run one step eagerly after changing the layout, then capture."
                     )
                 value.set_(torch.empty_like(p, dtype=value.dtype).copy_(value))
-        self._layouts[p] = strides
+        record.strides = strides
 
     # ---- state_dict in torch.optim's layout ---------------------------------------------------
 
@@ -220,10 +220,11 @@ class OptimizerStateMixin:
         for p, entry in state.items():
             if isinstance(p, torch.Tensor) and ("kahan_compensation" in entry
                                                 or "master_low_bits" in entry):
-                self._master_marks.pop(p, None)
+                self._record(p).mark = None
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._lr_tensors = {}
-        self._layouts = {}
+        for record in self._param_records.values():
+            record.strides = None  # loaded tensors are laid out afresh at the next step
         self._skips = SkipRecord(skipped_steps)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
