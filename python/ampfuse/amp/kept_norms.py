@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.amp.tensor_casts import InputsTo, OutputsTo, cast_floats
+from ampfuse.amp.tensor_casts import LOW_DTYPES, InputsTo, OutputsTo, cast_floats
 
 _MIXED_DTYPE_NORM_FORWARDS = (
     torch.nn.modules.batchnorm._BatchNorm.forward,
@@ -38,6 +38,11 @@ def takes_low_precision_input(module) -> bool:
     """Whether a kept module runs on the model's dtype (torch's batch and instance norms)."""
     return (type(module).forward in _MIXED_DTYPE_NORM_FORWARDS
             and not isinstance(module, torch.nn.SyncBatchNorm))
+
+
+# The default of KeptNormForward's first argument: the module was called without positional
+# arguments (norm(input=x)).
+_NO_INPUT = object()
 
 
 class KeptNormForward:
@@ -52,14 +57,27 @@ class KeptNormForward:
         self.compute_dtype = compute_dtype
         self.output_dtype = output_dtype
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, x=_NO_INPUT, *args, **kwargs):
         module = self.module
-        if len(args) == 1 and not kwargs:  # norm(x): no tuple or dict rebuilt
-            output = type(module).forward(module, cast_floats(args[0], self.compute_dtype))
+        compute_dtype, output_dtype = self.compute_dtype, self.output_dtype
+        if not args and not kwargs and x is not _NO_INPUT:  # norm(x): no tuple or dict rebuilt
+            # A low-precision tensor, the usual input, is cast here: cast_floats would cost two
+            # more Python calls per norm and step (issue 14 counts them).
+            if isinstance(x, torch.Tensor) and x.dtype in LOW_DTYPES:
+                if x.dtype != compute_dtype:
+                    x = x.to(compute_dtype)
+            else:
+                x = cast_floats(x, compute_dtype)
+            output = type(module).forward(module, x)
         else:
-            output = type(module).forward(module, *cast_floats(args, self.compute_dtype),
-                                          **cast_floats(kwargs, self.compute_dtype))
-        return output if self.output_dtype is None else cast_floats(output, self.output_dtype)
+            args = args if x is _NO_INPUT else (x, *args)
+            output = type(module).forward(module, *cast_floats(args, compute_dtype),
+                                          **cast_floats(kwargs, compute_dtype))
+        if output_dtype is None:
+            return output
+        if isinstance(output, torch.Tensor) and output.dtype == torch.float32:
+            return output.to(output_dtype)
+        return cast_floats(output, output_dtype)
 
     def remove(self):
         """Gives the module its class's forward back (a hook handle's interface)."""

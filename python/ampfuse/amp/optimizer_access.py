@@ -26,15 +26,19 @@ def dense_grad(grad, what):
 
 def params_and_grads(params, what="scale_loss"):
     """The params that have a grad, and the tensors the unscale ops work on for those grads."""
-    with_grads, out = [], []
-    for p in params:
+    # This runs at every scale_loss: comprehensions and a plain loop cost no Python call per
+    # param; the general loop below only runs when some grad is sparse.
+    with_grads = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grads]
+    strided = torch.strided
+    for grad in grads:
+        if grad.layout is not strided:
+            break
+    else:
+        return with_grads, grads
+    out = []
+    for p in with_grads:
         grad = p.grad
-        if grad is None:
-            continue
-        with_grads.append(p)
-        if grad.layout == torch.strided:  # dense_grad's answer, without a call per param
-            out.append(grad)
-            continue
         if grad.layout == torch.sparse_coo and grad.dtype == torch.float16:
             p.grad = grad = grad.coalesce()
         out.append(dense_grad(grad, what))
