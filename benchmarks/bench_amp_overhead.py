@@ -3,6 +3,8 @@
 Step time, side by side in one process with the set-ups interleaved step by step, of:
   torch        torch.autocast around forward and loss, torch.amp.GradScaler,
                torch.optim.SGD(momentum=0.9) (foreach)
+  torch fused  the same with torch.optim.SGD(fused=True): what O2 with a fused optimizer is
+               held to
   O1           amp.initialize(opt_level="O1"), the same torch.optim.SGD, amp.scale_loss
   O1 lists     O1 with custom_black_list=["layer_norm"]: LayerNorm in fp32 on the CPU too, as
                CUDA autocast runs it (by default O1, like CPU autocast, runs it on the bf16
@@ -26,12 +28,18 @@ each, so that a change in the machine's load falls on all of them alike; each re
 fastest and its median step. "speed" is the median, over the rounds, of torch's step time
 over the set-up's in the same round (> 1: faster than torch): steps taken a few milliseconds
 apart see the same load, so the ratio holds on a busy machine where medians of their own
-drift. "best" is torch's fastest step over the set-up's, the least disturbed ones. The dtype is bf16 on
-the CPU and fp16 on CUDA unless --amp-dtype says; with bf16, amp trains unscaled by default and
-torch's GradScaler still scales (it is the recipe torch documents).
+drift. "best" is torch's fastest step over the set-up's, the least disturbed ones. The dtype is
+bf16 on the CPU and fp16 on CUDA unless --amp-dtype says; with bf16, amp trains unscaled by
+default and torch's GradScaler still scales (it is the recipe torch documents).
+
+"py calls" is the Python work of one step, untimed and apart from the timed rounds: the calls
+cProfile counts (Python functions and builtins, e.g. list.append or a tensor method) over
+five steps, per step. Issue 14 holds O2 with a fused optimizer to at most "torch fused".
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -45,7 +53,7 @@ from bench_train import Block
 from torch import nn
 
 LR, MOMENTUM = 0.01, 0.9
-IMPLS = ("torch", "O1", "O1 lists", "O2", "O2 noattr")
+IMPLS = ("torch", "torch fused", "O1", "O1 lists", "O2", "O2 noattr")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -80,8 +88,9 @@ def workload(name, device, seed):
 
 def make_step(impl, name, device, dtype, seed):
     model, x, target = workload(name, device, seed)
-    if impl == "torch":
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if impl in ("torch", "torch fused"):
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
+                              fused=impl == "torch fused" or None)
         scaler = torch.amp.GradScaler(device)
 
         def step():
@@ -129,6 +138,16 @@ def time_interleaved(steps, device, warmup, repeats):
     return times
 
 
+def python_calls_per_step(step, steps=5):
+    """The calls cProfile counts (Python functions and builtins) per step, over `steps`."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    return sum(stat[1] for stat in pstats.Stats(profile).stats.values()) / steps
+
+
 def run(args):
     warmup = 10 if args.warmup is None else args.warmup
     repeats = (200 if args.device == "cuda" else 60) if args.repeats is None else args.repeats
@@ -139,6 +158,7 @@ def run(args):
     for name in args.overhead_models:
         steps = {impl: make_step(impl, name, args.device, dtype, args.seed) for impl in IMPLS}
         times = time_interleaved(steps, args.device, warmup, repeats)
+        calls = {impl: python_calls_per_step(step) for impl, step in steps.items()}
         torch_best = min(times["torch"])
         for impl in IMPLS:
             median, best = statistics.median(times[impl]), min(times[impl])
@@ -149,7 +169,7 @@ def run(args):
                          "dtype": str(dtype).replace("torch.", ""),
                          "threads": torch.get_num_threads(), "median_ms": median * 1e3,
                          "best_ms": best * 1e3, "speed": paired,
-                         "best_speed": torch_best / best})
+                         "best_speed": torch_best / best, "python_calls": calls[impl]})
     return rows
 
 
@@ -157,14 +177,15 @@ def format_rows(rows, env):
     device = rows[0]["device"] if rows else "?"
     title = f"# amp overhead: training steps, set-ups interleaved ({env['torch']}, {device}, "
     lines = [title + f"{env['date']})"]
-    lines.append(f"{'model':6} {'impl':9} {'dtype':9} {'thr':>3} {'median ms':>10} "
-                 f"{'best ms':>8} {'speed':>6} {'best':>6}")
+    lines.append(f"{'model':6} {'impl':11} {'dtype':9} {'thr':>3} {'median ms':>10} "
+                 f"{'best ms':>8} {'speed':>6} {'best':>6} {'py calls':>8}")
     for r in rows:
-        lines.append(f"{r['model']:6} {r['impl']:9} {r['dtype']:9} {r['threads']:>3} "
+        lines.append(f"{r['model']:6} {r['impl']:11} {r['dtype']:9} {r['threads']:>3} "
                      f"{r['median_ms']:10.3f} {r['best_ms']:8.3f} {r['speed']:6.3f} "
-                     f"{r['best_speed']:6.3f}")
+                     f"{r['best_speed']:6.3f} {r['python_calls']:8.0f}")
     lines.append("speed: median over rounds of torch's step time over the set-up's in the same "
-                 "round (> 1: faster than torch); best: torch's fastest step over the set-up's.")
+                 "round (> 1: faster than torch); best: torch's fastest step over the set-up's; "
+                 "py calls: Python calls per step (cProfile).")
     return "\n".join(lines)
 
 

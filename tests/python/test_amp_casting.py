@@ -265,6 +265,40 @@ def test_kept_norms_cast_without_hooks_and_follow_copies(device):
     assert model[1].forward.__func__ is nn.LayerNorm.forward  # the class's forward again
 
 
+class _PairNorm(nn.LayerNorm):
+    """A norm whose forward takes an optional second tensor and returns a tuple."""
+
+    def forward(self, x, shift=None):
+        out = super().forward(x if shift is None else x + shift)
+        return out, out.detach() * 2
+
+
+@pytest.mark.parametrize("call", ["positional", "keyword", "two args", "fp32 input"])
+def test_kept_norm_forward_casts_every_call_form(device, call):
+    low = low_dtype(device)
+    norm = _PairNorm(16).to(device)
+    kept = kept_norms.KeptNormForward(norm, torch.float32, low)
+    x = torch.randn(3, 16, device=device)
+    seen = []
+    norm.register_forward_pre_hook(lambda m, args: seen.append(args))  # not on the fast path
+    expected = _PairNorm.forward(norm, x.to(low).float(), None)
+    if call == "positional":
+        out = kept(x.to(low))
+    elif call == "keyword":
+        out = kept(x=x.to(low))
+    elif call == "two args":
+        shift = torch.zeros(16, device=device, dtype=low)
+        out = kept(x.to(low), shift)
+    else:
+        out = kept(x)
+        expected = _PairNorm.forward(norm, x, None)
+    assert isinstance(out, tuple) and len(out) == 2
+    for got, want in zip(out, expected):
+        assert got.dtype == low
+        assert torch.equal(got, want.to(low))
+    assert not seen  # KeptNormForward calls the class's forward, not the module's hooks
+
+
 def test_a_norm_with_its_own_instance_forward_keeps_it(device):
     low = low_dtype(device)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).to(device)

@@ -41,8 +41,10 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
         "True", "False", "stochastic", "kahan", "split"]
     assert all(r["mode_min_ms"] > 0 for r in by_bench["master_modes"])
     assert {(r["model"], r["impl"]) for r in by_bench["overhead"]} == {
-        (m, i) for m in ("mlp", "gpt") for i in ("torch", "O1", "O1 lists", "O2", "O2 noattr")}
-    assert all(r["median_ms"] > 0 and r["speed"] > 0 for r in by_bench["overhead"])
+        (m, i) for m in ("mlp", "gpt")
+        for i in ("torch", "torch fused", "O1", "O1 lists", "O2", "O2 noattr")}
+    assert all(r["median_ms"] > 0 and r["speed"] > 0 and r["python_calls"] > 0
+               for r in by_bench["overhead"])
 
     assert {r["op"] for r in by_bench["ops"]} == {
         "unscale_", "unscale_ flags", "check flags", "scale_", "l2norm"}
