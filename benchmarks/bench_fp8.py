@@ -7,15 +7,22 @@ GPT-2-small block at 8 x 1024 tokens (QKV 768->2304, attention out 768->768, MLP
 bf16 / ampfuse and _scaled_mm / ampfuse (> 1: ampfuse faster). FP8 needs compute capability
 8.9+; on the CPU the GEMM rows time the fp32 emulation, which says nothing about GPU speed.
 
+The GEMMs of a shape are timed in interleaved rounds (--repeats rounds, after --warmup calls
+of each): every round runs a block of 10 calls (CUDA; 1 on the CPU) of each implementation,
+the order rotated round by round, and the ratios are medians over rounds of the two
+implementations' times in the same round. ampfuse runs twice in every round; "noise" is how
+far the paired ratio of its two copies is from 1.
+
     PYTHONPATH=python python benchmarks/bench_fp8.py [--device cpu|cuda] [--json PATH]
 """
 
 import statistics
+import time
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
 import torch.nn.functional as F
-from _timing import parse_args, report, time_calls
+from _timing import parse_args, report, synchronize, time_calls
 from ampfuse._fp8_ops import FP8_MAX, fp8_cast_amax, fp8_gemm
 
 TOKENS = 8 * 1024
@@ -28,6 +35,7 @@ GEMMS = {
 }
 CPU_GEMMS = {"512^3": (512, 512, 512)}
 E4M3 = torch.float8_e4m3fn
+AGAIN = "ampfuse fp8_gemm, again"  # a second copy in each round: the noise of the comparison
 
 
 def _median(call, device, args):
@@ -35,10 +43,56 @@ def _median(call, device, args):
                                         None if device == "cuda" else 2.0))
 
 
+def interleaved_block_times(calls, device, warmup, rounds, block):
+    """{impl: [seconds per call, one value per round]}.
+
+    Each round runs `block` back-to-back calls of every impl, in an order rotated from round
+    to round, so that clock and temperature drift fall on all of them alike. On CUDA a pair of
+    events brackets each block and nothing synchronizes until the last round, so the queue
+    stays full and a block's time is GPU time, not the host's launch latency (with one call
+    per event pair, the few microseconds cuBLASLt's heuristic query takes on the host can
+    show up in a 0.1 ms GEMM's time)."""
+    names = list(calls)
+    for name in names:
+        for i in range(warmup):
+            calls[name](i)
+    synchronize(device)
+    marks = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            call = calls[name]
+            if device == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                for i in range(block):
+                    call(i)
+                end.record()
+                marks[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                for i in range(block):
+                    call(i)
+                marks[name].append(time.perf_counter() - t0)
+    synchronize(device)
+    if device == "cuda":
+        return {name: [s.elapsed_time(e) / 1e3 / block for s, e in pairs]
+                for name, pairs in marks.items()}
+    return {name: [t / block for t in times] for name, times in marks.items()}
+
+
+def _paired(times, numerator, denominator):
+    """The median over rounds of numerator's time over denominator's in the same round."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+
+
 def gemm_rows(args):
+    """Each shape's GEMMs timed in interleaved rounds; ampfuse runs twice per round, and the
+    paired ratio of its two copies is the row's noise."""
     device = args.device
     rows = []
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    block = 10 if device == "cuda" else 1
     for name, (m, n, k) in (GEMMS if device == "cuda" else CPU_GEMMS).items():
         x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16)
@@ -54,26 +108,29 @@ def gemm_rows(args):
             # _scaled_mm wants b column-major: w8.t() is that view of the row-major weight.
             calls["torch _scaled_mm"] = lambda i: torch._scaled_mm(
                 x8, w8.t(), scale, scale, bias=bias, out_dtype=torch.bfloat16)
-        times = {}
+        runnable = {}
         for impl, call in calls.items():
             try:
-                times[impl] = _median(call, device, args)
+                call(0)
+                runnable[impl] = call
             except RuntimeError as error:
                 rows.append({"op": "gemm", "shape": name, "impl": impl,
                              "error": str(error).splitlines()[0][:80]})
-        amp_first = times.get("ampfuse fp8_gemm")
-        if amp_first is not None:  # ampfuse timed twice: the gap is the noise
-            again = _median(calls["ampfuse fp8_gemm"], device, args)
-            times["ampfuse fp8_gemm"] = statistics.median([amp_first, again])
-            noise = 100.0 * abs(amp_first - again) / min(amp_first, again)
-        for impl, seconds in times.items():
+        if "ampfuse fp8_gemm" in runnable:
+            runnable[AGAIN] = runnable["ampfuse fp8_gemm"]
+        times = interleaved_block_times(runnable, device, args.warmup, args.repeats, block)
+        for impl in calls:
+            if impl not in times:
+                continue
+            seconds = statistics.median(times[impl])
             row = {"op": "gemm", "shape": name, "m": m, "n": n, "k": k, "impl": impl,
-                   "device": device, "median_s": seconds, "tflops": 2 * m * n * k / seconds / 1e12}
+                   "device": device, "median_s": seconds, "tflops": 2 * m * n * k / seconds / 1e12,
+                   "rounds": len(times[impl]), "calls_per_round": block}
             if impl == "ampfuse fp8_gemm":
-                row["noise_pct"] = noise
-                for other in times:
-                    if other != impl:
-                        row[f"{other} / ampfuse"] = times[other] / seconds
+                row["noise_pct"] = 100.0 * abs(_paired(times, AGAIN, impl) - 1.0)
+                for other in calls:
+                    if other != impl and other in times:
+                        row[f"{other} / ampfuse"] = _paired(times, other, impl)
             rows.append(row)
     return rows
 
