@@ -10,13 +10,19 @@ std::string arg_label(const char* name, std::int64_t index) {
   return index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
 }
 
+std::ostream& operator<<(std::ostream& out, const ArgLabel& label) {
+  out << label.name;
+  if (label.index >= 0) out << '[' << label.index << ']';
+  return out;
+}
+
 namespace {
 
 std::string dtype_name(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
 
 }  // namespace
 
-kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::string& label) {
+kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const ArgLabel& label) {
   switch (t.scalar_type()) {
     case at::kFloat:
       return kernels::DType::kFloat32;
@@ -31,7 +37,7 @@ kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::stri
   }
 }
 
-void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
+void check_scalar_tensor(const char* op, const at::Tensor& t, const ArgLabel& name,
                          at::ScalarType dtype, c10::optional<at::Device> device,
                          const char* device_owner) {
   TORCH_CHECK(t.scalar_type() == dtype, "ampfuse.", op, ": ", name, " must be a ",
@@ -61,7 +67,7 @@ std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list,
   std::vector<kernels::TensorRef> refs;
   refs.reserve(list.size());
   for (std::size_t i = 0; i < list.size(); ++i) {
-    const std::string label = arg_label(name, i);
+    const ArgLabel label{name, static_cast<std::int64_t>(i)};
     const at::Tensor& t = list[i];
     TORCH_CHECK(t.defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
     TORCH_CHECK(t.layout() == at::kStrided, "ampfuse.", op, ": ", label, " has layout ",
@@ -96,7 +102,7 @@ std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList li
   std::vector<at::Tensor> laid_out;
   laid_out.reserve(list.size());
   for (std::size_t i = 0; i < list.size(); ++i) {
-    const std::string label = arg_label(name, i);
+    const ArgLabel label{name, static_cast<std::int64_t>(i)};
     TORCH_CHECK(list[i].defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
     TORCH_CHECK(list[i].sizes() == params[i].sizes(), "ampfuse.", op, ": ", label, " has shape ",
                 list[i].sizes(), " but ", arg_label("params", i), " has shape ", params[i].sizes(),

@@ -7,6 +7,7 @@
 
 #include <ATen/core/TensorBody.h>
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -17,12 +18,21 @@ namespace ampfuse::ops {
 // "grads[3]" for a list element, "found_inf" for a single argument (index < 0).
 std::string arg_label(const char* name, std::int64_t index = -1);
 
+// The same label, formatted only when streamed into an error message: the per-tensor checks
+// that run at every call (hundreds of tensors per optimizer step) then build no string.
+struct ArgLabel {
+  ArgLabel(const char* name, std::int64_t index = -1) : name(name), index(index) {}  // NOLINT
+  const char* name;
+  std::int64_t index;
+};
+std::ostream& operator<<(std::ostream& out, const ArgLabel& label);
+
 // The kernel dtype of a float32/float16/bfloat16 tensor; any other dtype is an error.
-kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const std::string& label);
+kernels::DType kernel_dtype(const char* op, const at::Tensor& t, const ArgLabel& label);
 
 // A one-element `dtype` tensor on `device` (the device of `device_owner`), such as
 // found_inf or a scale.
-void check_scalar_tensor(const char* op, const at::Tensor& t, const char* name,
+void check_scalar_tensor(const char* op, const at::Tensor& t, const ArgLabel& name,
                          at::ScalarType dtype, c10::optional<at::Device> device,
                          const char* device_owner = "the tensors");
 

@@ -35,7 +35,7 @@ CastArgs prepare_cast(const at::Tensor& input, const at::Tensor& scale, const at
                       at::ScalarType dtype) {
   TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", kCast, ": input has layout ",
               input.layout(), "; pass a dense tensor (t.to_dense()).");
-  const kernels::DType src_dtype = kernel_dtype(kCast, input, "input");
+  const kernels::DType src_dtype = kernel_dtype(kCast, input, ArgLabel{"input"});
   const kernels::Fp8Format format = fp8_format(kCast, dtype, "dtype");
   check_scalar_tensor(kCast, scale, "scale", at::kFloat, input.device(), "input");
   check_scalar_tensor(kCast, amax, "amax", at::kFloat, input.device(), "input");
@@ -74,14 +74,14 @@ UpdateArgs prepare_update(at::TensorList amaxes, at::TensorList histories, at::T
   args.states.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
     const auto index = static_cast<std::int64_t>(i);
-    check_scalar_tensor(kUpdate, amaxes[i], arg_label("amaxes", index).c_str(), at::kFloat,
+    check_scalar_tensor(kUpdate, amaxes[i], ArgLabel{"amaxes", index}, at::kFloat,
                         device, "amaxes[0]");
-    check_scalar_tensor(kUpdate, scales[i], arg_label("scales", index).c_str(), at::kFloat,
+    check_scalar_tensor(kUpdate, scales[i], ArgLabel{"scales", index}, at::kFloat,
                         device, "amaxes[0]");
-    check_scalar_tensor(kUpdate, scale_invs[i], arg_label("scale_invs", index).c_str(),
+    check_scalar_tensor(kUpdate, scale_invs[i], ArgLabel{"scale_invs", index},
                         at::kFloat, device, "amaxes[0]");
     const at::Tensor& history = histories[i];
-    const std::string label = arg_label("amax_histories", index);
+    const ArgLabel label{"amax_histories", index};
     TORCH_CHECK(history.scalar_type() == at::kFloat && history.dim() == 1 &&
                     history.numel() >= 1 && history.is_contiguous(),
                 "ampfuse.", kUpdate, ": ", label, " must be a contiguous 1-D torch.float32 "
