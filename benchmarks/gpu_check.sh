@@ -9,6 +9,8 @@
 # that has one, which puts Debian's catch2 package into .gpu/, and bring .gpu/ along (it is
 # git-ignored: name it in the run's carried paths). Without it the C++ tests are reported as
 # not run and the check fails.
+# benchmarks/ncu_profile.sh is the follow-up call: Nsight Compute on the kernels that missed
+# their bandwidth goals.
 # Exit status: non-zero if the build or any CUDA test failed (the benchmarks still run after
 # failing tests, so that a failure and the figures come back together).
 set -uo pipefail
