@@ -1,7 +1,8 @@
 """Times training steps of a GPT-2-style transformer and a ResNet-style CNN, side by side.
 
 Whole steps (forward, loss, backward, optimizer step) in four precision set-ups, in one run:
-fp32, torch's native AMP, ampfuse O1 and ampfuse O2.
+fp32, torch's native AMP, ampfuse O1 and ampfuse O2; for the transformer also O2 with FP8
+GEMMs.
 
     PYTHONPATH=python python benchmarks/bench_train.py [--device cpu|cuda] [--models gpt cnn]
         [--layers N --d-model N --heads N --seq N --batch N --vocab N]
@@ -31,6 +32,11 @@ Rows (the low-precision dtype is fp16 on CUDA and bf16 on the CPU unless --amp-d
   ampfuse O2  amp.initialize(opt_level="O2") with ampfuse.optimizers.FusedAdam: a
               low-precision model with normalization layers in fp32, fp32 master weights kept
               inside the fused optimizer.
+  ampfuse O2 fp8  (gpt only) the same with fp8=True: every nn.Linear of the blocks computes
+              its three GEMMs in FP8 (e4m3 forward, e5m2 gradients, delayed scaling). FP8
+              GEMMs write bf16 or fp32, so with an fp16 model each one adds a cast; compare it
+              with O2 in a --amp-dtype bf16 run. On a GPU below compute capability 8.9 the row
+              reports the refusal; on the CPU it times the fp32 emulation.
 Every row uses AdamW's math with the same hyperparameters; the loss is computed in fp32 from the
 model's output in every row.
 
@@ -77,7 +83,9 @@ CNN_DEFAULTS = {
     "cpu": dict(cnn_width=16, cnn_blocks=[1, 1, 1, 1], image_size=32, cnn_batch=16, classes=10),
 }
 STEP_DEFAULTS = {"cuda": dict(warmup=10, repeats=40), "cpu": dict(warmup=5, repeats=30)}
-IMPLS = ("fp32", "torch amp", "ampfuse O1", "ampfuse O2")
+IMPLS = ("fp32", "torch amp", "ampfuse O1", "ampfuse O2", "ampfuse O2 fp8")
+# The CNN has no Linear that FP8 takes (its classifier's sizes are not multiples of 16).
+FP8_MODELS = ("gpt",)
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in AMP_DTYPES.items()}
 
@@ -269,9 +277,11 @@ def make_step(impl, workload, dtype):
         model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0)
         name = "FusedAdamW"
     else:
+        fp8 = impl == "ampfuse O2 fp8"
         opt = FusedAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
-        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
-        name = "FusedAdam (fp32 masters)"
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0,
+                                    fp8=fp8)
+        name = "FusedAdam (fp32 masters)" + (", FP8" if fp8 else "")
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
@@ -327,9 +337,14 @@ def time_impl(impl, workload, dtype, args):
     return row
 
 
+def impls_for(workload):
+    return tuple(i for i in IMPLS if i != "ampfuse O2 fp8" or workload.name in FP8_MODELS)
+
+
 def run_workload(workload, dtype, args):
     # torch amp runs first and last: the gap between its two medians is the noise.
-    order = ["torch amp", "fp32", "ampfuse O1", "ampfuse O2", "torch amp"]
+    impls = impls_for(workload)
+    order = ["torch amp", *(impl for impl in impls if impl != "torch amp"), "torch amp"]
     results = [time_impl(impl, workload, dtype, args) for impl in order]
     native_first, native_second = results[0], results[-1]
     rows = {r["impl"]: r for r in results[1:-1]}
@@ -344,7 +359,7 @@ def run_workload(workload, dtype, args):
                                        native_second["peak_mem_bytes"] or 0) or None
         native["final_loss"] = native_second["final_loss"]
     rows["torch amp"] = native
-    out = [rows[impl] for impl in IMPLS]
+    out = [rows[impl] for impl in impls]
     fp32 = rows["fp32"]
     for row in out:
         if "median_s" not in row:
@@ -457,7 +472,7 @@ def format_rows(rows, env):
     cuda = bool(rows) and rows[0]["device"] == "cuda"
     where = env.get("gpu") if cuda else f"CPU x{env['cpu_threads']} threads"
     lines = [f"# train: {where}; torch {env['torch']}; {env['date']}; {env['command']}"]
-    columns = [("impl", 10), ("dtype", 5), ("optimizer", 26), ("ms", 9), ("noise%", 6),
+    columns = [("impl", 14), ("dtype", 5), ("optimizer", 31), ("ms", 9), ("noise%", 6),
                ("items/s", 10), ("peak MB", 8), ("vs amp", 6), ("vs fp32", 7), ("mem/amp", 7),
                ("loss", 7)]
     model = None

@@ -62,6 +62,10 @@ bench_status=0
 python3 benchmarks/run.py --device cuda --out "$out" >/dev/null || bench_status=$?
 # FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, and the fused cast+amax.
 python3 benchmarks/bench_fp8.py --device cuda >"$out/bench_fp8.txt" 2>&1 || bench_status=$?
+# FP8 end to end, in the same file: GPT-2 small trained in bf16, O2 beside O2 with fp8=True
+# (FP8 GEMMs write bf16, so this is the dtype FP8 is compared in).
+python3 benchmarks/bench_train.py --device cuda --models gpt --amp-dtype bf16 \
+  >>"$out/bench_fp8.txt" 2>&1 || bench_status=$?
 # Host against device time per op call and per training step (where a goal was missed).
 PYTHONPATH=python python3 benchmarks/profile_gpu.py --device cuda >"$out/profile_gpu.txt" 2>&1 ||
   bench_status=$?

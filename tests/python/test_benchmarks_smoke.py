@@ -56,7 +56,7 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
     train = by_bench["train"]
     assert {(r["model"], r["impl"]) for r in train} == {
         (m, i) for m in ("gpt", "cnn") for i in ("fp32", "torch amp", "ampfuse O1", "ampfuse O2")
-    }
+    } | {("gpt", "ampfuse O2 fp8")}
     for row in train:
         assert row["median_s"] > 0 and row["items_per_s"] > 0, row
         assert row["peak_mem_bytes"] is None  # CPU: not measured
