@@ -25,6 +25,7 @@ import torch
 
 from ampfuse import demo
 
+
 class Sharding:
     """One process's part of a sharded run; demo.train_run calls it."""
 

@@ -21,6 +21,8 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils.hooks import RemovableHandle
 
+from ampfuse.amp import kept_norms
+
 # amp.initialize reaches the O1 pieces through this module.
 from ampfuse.amp.per_op import (  # noqa: F401
     FP32_FUNCTIONS,
@@ -29,7 +31,6 @@ from ampfuse.amp.per_op import (  # noqa: F401
     cast_decorator,
     check_custom_lists,
 )
-from ampfuse.amp import kept_norms
 from ampfuse.amp.tensor_casts import InputsTo, OutputsTo
 
 NORM_TYPES = (

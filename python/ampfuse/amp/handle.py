@@ -14,13 +14,13 @@ import torch
 
 from ampfuse.amp import checkpoint
 from ampfuse.amp.binding import Binding
-from ampfuse.amp.optimizer_access import grads_of
 from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
+from ampfuse.amp.optimizer_access import grads_of
 from ampfuse.amp.reporting import OverflowReporter
 from ampfuse.loss_scaler import LossScaler
-from ampfuse.overflow import ParamNames
 from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.overflow import ParamNames
 
 log = logging.getLogger("ampfuse.amp")
 
