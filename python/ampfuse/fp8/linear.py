@@ -76,7 +76,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = _fp8_ops.fp8_gemm(_fp8_transpose(g8), _fp8_transpose(x8), g_scale_inv,
                                        x_scale_inv, None, _gemm_dtype(w_dtype)).to(w_dtype)
         if ctx.needs_input_grad[2]:
-            grad_b = grad_out.float().sum(0).to(b_dtype)
+            # Summed in fp32 without an fp32 copy of grad_out (tokens x out_features).
+            grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
