@@ -22,6 +22,7 @@ Run it from the repository root with mmengine on the path (see README.md beside 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -90,10 +91,17 @@ def fresh_net():
     return Net()
 
 
+# mmengine names a runner's visualizer and message hub (process-wide instances) after its
+# experiment, by default the start time to the second: two runners started in the same second
+# share them, and the second one logs into the first one's deleted work_dir.
+_RUNNER_IDS = itertools.count()
+
+
 def make_runner(work_dir, opt_level, epochs, resume_from=None):
     return Runner(
         model=fresh_net(),
         work_dir=work_dir,
+        experiment_name=f"ampfuse-check-{next(_RUNNER_IDS)}",
         train_dataloader=dict(dataset=Quadrants(), batch_size=BATCH, num_workers=0,
                               sampler=dict(type="DefaultSampler", shuffle=False),
                               collate_fn=dict(type="default_collate")),
