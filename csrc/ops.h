@@ -58,6 +58,7 @@ void fp8_update_scales_fallback(at::TensorList amaxes, at::TensorList amax_histo
 at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
                         const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
                         at::ScalarType out_dtype);
+at::Tensor fp8_transpose_cpu(const at::Tensor& input);  // csrc/ops/fp8_transpose.cpp
 
 #ifdef AMPFUSE_WITH_CUDA
 void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
@@ -100,6 +101,7 @@ void fp8_update_scales_cuda(at::TensorList amaxes, at::TensorList amax_histories
 at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
                          const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
                          at::ScalarType out_dtype);
+at::Tensor fp8_transpose_cuda(const at::Tensor& input);
 #endif
 
 }  // namespace ampfuse::ops

@@ -68,6 +68,9 @@ TORCH_LIBRARY(ampfuse, m) {
   m.def(
       "fp8_gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor? bias, "
       "ScalarType out_dtype) -> Tensor");
+  // A contiguous [k, m] copy of a 2-D fp8 tensor [m, k]: the K-contiguous operands an FP8
+  // layer's backward GEMMs take.
+  m.def("fp8_transpose(Tensor input) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
@@ -81,6 +84,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cpu);
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cpu);
   m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cpu);
+  m.impl("fp8_transpose", &ampfuse::ops::fp8_transpose_cpu);
 }
 
 #ifdef AMPFUSE_WITH_CUDA
@@ -95,6 +99,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cuda);
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cuda);
   m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cuda);
+  m.impl("fp8_transpose", &ampfuse::ops::fp8_transpose_cuda);
 }
 #endif
 
@@ -116,6 +121,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   m.impl("fp8_cast_amax", refuse());
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_fallback);
   m.impl("fp8_gemm", refuse());
+  m.impl("fp8_transpose", refuse());
 }
 
 // Nested tensors dispatch to their autograd key before any backend.
@@ -126,7 +132,7 @@ TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
   for (const char* op : {"multi_tensor_unscale_", "multi_tensor_nonfinite_check_",
                          "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_",
                          "fused_adam_", "fused_sgd_", "fp8_cast_amax", "fp8_update_scales_",
-                         "fp8_gemm"}) {
+                         "fp8_gemm", "fp8_transpose"}) {
     m.impl(op, refuse());
   }
 }

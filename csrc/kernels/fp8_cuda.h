@@ -49,6 +49,11 @@ struct Fp8GemmArgs {
 
 void fp8_gemm(const Fp8GemmArgs& args, StreamHandle stream);
 
+// out (cols x rows, row-major) = the transpose of in (rows x cols, row-major), one-byte FP8
+// codes moved as they are (csrc/kernels/fp8_transpose.cu).
+void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
+                   std::int64_t cols, StreamHandle stream);
+
 // Bytes of workspace fp8_gemm is offered (cuBLAS's recommendation for Hopper).
 constexpr std::size_t kFp8GemmWorkspaceBytes = std::size_t{32} << 20;
 

@@ -72,8 +72,18 @@ def smoke_gemm(ops, device):
     return None
 
 
+def smoke_transpose(ops, device):
+    x = _sample((33, 20), torch.float32, device, 4).to(E4M3)
+    out = ops.fp8_transpose(x)
+    expected = x.cpu().t().contiguous().view(torch.uint8)
+    if out.shape != (20, 33) or not torch.equal(out.cpu().view(torch.uint8), expected):
+        return "the codes differ from torch's transpose of the same tensor"
+    return None
+
+
 SMOKE_TESTS = {
     "fp8_cast_amax": smoke_cast_amax,
     "fp8_update_scales_": smoke_update_scales,
     "fp8_gemm": smoke_gemm,
+    "fp8_transpose": smoke_transpose,
 }

@@ -42,6 +42,13 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     return torch.ops.ampfuse.fp8_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype)
 
 
+def fp8_transpose(input: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[k, m]`` copy of the 2-D fp8 tensor ``input`` ``[m, k]``, codes unchanged:
+    the K-contiguous operand an FP8 GEMM of the backward takes (tiled in shared memory on
+    CUDA, where a strided copy of one-byte elements is slow)."""
+    return torch.ops.ampfuse.fp8_transpose(input)
+
+
 # ---- fake kernels: the checks that need no data, with the real kernels' wording ----------
 
 
@@ -104,3 +111,14 @@ def _gemm_fake(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
         raise RuntimeError(f"ampfuse.{op}: out_dtype must be torch.bfloat16 or torch.float32, "
                            f"got {out_dtype}.")
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_fake("ampfuse::fp8_transpose")
+def _transpose_fake(input):
+    op = "fp8_transpose"
+    _check_fp8_dtype(op, "input", input.dtype)
+    if input.dim() != 2:
+        raise RuntimeError(f"ampfuse.{op}: input must be 2-D (rows x columns), got shape "
+                           f"{tuple(input.shape)}; reshape it to 2-D first (an FP8 GEMM operand "
+                           "is a matrix).")
+    return input.new_empty((input.shape[1], input.shape[0]))

@@ -32,6 +32,7 @@ _OPS = (
     "fp8_cast_amax",
     "fp8_update_scales_",
     "fp8_gemm",
+    "fp8_transpose",
 )
 
 
@@ -391,4 +392,9 @@ def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum
 
 # The FP8 ops' wrappers and fake kernels live in _fp8_ops; their wrappers are also here, beside
 # every other op's.
-from ampfuse._fp8_ops import fp8_cast_amax, fp8_gemm, fp8_update_scales_  # noqa: E402,F401
+from ampfuse._fp8_ops import (  # noqa: E402,F401
+    fp8_cast_amax,
+    fp8_gemm,
+    fp8_transpose,
+    fp8_update_scales_,
+)
