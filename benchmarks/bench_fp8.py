@@ -1,5 +1,6 @@
-"""Times ampfuse's FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, and the
-fused fp8 cast+amax against torch's clamp+cast plus a separate amax.
+"""Times ampfuse's FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, the
+fused fp8 cast+amax against torch's clamp+cast plus a separate amax, and the FP8 transpose of a
+layer's backward against torch's t().contiguous().
 
 GEMM shapes (m, n, k) for out[m, n] = a[m, k] @ b[n, k].T: 4096^3, and the four GEMMs of a
 GPT-2-small block at 8 x 1024 tokens (QKV 768->2304, attention out 768->768, MLP up
@@ -23,7 +24,7 @@ import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
 import torch.nn.functional as F
 from _timing import parse_args, report, synchronize, time_calls
-from ampfuse._fp8_ops import FP8_MAX, fp8_cast_amax, fp8_gemm
+from ampfuse._fp8_ops import FP8_MAX, fp8_cast_amax, fp8_gemm, fp8_transpose
 
 TOKENS = 8 * 1024
 GEMMS = {
@@ -157,8 +158,34 @@ def cast_rows(args):
     return rows
 
 
+TRANSPOSES = {"gpt2 input": (TOKENS, 768), "gpt2 mlp grad": (TOKENS, 3072)}
+CPU_TRANSPOSES = {"1024 x 768": (1024, 768)}
+
+
+def transpose_rows(args):
+    """ampfuse's tiled fp8_transpose against torch's t().contiguous() on the FP8 operands an
+    FP8 layer's backward transposes (a GPT-2-small activation and MLP grad at 8 x 1024
+    tokens). Byte floor: each byte read once and written once."""
+    device = args.device
+    block = 10 if device == "cuda" else 1
+    rows = []
+    for name, (m, k) in (TRANSPOSES if device == "cuda" else CPU_TRANSPOSES).items():
+        x = torch.randn(m, k, device=device).to(E4M3)
+        calls = {"ampfuse fp8_transpose": lambda i: fp8_transpose(x),
+                 "torch t().contiguous()": lambda i: x.t().contiguous()}
+        times = interleaved_block_times(calls, device, args.warmup, args.repeats, block)
+        for impl in calls:
+            seconds = statistics.median(times[impl])
+            row = {"op": "transpose", "shape": name, "impl": impl, "device": device,
+                   "median_s": seconds, "gbps": 2 * m * k / seconds / 1e9}
+            if impl == "ampfuse fp8_transpose":
+                row["torch / ampfuse"] = _paired(times, "torch t().contiguous()", impl)
+            rows.append(row)
+    return rows
+
+
 def run(args):
-    return gemm_rows(args) + cast_rows(args)
+    return gemm_rows(args) + cast_rows(args) + transpose_rows(args)
 
 
 def format_rows(rows, env):
@@ -166,13 +193,13 @@ def format_rows(rows, env):
     lines = [f"# {where}; torch {env['torch']}; {env['date']}; {env['command']}"]
     for row in rows:
         if "error" in row:
-            lines.append(f"{row['op']:5} {row['shape']:16} {row['impl']:24} {row['error']}")
+            lines.append(f"{row['op']:9} {row['shape']:16} {row['impl']:24} {row['error']}")
             continue
         rate = (f"{row['tflops']:8.1f} TFLOP/s" if "tflops" in row
                 else f"{row['gbps']:8.1f} GB/s   ")
         ratios = "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("/ ampfuse"))
         noise = f"  noise {row['noise_pct']:.1f}%" if "noise_pct" in row else ""
-        lines.append(f"{row['op']:5} {row['shape']:16} {row['impl']:24} "
+        lines.append(f"{row['op']:9} {row['shape']:16} {row['impl']:24} "
                      f"{row['median_s'] * 1e3:9.3f} ms {rate}  {ratios}{noise}")
     return "\n".join(lines)
 

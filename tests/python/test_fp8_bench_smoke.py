@@ -22,6 +22,7 @@ def test_bench_fp8_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert {(r["op"], r["impl"]) for r in rows} == {
         ("gemm", "bf16 F.linear"), ("gemm", "ampfuse fp8_gemm"),
-        ("cast", "ampfuse fp8_cast_amax"), ("cast", "torch clamp+cast, amax")}
+        ("cast", "ampfuse fp8_cast_amax"), ("cast", "torch clamp+cast, amax"),
+        ("transpose", "ampfuse fp8_transpose"), ("transpose", "torch t().contiguous()")}
     assert not [r for r in rows if "error" in r], rows
     assert "fp8_gemm" in result.stdout and "TFLOP/s" in result.stdout

@@ -34,7 +34,7 @@ def _gemm_dtype(dtype):
 
 def _fp8_transpose(t):
     # A contiguous transposed copy: the FP8 GEMM takes both operands K-contiguous.
-    return t.t().contiguous()
+    return _fp8_ops.fp8_transpose(t)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
