@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fp8_cuda.h"
+#include "launch_check.cuh"
 
 namespace ampfuse::kernels::cuda {
 namespace {
@@ -107,14 +108,6 @@ __global__ void update_scales_kernel(Fp8StateTable table, float margin_factor, b
   update_fp8_scale(table.states[t], margin_factor, use_max, skipped);
 }
 
-void throw_on_error(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("ampfuse: CUDA launch of ") + what +
-                             " failed: " + cudaGetErrorString(status));
-  }
-}
-
 }  // namespace
 
 void fp8_cast_amax(const TensorRef& src, std::uint8_t* dst, const float* scale, float* amax,
@@ -126,7 +119,7 @@ void fp8_cast_amax(const TensorRef& src, std::uint8_t* dst, const float* scale, 
   } else {
     launch_cast<Fp8Format::kE5M2>(src, dst, scale, amax, s);
   }
-  throw_on_error("fp8_cast_amax");
+  throw_on_launch_error("fp8_cast_amax");
 }
 
 void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_factor,
@@ -138,7 +131,7 @@ void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_fa
         std::min<std::size_t>(kFp8StatesPerLaunch, states.size() - first));
     std::copy_n(states.begin() + static_cast<std::ptrdiff_t>(first), table.count, table.states);
     update_scales_kernel<<<1, kFp8StatesPerLaunch, 0, s>>>(table, margin_factor, use_max, skip);
-    throw_on_error("fp8_update_scales_");
+    throw_on_launch_error("fp8_update_scales_");
   }
 }
 

@@ -6,10 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <stdexcept>
-#include <string>
 
 #include "fp8_cuda.h"
+#include "launch_check.cuh"
 
 namespace ampfuse::kernels::cuda {
 namespace {
@@ -54,11 +53,7 @@ void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
                     static_cast<unsigned>(std::min(kMaxTileRowsPerLaunch, tile_rows - first)));
     transpose_bytes_kernel<<<grid, dim3(kTile, kRowsPerPass), 0, s>>>(in, out, rows, cols,
                                                                         first * kTile);
-    const cudaError_t status = cudaGetLastError();
-    if (status != cudaSuccess) {
-      throw std::runtime_error(std::string("ampfuse: CUDA launch of fp8_transpose failed: ") +
-                               cudaGetErrorString(status));
-    }
+    throw_on_launch_error("fp8_transpose");
   }
 }
 

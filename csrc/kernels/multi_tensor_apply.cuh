@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "launch_check.cuh"
 #include "launch_plan.h"
 
 namespace ampfuse::kernels::cuda {
@@ -117,14 +118,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
     multi_tensor_kernel(const __grid_constant__ ChunkTable<Depth> table, Functor functor,
                         Args... args) {
   functor(table, args...);
-}
-
-inline void throw_on_launch_error(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("ampfuse: CUDA launch of ") + what +
-                             " failed: " + cudaGetErrorString(status));
-  }
 }
 
 // Kernel parameters over 4 KB need a driver for CUDA 12.1 or newer. An older driver can
