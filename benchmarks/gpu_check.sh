@@ -22,14 +22,8 @@ mkdir -p "$out"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
 
-echo "== build (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)"
-if ! TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
-    python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
-  tail -n 60 "$out/build.log"
-  echo "gpu_check: build failed (full log: $out/build.log)"
-  exit 1
-fi
-tail -n 3 "$out/build.log"
+source benchmarks/gpu_build.sh
+build_for_hopper "$out/build.log" gpu_check || exit 1
 
 echo "== C++ CUDA kernel tests: ctest (Catch2 from .gpu/)"
 ctest_status=0

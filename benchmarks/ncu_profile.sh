@@ -30,13 +30,8 @@ if [[ -z "$ncu_bin" ]]; then
 fi
 "$ncu_bin" --version | tail -n 1
 
-echo "== build (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)"
-if ! TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
-    python3 -m pip install --no-build-isolation --no-deps -e . >"$out/ncu_build.log" 2>&1; then
-  tail -n 40 "$out/ncu_build.log"
-  echo "ncu_profile: build failed (full log: $out/ncu_build.log)"
-  exit 1
-fi
+source benchmarks/gpu_build.sh
+build_for_hopper "$out/ncu_build.log" ncu_profile || exit 1
 
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
           --section LaunchStats --section WarpStateStats --section SchedulerStats)
