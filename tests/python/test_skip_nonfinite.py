@@ -247,7 +247,7 @@ def test_capture_before_an_eager_step_with_a_verdict_is_refused_before_any_updat
     backward(model, 0)
     optimizer.step()  # eager: the state exists, and the default makes no verdict
     optimizer.param_groups[0]["skip_nonfinite"] = None
-    optimizer._capturing = lambda: True  # as in CUDA graph capture, which needs a GPU
+    optimizer._capturing = lambda compiling=None: True  # as in CUDA graph capture (needs a GPU)
     before = snapshot(model, optimizer)
     with raises_naming("captured in a CUDA graph", "run one step eagerly"):
         optimizer.step()

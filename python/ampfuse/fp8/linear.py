@@ -32,11 +32,6 @@ def _gemm_dtype(dtype):
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _fp8_transpose(t):
-    # A contiguous transposed copy: the FP8 GEMM takes both operands K-contiguous.
-    return _fp8_ops.fp8_transpose(t)
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     """x [m, k] (m a multiple of ALIGN) -> x @ weight.T + bias [m, n], every GEMM in FP8.
 
@@ -70,11 +65,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g8 = _fp8_ops.fp8_cast_amax(grad_out, g_scale, g_amax, ctx.bwd_format)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _fp8_ops.fp8_gemm(g8, _fp8_transpose(w8), g_scale_inv, w_scale_inv, None,
-                                       _gemm_dtype(x_dtype)).to(x_dtype)
+            # fp8_transpose: the FP8 GEMM takes both operands K-contiguous.
+            grad_x = _fp8_ops.fp8_gemm(g8, _fp8_ops.fp8_transpose(w8), g_scale_inv, w_scale_inv,
+                                       None, _gemm_dtype(x_dtype)).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _fp8_ops.fp8_gemm(_fp8_transpose(g8), _fp8_transpose(x8), g_scale_inv,
-                                       x_scale_inv, None, _gemm_dtype(w_dtype)).to(w_dtype)
+            grad_w = _fp8_ops.fp8_gemm(_fp8_ops.fp8_transpose(g8), _fp8_ops.fp8_transpose(x8),
+                                       g_scale_inv, x_scale_inv, None,
+                                       _gemm_dtype(w_dtype)).to(w_dtype)
         if ctx.needs_input_grad[2]:
             # Summed in fp32 without an fp32 copy of grad_out (tokens x out_features).
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)

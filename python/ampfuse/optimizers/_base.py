@@ -153,7 +153,7 @@ class FusedOptimizer(
         """
         # Asked once per step: each of these is a few Python calls (issue 14 counts them).
         compiling = torch.compiler.is_compiling()
-        capturing = self._capturing()
+        capturing = self._capturing(compiling)
         self._check_capture(capturing)
         loss = None
         if closure is not None:
@@ -254,7 +254,7 @@ class FusedOptimizer(
             else:
                 mode = "none"
             state = all_state[p]
-            record = records.get(p)
+            record = records.get(p)  # self._record(p), inline: no call per param
             if record is None:
                 record = records[p] = ParamRecord()
             prepared = True  # a loop, not all(): no Python call per param in the steady state
@@ -361,10 +361,14 @@ class FusedOptimizer(
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
-    def _capturing(self):
+    def _capturing(self, compiling=None):
+        """Whether this step is being captured in a CUDA graph. `compiling`: what step() already
+        asked torch.compiler.is_compiling() (asked here when not given)."""
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
         # No capture runs before CUDA is initialized; is_initialized() is a flag read where
         # is_available() asks the driver (or NVML) on every step.
-        if torch.compiler.is_compiling() or not torch.cuda.is_initialized():
+        if compiling or not torch.cuda.is_initialized():
             return False
         return torch.cuda.is_current_stream_capturing()
 
