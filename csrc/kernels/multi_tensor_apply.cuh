@@ -7,11 +7,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "chunk_visit.h"
 #include "launch_check.cuh"
 #include "launch_plan.h"
+#include "nonfinite_kind.h"
 
 namespace ampfuse::kernels::cuda {
 
@@ -23,18 +26,21 @@ struct DeviceElement;
 
 template <>
 struct DeviceElement<float> {
+  static constexpr DType kDType = DType::kFloat32;
   __device__ static float load(float x) { return x; }
   __device__ static float store(float x) { return x; }
 };
 
 template <>
 struct DeviceElement<__half> {
+  static constexpr DType kDType = DType::kFloat16;
   __device__ static float load(__half x) { return __half2float(x); }
   __device__ static __half store(float x) { return __float2half_rn(x); }
 };
 
 template <>
 struct DeviceElement<__nv_bfloat16> {
+  static constexpr DType kDType = DType::kBFloat16;
   __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
   __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
 };
@@ -89,6 +95,39 @@ __device__ void visit_chunk(int n, bool aligned, PackOp&& pack_op, ElementOp&& e
   const int packed_end = aligned ? n - n % N : 0;
   for (int i = threadIdx.x * N; i < packed_end; i += blockDim.x * N) pack_op(i);
   for (int i = packed_end + threadIdx.x; i < n; i += blockDim.x) element_op(i);
+}
+
+// The same walk with each pack's load split from its use, and several loads in flight per
+// thread (chunk_visit.h). kLoadBytesInFlight / sizeof(pack) packs go per batch: 64 bytes, four
+// 16-byte loads, keep enough of HBM3's bandwidth in flight with two 512-thread blocks per SM.
+constexpr int kLoadBytesInFlight = 64;
+
+template <typename PackT>
+constexpr int batch_for() {
+  return sizeof(PackT) >= kLoadBytesInFlight ? 1 : kLoadBytesInFlight / sizeof(PackT);
+}
+
+template <int N, typename PackT, typename Load, typename Use, typename ElementOp>
+__device__ void visit_chunk_batched(int n, bool aligned, Load&& load, Use&& use,
+                                    ElementOp&& element_op) {
+  visit_chunk_in_batches<N, batch_for<PackT>()>(static_cast<int>(threadIdx.x),
+                                                static_cast<int>(blockDim.x), n, aligned, load,
+                                                use, element_op);
+}
+
+// The sign bit of each lane of `pack` that holds an inf or nan (nonfinite_lanes on each of
+// its 32-bit words, ORed); 0 when all are finite.
+template <typename T, int N>
+__device__ std::uint32_t nonfinite_lanes(const Pack<T, N>& pack) {
+  static_assert(sizeof(Pack<T, N>) % sizeof(std::uint32_t) == 0, "whole 32-bit words");
+  constexpr NonfiniteWordTest test = nonfinite_word_test(DeviceElement<T>::kDType);
+  constexpr int kWords = sizeof(Pack<T, N>) / sizeof(std::uint32_t);
+  std::uint32_t words[kWords];
+  memcpy(words, &pack, sizeof(words));  // register moves, without type punning
+  std::uint32_t lanes = 0;
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) lanes |= nonfinite_lanes(words[w], test);
+  return lanes;
 }
 
 // Sum over the block; the result is valid in thread 0. Every thread of the block must

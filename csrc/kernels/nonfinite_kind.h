@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "dtype.h"
 #include "scale_rule.h"  // AMPFUSE_HOST_DEVICE
 
 namespace ampfuse::kernels {
@@ -19,6 +20,36 @@ AMPFUSE_HOST_DEVICE constexpr std::uint32_t nonfinite_kind(std::uint32_t bits) {
   const std::uint32_t magnitude = bits & 0x7fffffffu;
   return static_cast<std::uint32_t>(magnitude >= 0x7f800000u) +
          static_cast<std::uint32_t>(magnitude > 0x7f800000u);
+}
+
+// A test for inf/nan on a whole 32-bit word of packed elements (one fp32, or two fp16 or bf16
+// lanes) in three integer operations, for the loops whose every element is checked. An element
+// is inf or nan when its magnitude bits reach its exponent mask; adding (lowest bit of the
+// exponent) to the magnitude then carries into the lane's sign bit, and nowhere else: the
+// largest magnitude plus that bit still fits the lane. Only a word that tests positive needs
+// nonfinite_kind on its elements to tell inf from nan.
+struct NonfiniteWordTest {
+  std::uint32_t magnitudes;  // every bit of each lane but its sign
+  std::uint32_t carry;       // the lowest exponent bit of each lane
+  std::uint32_t signs;       // the sign bit of each lane: where the carry lands
+};
+
+AMPFUSE_HOST_DEVICE constexpr NonfiniteWordTest nonfinite_word_test(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:  // exponent mask 0x7c00 per lane
+      return {0x7fff7fffu, 0x04000400u, 0x80008000u};
+    case DType::kBFloat16:  // exponent mask 0x7f80 per lane
+      return {0x7fff7fffu, 0x00800080u, 0x80008000u};
+    case DType::kFloat32:  // exponent mask 0x7f800000
+    default:
+      return {0x7fffffffu, 0x00800000u, 0x80000000u};
+  }
+}
+
+// The sign bit of each lane of `word` that holds an inf or nan; 0 when every lane is finite.
+AMPFUSE_HOST_DEVICE constexpr std::uint32_t nonfinite_lanes(std::uint32_t word,
+                                                           NonfiniteWordTest test) {
+  return ((word & test.magnitudes) + test.carry) & test.signs;
 }
 
 }  // namespace ampfuse::kernels

@@ -193,6 +193,62 @@ TEST_CASE("CUDA unscale, scale and check OR each tensor's inf/nan kinds into its
   cudaFree(flags);
 }
 
+// The list kernels test a whole 16-byte pack for inf/nan a 32-bit word at a time and load
+// several packs per thread before using any (chunk_visit.h). Packs hold 4 (fp32) or 8 (2-byte
+// types, and any fp32 -> 2-byte scale) elements, and a 512-thread block's batch slots are 2048
+// or 4096 elements apart: these positions put the value in every lane of a pack and in every
+// slot of a batch, for both element widths.
+TEST_CASE("CUDA check, unscale and scale see inf/nan in every lane of a pack and batch slot") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::int64_t> positions = {0, 1, 2, 3, 4, 5, 6, 7, 65535};
+  for (std::int64_t slot = 1; slot < 4; ++slot) {
+    for (std::int64_t lane : {0, 3, 7}) {
+      positions.push_back(slot * 2048 + lane);
+      positions.push_back(slot * 4096 + lane);
+    }
+  }
+  const std::int64_t n = 65536;  // one full, aligned chunk: every element goes through packs
+  std::int32_t* flags = nullptr;
+  check(cudaMalloc(reinterpret_cast<void**>(&flags), sizeof(std::int32_t)));
+  const auto expect = [&](int op, const char* what, DeviceScalar<float>& found,
+                          std::int32_t kinds) {
+    std::int32_t got = 0;
+    check(cudaMemcpy(&got, flags, sizeof(got), cudaMemcpyDeviceToHost));
+    INFO(what << " op " << op);
+    REQUIRE(found.get() == 1.0f);
+    REQUIRE(got == kinds);
+  };
+  for (DType dtype : kDtypes) {
+    for (std::int64_t where : positions) {
+      for (int op = 0; op < 4; ++op) {
+        INFO("dtype " << int(dtype) << " at " << where);
+        // One inf alone, then an inf and a nan in the same pack (lanes 1 apart at least).
+        for (int both = 0; both < 2; ++both) {
+          DeviceTensor t(dtype, n, 70);
+          t.set(where, -inf);
+          std::int32_t kinds = kHeldInf;
+          if (both == 1) {
+            t.set(where ^ 1, nan);
+            kinds |= kHeldNan;
+          }
+          t.upload();
+          std::vector<TensorRef> refs = {t.ref()};
+          DeviceTensor out(op == 3 ? DType::kFloat16 : DType::kFloat32, n, 71);
+          std::vector<TensorRef> dst = {out.ref()};
+          check(cudaMemset(flags, 0, sizeof(std::int32_t)));
+          DeviceScalar<float> found(0.0f), factor(1.0f);
+          if (op == 0) cuda::nonfinite_check(refs, found.device, flags, nullptr);
+          if (op == 1) cuda::unscale(refs, found.device, factor.device, flags, nullptr);
+          if (op >= 2) cuda::scale(refs, dst, factor.device, found.device, flags, nullptr);
+          expect(op, both == 1 ? "inf and nan" : "inf", found, kinds);
+        }
+      }
+    }
+  }
+  cudaFree(flags);
+}
+
 TEST_CASE("CUDA scale casts between every dtype pair like the CPU kernel, aligned or not") {
   for (DType from : kDtypes) {
     for (DType to : kDtypes) {
