@@ -1,11 +1,13 @@
 """Where the time goes, for the GPU goals a benchmark missed: host against device, per call.
 
     PYTHONPATH=python python benchmarks/profile_gpu.py [--device cuda] [--what ops train]
-        [--total-elements 1e6 1e8] [--models gpt cnn] [--steps 4] [bench_train's size flags]
+        [--total-elements 1e6 1e8] [--lists model one] [--models gpt cnn] [--steps 4]
+        [bench_train's size flags]
 
 The benchmarks (run.py) give one time per call or step. This splits it:
 - ops: for unscale_, nonfinite_check_, l2norm and the scale_ cast copy, and torch's
-  counterparts, on model-shaped lists (291 tensors): the host time to issue one call (no
+  counterparts, on model-shaped lists (291 tensors) and on one tensor of the same size (the
+  call's fixed cost apart from its per-tensor cost): the host time to issue one call (no
   sync), the kernels it launched and their summed device time (torch.profiler), and the
   wall time per call of back-to-back calls. Wall near host: host-bound (validation, launch
   cost); wall near kernels: the kernels are the cost, and their bandwidth is the question.
@@ -81,24 +83,34 @@ def _host_and_wall(call, device, calls):
     return statistics.median(host) * 1e6, wall * 1e6
 
 
+def _shapes(lists, total):
+    """The tensor shapes of one list layout: "model" (model_like_shapes, 291 tensors) or "one"
+    (a single tensor). One tensor leaves a call's fixed cost (the launch, with ampfuse's 31 KB
+    table of kernel parameters against torch's smaller one) without the per-tensor part."""
+    return model_like_shapes(total) if lists == "model" else [(total,)]
+
+
 def profile_ops(args):
     rows = []
     for total in args.total_elements:
-        shapes = model_like_shapes(int(total))
-        grads = random_tensors(shapes, torch.float32, args.device, generator(args.device, 0))
-        for name in OPS:
-            for impl, call in zip(("ampfuse", "torch"), _op_calls(name, grads, args.device)):
-                for _ in range(args.warmup):
-                    call()
-                host, wall = _host_and_wall(call, args.device, args.calls)
-                launches, busy = _kernels(call, args.device, args.calls)
-                rows.append((name, f"{int(total):,}", impl, host, wall, launches, busy))
-    print(f"# ops on {args.device}: {len(shapes)} fp32 tensors; us per call; host: median "
-          "time to issue one call; wall: back-to-back calls; kernels: launches and summed time")
-    print(f"{'op':>17} {'elements':>12} {'impl':>8} {'host us':>9} {'wall us':>9} "
-          f"{'launches':>9} {'kernel us':>10}")
-    for name, total, impl, host, wall, launches, busy in rows:
-        print(f"{name:>17} {total:>12} {impl:>8} {host:9.1f} {wall:9.1f} "
+        for lists in args.lists:
+            shapes = _shapes(lists, int(total))
+            grads = random_tensors(shapes, torch.float32, args.device, generator(args.device, 0))
+            for name in OPS:
+                for impl, call in zip(("ampfuse", "torch"), _op_calls(name, grads, args.device)):
+                    for _ in range(args.warmup):
+                        call()
+                    host, wall = _host_and_wall(call, args.device, args.calls)
+                    launches, busy = _kernels(call, args.device, args.calls)
+                    rows.append((name, f"{int(total):,}", len(shapes), impl, host, wall,
+                                 launches, busy))
+            del grads
+    print(f"# ops on {args.device}: fp32 tensors; us per call; host: median time to issue one "
+          "call; wall: back-to-back calls; kernels: launches and summed time")
+    print(f"{'op':>17} {'elements':>12} {'tensors':>8} {'impl':>8} {'host us':>9} "
+          f"{'wall us':>9} {'launches':>9} {'kernel us':>10}")
+    for name, total, tensors, impl, host, wall, launches, busy in rows:
+        print(f"{name:>17} {total:>12} {tensors:>8} {impl:>8} {host:9.1f} {wall:9.1f} "
               f"{_fmt(launches, '9.1f')} {_fmt(busy, '10.1f')}")
 
 
@@ -158,6 +170,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
     parser.add_argument("--what", nargs="+", choices=["ops", "train"], default=["ops", "train"])
     parser.add_argument("--total-elements", nargs="+", type=float, default=[1e6, 1e8])
+    parser.add_argument("--lists", nargs="+", choices=["model", "one"], default=["model", "one"],
+                        help="ops: model-shaped lists (291 tensors), one tensor, or both")
     parser.add_argument("--models", nargs="+", choices=["gpt", "cnn"], default=["gpt", "cnn"])
     parser.add_argument("--calls", type=int, default=50, help="profiled calls per op")
     parser.add_argument("--steps", type=int, default=4, help="profiled training steps")
