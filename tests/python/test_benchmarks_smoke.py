@@ -89,7 +89,8 @@ def test_standalone_benchmarks_run(tmp_path):
 
 def test_profile_gpu_runs_on_the_cpu():
     """benchmarks/profile_gpu.py (host against device time, for the next GPU session): on the
-    CPU it prints a host-time row per op and implementation, and one per training set-up."""
+    CPU it prints a host-time row per op, implementation and list layout (model-shaped, one
+    tensor), and one per training set-up."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
     train_sizes = TINY[TINY.index("--layers"):]
     result = subprocess.run(
@@ -100,9 +101,11 @@ def test_profile_gpu_runs_on_the_cpu():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
+    rows = [line.split() for line in lines]
     for op in ("unscale_", "nonfinite_check_", "l2norm", "scale_"):
         for impl in ("ampfuse", "torch"):
-            assert any(line.split()[:3] == [op, "20,000", impl] for line in lines), (op, impl)
+            tensors = {r[2] for r in rows if r[:2] == [op, "20,000"] and r[3:4] == [impl]}
+            assert "1" in tensors and len(tensors) == 2, (op, impl, tensors)
     for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
         assert sum(line.strip().startswith(impl) for line in lines) == 2, impl  # gpt and cnn
 
