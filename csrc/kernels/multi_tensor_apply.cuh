@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "chunk_visit.h"
 #include "launch_check.cuh"
@@ -110,9 +111,8 @@ constexpr int batch_for() {
 template <int N, typename PackT, typename Load, typename Use, typename ElementOp>
 __device__ void visit_chunk_batched(int n, bool aligned, Load&& load, Use&& use,
                                     ElementOp&& element_op) {
-  visit_chunk_in_batches<N, batch_for<PackT>()>(static_cast<int>(threadIdx.x),
-                                                static_cast<int>(blockDim.x), n, aligned, load,
-                                                use, element_op);
+  visit_chunk_in_batches<N, batch_for<PackT>()>(static_cast<int>(threadIdx.x), kThreadsPerBlock,
+                                                n, aligned, load, use, element_op);
 }
 
 // The sign bit of each lane of `pack` that holds an inf or nan (nonfinite_lanes on each of
@@ -148,12 +148,23 @@ __device__ T block_sum(T value) {
   return value;
 }
 
+// Blocks per SM a functor's kernel is compiled for (its launch bounds, hence its register
+// cap): Functor::kMinBlocksPerSm where the functor says, kMinBlocksPerSm otherwise. At least
+// two: that caps registers at 64 per thread (Adam would take 72 on sm_90; see
+// docs/DESIGN-NOTES.md for its one spilled value). The list kernels ask for the occupancy they
+// had with one load in flight per thread (3 or 4 blocks), so batching loads (chunk_visit.h)
+// costs them no warps.
+template <typename Functor, typename = void>
+struct MinBlocksPerSm : std::integral_constant<int, kMinBlocksPerSm> {};
+
+template <typename Functor>
+struct MinBlocksPerSm<Functor, std::void_t<decltype(Functor::kMinBlocksPerSm)>>
+    : std::integral_constant<int, Functor::kMinBlocksPerSm> {};
+
 // The table travels as a __grid_constant__ kernel parameter, so blocks read it
 // straight from constant parameter space without a per-thread copy.
-// At least two blocks per SM: that caps registers at 64 per thread, which Adam (72
-// without the cap on sm_90) meets without spilling; the other kernels use fewer anyway.
 template <int Depth, typename Functor, typename... Args>
-__global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kThreadsPerBlock, MinBlocksPerSm<Functor>::value)
     multi_tensor_kernel(const __grid_constant__ ChunkTable<Depth> table, Functor functor,
                         Args... args) {
   functor(table, args...);
