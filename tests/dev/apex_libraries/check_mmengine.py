@@ -30,6 +30,7 @@ import tempfile
 
 import torch
 from _checks import Checks
+from _task import quadrant_images, small_cnn
 import torch.nn.functional as F
 
 from ampfuse.apex_compat import install_apex_alias
@@ -49,17 +50,13 @@ EPOCHS = 3
 BATCH = 16
 SAMPLES = 256
 ACCUMULATE = 2
-CLASSES = 4
 check = Checks("mmengine")
 
 
 class Net(BaseModel):
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(128, CLASSES))
+        self.body = small_cnn()
 
     def forward(self, inputs, labels, mode="loss"):
         logits = self.body(inputs)
@@ -72,12 +69,7 @@ class Quadrants(torch.utils.data.Dataset):
     """The class sets which quadrant of a noisy 16x16 image is bright."""
 
     def __init__(self):
-        gen = torch.Generator().manual_seed(0)
-        self.labels = torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
-        self.images = torch.randn(SAMPLES, 3, 16, 16, generator=gen)
-        for i, label in enumerate(self.labels.tolist()):
-            r, c = divmod(label, 2)
-            self.images[i, :, r * 8:(r + 1) * 8, c * 8:(c + 1) * 8] += 0.5
+        self.images, self.labels = quadrant_images(SAMPLES, seed=0, brightness=0.5)
 
     def __len__(self):
         return SAMPLES

@@ -31,6 +31,7 @@ import sys
 
 import torch
 from _checks import Checks
+from _task import CLASSES, quadrant_images
 import torch.nn.functional as F
 
 from ampfuse.apex_compat import install_apex_alias
@@ -47,19 +48,12 @@ import timm.utils.cuda as timm_cuda  # noqa: E402
 STEPS = 8
 ACCUMULATE = 2
 CLIP = 1.0
-CLASSES = 4
 check = Checks("timm")
 
 
 def batches(step, batch=16):
     """A learnable synthetic task: the class sets which quadrant of the image is bright."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    labels = torch.randint(0, CLASSES, (batch,), generator=gen)
-    images = torch.randn(batch, 3, 16, 16, generator=gen)
-    for i, label in enumerate(labels.tolist()):
-        r, c = divmod(label, 2)
-        images[i, :, r * 8:(r + 1) * 8, c * 8:(c + 1) * 8] += 1.0
-    return images, labels
+    return quadrant_images(batch, seed=1000 + step, brightness=1.0)
 
 
 def fresh_model():
