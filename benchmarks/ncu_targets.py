@@ -2,7 +2,8 @@
 NVTX range for Nsight Compute (benchmarks/ncu_profile.sh runs this under ncu).
 
 Targets, on model-shaped lists of 291 tensors (_timing.model_like_shapes) of about 100M
-elements, after two untimed calls of each:
+elements, after two untimed calls of each, with what the first H100 run measured (before
+fed9776 batched the list kernels' loads):
   l2norm fp32/fp16/bf16       fp16/bf16 ran at 70% of copy bandwidth, fp32 at 93%
   check fp32/fp16             the read-only inf/nan check: 102% for fp32, 56% for fp16
   unscale fp16                in-place read and write: 95% (the contrast)
