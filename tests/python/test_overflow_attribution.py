@@ -271,3 +271,84 @@ def test_recording_reads_nothing_back_until_last_overflow_is_called(monkeypatch)
         step(model, optimizer, scaler, plant, seed=i)
     monkeypatch.undo()
     assert scaler.last_overflow() is None  # step 3 was clean
+
+
+# ---- the optimizers' own check (skip_nonfinite, no scaler): last_overflow() on the optimizer ----
+
+
+def _own_check_step(model, optimizer, plant=None, seed=0):
+    optimizer.zero_grad()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    model(x).float().square().mean().backward()
+    if plant is not None:
+        plant(model)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("cls", ["FusedAdamW", "FusedSGD"])
+def test_optimizer_own_check_names_the_grads_it_skipped_for(device, cls, where):
+    """bf16 training without a scaler: skip_nonfinite's check flags the grads in its own pass,
+    and last_overflow() names them by the names torch keeps for named parameters."""
+    torch.manual_seed(0)
+    model = Encoder().to(device=device, dtype=torch.bfloat16)
+    optimizer = getattr(ampfuse.optimizers, cls)(model.named_parameters(), lr=1e-3,
+                                                 skip_nonfinite=None)
+    assert optimizer.last_overflow() is None  # before any step
+    _own_check_step(model, optimizer)
+    assert optimizer.last_overflow() is None  # a clean step
+    weight = model.layer3["fc1"].weight
+    index = {"first": 0, "middle": weight.numel() // 2, "last": weight.numel() - 1}[where]
+
+    def plant(m):
+        set_grad(m.layer3["fc1"].weight, index, float("nan"))
+        set_grad(m.head.bias, 0, float("inf"))
+        set_grad(m.head.bias, 1, float("nan"))
+
+    _own_check_step(model, optimizer, plant)
+    report = optimizer.last_overflow()
+    assert isinstance(report, OverflowReport) and bool(optimizer.last_step_skipped)
+    assert report.step == 1
+    assert report.param_names == ["layer3.fc1.weight", "head.bias"]
+    assert report.kinds == ["nan", "inf and nan"]
+    assert "layer3.fc1.weight (nan)" in str(report)
+    _own_check_step(model, optimizer, seed=1)
+    assert optimizer.last_overflow() is None  # the next clean step does not keep the last one
+
+
+def test_optimizer_own_check_names_unnamed_params_by_place():
+    model = Encoder().to(torch.bfloat16)
+    groups = [{"params": list(model.layer1.parameters())},
+              {"params": list(model.head.parameters()), "lr": 1e-4}]
+    optimizer = ampfuse.optimizers.FusedAdam(groups, lr=1e-3, skip_nonfinite=True)
+    _own_check_step(model, optimizer, lambda m: set_grad(m.head.bias, 1, float("-inf")))
+    assert optimizer.last_overflow().param_names == ["group1.param1"]
+
+
+def test_optimizer_leaves_a_scaler_driven_step_to_the_scaler():
+    """With a found_inf handed over, the scaler decided; the optimizer reports nothing, even
+    when skip_nonfinite=True checked on top of it."""
+    model = Encoder().to(torch.bfloat16)
+    optimizer = ampfuse.optimizers.FusedAdamW(model.named_parameters(), skip_nonfinite=True)
+    optimizer.zero_grad()
+    model(torch.randn(4, 6).to(torch.bfloat16)).float().sum().backward()
+    set_grad(model.head.weight, 0, float("inf"))
+    optimizer.step(found_inf=torch.ones(()))
+    assert bool(optimizer.last_step_skipped) and optimizer.last_overflow() is None
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy", "pickle"])
+def test_optimizer_overflow_report_does_not_travel(how):
+    """A report belongs to the step that made it: a loaded or copied optimizer has none."""
+    model = Encoder().to(torch.bfloat16)
+    optimizer = ampfuse.optimizers.FusedAdamW(model.named_parameters(), skip_nonfinite=None)
+    _own_check_step(model, optimizer, lambda m: set_grad(m.head.bias, 0, float("nan")))
+    assert optimizer.last_overflow().param_names == ["head.bias"]
+    if how == "load_state_dict":
+        optimizer.load_state_dict(optimizer.state_dict())
+        other = optimizer
+    elif how == "deepcopy":
+        other = copy.deepcopy(optimizer)
+    else:
+        other = pickle.loads(pickle.dumps(optimizer))
+    assert other.last_overflow() is None

@@ -71,9 +71,9 @@ def check_calls(monkeypatch):
     calls = []
     real = _skip._ops.multi_tensor_nonfinite_check_
 
-    def counting(tensors, found_inf):
+    def counting(tensors, found_inf, tensor_flags=None):
         calls.append(len(tensors))
-        real(tensors, found_inf)
+        real(tensors, found_inf, tensor_flags)
 
     monkeypatch.setattr(_skip._ops, "multi_tensor_nonfinite_check_", counting)
     return calls

@@ -170,7 +170,8 @@ class FusedOptimizer(
             check_skip_nonfinite(self, index, group)
             plans.append((index, group, self._calls(index, group, follow_params=not compiling)))
         # Every check before any update: one verdict for the whole step.
-        verdicts = step_verdicts(plans, found_inf)
+        own_check = self._skips.new_check(attribute=not (compiling or capturing))
+        verdicts = step_verdicts(plans, found_inf, own_check)
         home = self._first_device()
         self._skips.prepare(verdicts, home, capturing, type(self).__name__)
         scales = {}
@@ -186,7 +187,7 @@ class FusedOptimizer(
                 )
                 if call.mode in EXTRA_KEYS and not compiling:
                     self._mark_stepped(call)
-        self._skips.record(verdicts, home)
+        self._skips.record(verdicts, home, own_check)
         return loss
 
     @property
@@ -197,6 +198,14 @@ class FusedOptimizer(
         check, no found_inf) reports False. None before the first step and after
         load_state_dict()."""
         return self._skips.last
+
+    def last_overflow(self):
+        """Which grads held inf/nan when skip_nonfinite's own check skipped the last step():
+        an OverflowReport (ampfuse.overflow) naming them, by the names torch keeps for
+        optimizer(model.named_parameters()), else "group0.param7". None after a clean or
+        unchecked step, and after one a loss scaler's found_inf decided (ask the scaler or
+        amp). Reads device flags: a host sync."""
+        return self._skips.overflow_report(self.param_groups)
 
     def get_skipped_steps(self):
         """How many steps were skipped so far, by skip_nonfinite or by a found_inf from a loss

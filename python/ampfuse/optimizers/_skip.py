@@ -5,6 +5,10 @@ One verdict per optimizer step: every grad that is checked is checked before any
 written, and if any of them (on any device, in any group) holds inf/nan, every group on every
 device skips, as torch's GradScaler skips a whole optimizer. The verdict is a device tensor that
 the fused ops read, so deciding costs no host sync.
+
+When the optimizer's own check decides a step (no loss scaler), the check also flags which
+grads held inf/nan, in the same kernel pass (tensor_flags, written only by threads that saw
+one): last_overflow() names them, reading the flags only when asked.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse import _ops
+from ampfuse.overflow import CheckRecord
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -66,10 +71,12 @@ def _checks(group, calls, driven):
     return value
 
 
-def step_verdicts(plans, found_inf):
+def step_verdicts(plans, found_inf, own_check=None):
     """{device: one-element fp32 flag, nonzero to skip} for every device the step launches on,
-    or {} when nothing can skip this step. `plans` is [(index, group, calls)] of the step."""
-    devices, to_check = [], {}
+    or {} when nothing can skip this step. `plans` is [(index, group, calls)] of the step.
+    own_check: a CheckRecord that an undriven check (no found_inf) fills with the grads it read
+    and their per-tensor flags; left empty otherwise."""
+    devices, to_check, checked_params = [], {}, {}
     driven = found_inf is not None
     for _, group, calls in plans:
         checks = _checks(group, calls, driven)
@@ -79,6 +86,7 @@ def step_verdicts(plans, found_inf):
                 devices.append(device)
             if checks:
                 to_check.setdefault(device, []).extend(call.grads)
+                checked_params.setdefault(device, []).extend(call.params)
     if not devices and isinstance(found_inf, torch.Tensor):
         devices.append(found_inf.device)  # nothing to update: the scaler's verdict still counts
     given = {}
@@ -93,12 +101,39 @@ def step_verdicts(plans, found_inf):
             flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         grads = to_check.get(device)
         if grads:
-            _ops.multi_tensor_nonfinite_check_(grads, flags[device])
-    if len(devices) == 1:
-        return flags
-    home = devices[0]
-    total = sum(moved(flags[d], home) for d in devices)
-    return {d: moved(total, d) for d in devices}
+            tensor_flags = None
+            if own_check is not None and not driven:
+                tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
+                # Places in the optimizer are looked up only for a report (see report()).
+                own_check.add([(None, None, p) for p in checked_params[device]], tensor_flags)
+            _ops.multi_tensor_nonfinite_check_(grads, flags[device], tensor_flags)
+    if len(devices) > 1:
+        home = devices[0]
+        total = sum(moved(flags[d], home) for d in devices)
+        flags = {d: moved(total, d) for d in devices}
+    if own_check is not None and own_check.calls:
+        own_check.set_verdict(next(iter(flags.values())))
+    return flags
+
+
+class _GroupNames:
+    """Names and places of params for an overflow report: the names torch's optimizers keep
+    when built from named parameters (optimizer(model.named_parameters()) puts them in each
+    group's "param_names"), else the param's place, "group0.param7"."""
+
+    def __init__(self, param_groups):
+        self._groups = param_groups
+
+    def lookup(self):
+        return {id(p): name for group in self._groups
+                for p, name in zip(group["params"], group.get("param_names", ()))}
+
+    def locate(self, param):
+        for group_index, group in enumerate(self._groups):
+            for param_index, p in enumerate(group["params"]):
+                if p is param:
+                    return group_index, param_index
+        return None, None  # removed from the optimizer since
 
 
 class SkipRecord:
@@ -111,6 +146,24 @@ class SkipRecord:
         # device -> a False flag shared by the steps nothing could skip, which are most steps
         # when the check is off: no allocation for them. Never written.
         self.never = {}
+        self.steps = 0  # step() calls since this record was made (an overflow report's step)
+        self.own_check = None  # the last step's CheckRecord when its own check decided it
+
+    def new_check(self, attribute):
+        """The CheckRecord this step's own check fills (see step_verdicts), or None where no
+        flags are kept: under torch.compile, and in CUDA graph capture, whose replays would
+        not make a new record. Forgets the last step's."""
+        self.own_check = None
+        self.steps += 1
+        return CheckRecord(self.steps - 1) if attribute else None
+
+    def overflow_report(self, param_groups):
+        """The OverflowReport of the last step if the optimizer's own check skipped it, else
+        None. Reads the flags (a host sync)."""
+        if self.own_check is None:
+            return None
+        names = _GroupNames(param_groups)
+        return self.own_check.report(names, names.locate)
 
     def prepare(self, verdicts, fallback_device, capturing, owner):
         """Makes what record() will need for this step's verdicts ({} when nothing can skip
@@ -126,8 +179,11 @@ class SkipRecord:
             _refuse_in_capture(capturing, owner)
             self.counter = torch.zeros((), dtype=torch.int64, device=next(iter(verdicts)))
 
-    def record(self, verdicts, fallback_device):
-        """Keeps the verdict of the step that just ran (after prepare())."""
+    def record(self, verdicts, fallback_device, own_check=None):
+        """Keeps the verdict of the step that just ran (after prepare()), and own_check when
+        the step's own check filled it."""
+        if own_check is not None and own_check.calls:
+            self.own_check = own_check
         if not verdicts:
             self.last = self.never[fallback_device]
             return
