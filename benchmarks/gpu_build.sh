@@ -3,7 +3,7 @@
 # output in LOG. On failure it prints the log's tail, says which script failed, and returns 1.
 build_for_hopper() {
   local log=$1 script=$2
-  echo "== build (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)"
+  echo "== build (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16; at ${SECONDS} s)"
   if ! TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
       python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1; then
     tail -n 60 "$log"

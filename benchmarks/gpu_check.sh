@@ -13,11 +13,27 @@
 # their bandwidth goals.
 # Exit status: non-zero if the build or any CUDA test failed (the benchmarks still run after
 # failing tests, so that a failure and the figures come back together).
+# Each stage prints the seconds since the start, so a run cut off by the device tool's 600 s
+# limit still says how far it got and what took the time. GPU_CHECK_STAGES picks stages for a
+# follow-up call (the build always runs): any of "ctest pytest bench fp8 train profile"; the
+# default is all of them, in that order.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
+stages=" ${GPU_CHECK_STAGES:-ctest pytest bench fp8 train profile} "
+for stage in $stages; do
+  case "$stage" in
+    ctest | pytest | bench | fp8 | train | profile) ;;
+    *)
+      echo "gpu_check: unknown stage '$stage' in GPU_CHECK_STAGES; the stages are: ctest pytest bench fp8 train profile"
+      exit 2
+      ;;
+  esac
+done
+wanted() { [[ "$stages" == *" $1 "* ]]; }
+started() { echo "== $1 (at ${SECONDS} s)"; }
 
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
@@ -25,13 +41,16 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 source benchmarks/gpu_build.sh
 build_for_hopper "$out/build.log" gpu_check || exit 1
 
-echo "== C++ CUDA kernel tests: ctest (Catch2 from .gpu/)"
 ctest_status=0
 catch2_deb=$(ls .gpu/catch2_*.deb 2>/dev/null | head -n 1)
-if [[ -z "$catch2_deb" ]]; then
+if ! wanted ctest; then
+  echo "== C++ CUDA kernel tests: not asked for (GPU_CHECK_STAGES)"
+elif [[ -z "$catch2_deb" ]]; then
+  started "C++ CUDA kernel tests: ctest (Catch2 from .gpu/)"
   echo "gpu_check: no .gpu/catch2_*.deb: run 'make gpu-deps' and carry .gpu/ (C++ tests not run)"
   ctest_status=1
 else
+  started "C++ CUDA kernel tests: ctest (Catch2 from .gpu/)"
   rm -rf .gpu/catch2 && dpkg -x "$catch2_deb" .gpu/catch2
   if cmake -S . -B build/gpu-tests -DAMPFUSE_BUILD_PYTHON_MODULE=OFF -DAMPFUSE_BUILD_TESTS=ON \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DCatch2_DIR="$PWD/.gpu/catch2/usr/lib/cmake/Catch2" \
@@ -47,24 +66,38 @@ else
   fi
 fi
 
-echo "== CUDA tests: python3 -m pytest -m cuda -q tests/python"
-python3 -m pytest -m cuda -q -rfE tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
-tests_status=${PIPESTATUS[0]}
+tests_status=0
+if wanted pytest; then
+  started "CUDA tests: python3 -m pytest -m cuda -q tests/python"
+  python3 -m pytest -m cuda -q -rfE tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
+  tests_status=${PIPESTATUS[0]}
+fi
 
-echo "== benchmarks"
 bench_status=0
-python3 benchmarks/run.py --device cuda --out "$out" >/dev/null || bench_status=$?
-# FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, and the fused cast+amax.
-python3 benchmarks/bench_fp8.py --device cuda >"$out/bench_fp8.txt" 2>&1 || bench_status=$?
-# FP8 end to end, in the same file: GPT-2 small trained in bf16, O2 beside O2 with fp8=True
-# (FP8 GEMMs write bf16, so this is the dtype FP8 is compared in).
-python3 benchmarks/bench_train.py --device cuda --models gpt --amp-dtype bf16 \
-  >>"$out/bench_fp8.txt" 2>&1 || bench_status=$?
-# Host against device time per op call and per training step (where a goal was missed).
-PYTHONPATH=python python3 benchmarks/profile_gpu.py --device cuda >"$out/profile_gpu.txt" 2>&1 ||
-  bench_status=$?
+if wanted bench; then
+  started "benchmarks (run.py)"
+  python3 benchmarks/run.py --device cuda --out "$out" >/dev/null || bench_status=$?
+fi
+if wanted fp8; then
+  # FP8 GEMM (cuBLASLt) against bf16 F.linear and torch._scaled_mm, and the fused cast+amax.
+  started "FP8 benchmark (bench_fp8.py)"
+  python3 benchmarks/bench_fp8.py --device cuda >"$out/bench_fp8.txt" 2>&1 || bench_status=$?
+fi
+if wanted train; then
+  # FP8 end to end, in the same file: GPT-2 small trained in bf16, O2 beside O2 with fp8=True
+  # (FP8 GEMMs write bf16, so this is the dtype FP8 is compared in).
+  started "bf16 GPT-2 training with and without FP8 (bench_train.py)"
+  python3 benchmarks/bench_train.py --device cuda --models gpt --amp-dtype bf16 \
+    >>"$out/bench_fp8.txt" 2>&1 || bench_status=$?
+fi
+if wanted profile; then
+  # Host against device time per op call and per training step (where a goal was missed).
+  started "host/device split (profile_gpu.py)"
+  PYTHONPATH=python python3 benchmarks/profile_gpu.py --device cuda >"$out/profile_gpu.txt" 2>&1 ||
+    bench_status=$?
+fi
 
-echo "== exit status: ctest $ctest_status; CUDA pytest $tests_status; benchmarks $bench_status"
+echo "== exit status after ${SECONDS} s: ctest $ctest_status; CUDA pytest $tests_status; benchmarks $bench_status"
 if [[ -f "$out/bench_table.txt" ]]; then
   cat "$out/bench_table.txt"
 fi
