@@ -352,3 +352,15 @@ def test_optimizer_overflow_report_does_not_travel(how):
     else:
         other = pickle.loads(pickle.dumps(optimizer))
     assert other.last_overflow() is None
+
+
+def test_optimizer_report_survives_its_param_leaving_the_optimizer():
+    """A param removed from the optimizer after the skipped step is still reported, under the
+    place amp's reports give such a param."""
+    model = Encoder().to(torch.bfloat16)
+    groups = [{"params": list(model.layer1.parameters())},
+              {"params": list(model.head.parameters())}]
+    optimizer = ampfuse.optimizers.FusedAdamW(groups, skip_nonfinite=True)
+    _own_check_step(model, optimizer, lambda m: set_grad(m.head.weight, 3, float("inf")))
+    optimizer.param_groups.pop()
+    assert optimizer.last_overflow().param_names == ["group-1.param-1"]

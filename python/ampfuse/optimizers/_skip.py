@@ -129,11 +129,13 @@ class _GroupNames:
                 for p, name in zip(group["params"], group.get("param_names", ()))}
 
     def locate(self, param):
+        """(group index, param index); (-1, -1) once the param left the optimizer, as amp's
+        reports say it."""
         for group_index, group in enumerate(self._groups):
             for param_index, p in enumerate(group["params"]):
                 if p is param:
                     return group_index, param_index
-        return None, None  # removed from the optimizer since
+        return -1, -1
 
 
 class SkipRecord:
