@@ -344,8 +344,8 @@ def _fsdp2_worker(rank, port, out_dir):
         model = make_model()
         for layer in (model[0], model[2], model):
             fully_shard(layer)
-        optimizer = FusedAdamW(model.parameters(), lr=1e-2, skip_nonfinite=None)
-        unchanged = []
+        optimizer = FusedAdamW(model.named_parameters(), lr=1e-2, skip_nonfinite=None)
+        unchanged, named = [], []
         for step in range(3):
             backward(model, step)
             if step == 1 and rank == 1:  # the reduce-scatter gave the inf to this rank only
@@ -355,14 +355,20 @@ def _fsdp2_worker(rank, port, out_dir):
             optimizer.zero_grad()
             unchanged.append(all(torch.equal(p.to_local(), b)
                                  for p, b in zip(model.parameters(), before)))
-        result = {"unchanged": unchanged, "skipped": optimizer.get_skipped_steps()}
+            report = optimizer.last_overflow()
+            named.append(report.param_names if report is not None else None)
+        result = {"unchanged": unchanged, "skipped": optimizer.get_skipped_steps(),
+                  "named": named}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp2_inf_in_one_shard_skips_every_rank(tmp_path):
+    """...and both ranks name the sharded grad that held it (last_overflow(): the per-tensor
+    flags are OR-ed over the shards in the collective that decides the step)."""
     spawn_ranks(_fsdp2_worker, (free_port(), str(tmp_path)), 2, 60)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result == {"unchanged": [False, True, False], "skipped": 1}, f"rank {rank}"
+        assert result == {"unchanged": [False, True, False], "skipped": 1,
+                          "named": [None, ["0.weight"], None]}, f"rank {rank}"
