@@ -237,6 +237,33 @@ def test_state_dict_carries_each_mode_state():
             assert extra == expected[mode], mode
 
 
+def test_split_low_halves_load_from_int32_and_refuse_what_is_not_int16():
+    """A sharded (FSDP2) state_dict() gives split's low halves as int32, which collectives can
+    gather; a load takes them back, and refuses int32 values outside int16 and other dtypes."""
+    model = make_model()
+    optimizer = make_optimizer("adamw", model.parameters(), "split", 3e-3)
+    train(model, optimizer, batches(2))
+    saved = optimizer.state_dict()
+    widened = copy.deepcopy(saved)
+    for entry in widened["state"].values():
+        entry["master_low_bits"] = entry["master_low_bits"].to(torch.int32)
+    twin = make_optimizer("adamw", model.parameters(), "split", 3e-3)
+    twin.load_state_dict(widened)
+    for p in model.parameters():
+        assert twin.state[p]["master_low_bits"].dtype == torch.int16
+        assert torch.equal(twin.state[p]["master_low_bits"], optimizer.state[p]["master_low_bits"])
+    out_of_range = copy.deepcopy(widened)
+    out_of_range["state"][0]["master_low_bits"][0] = 0x8000
+    with raises_naming("'master_low_bits' as int32 with values outside int16"):
+        twin.load_state_dict(out_of_range)
+    as_float = copy.deepcopy(saved)
+    as_float["state"][0]["master_low_bits"] = as_float["state"][0]["master_low_bits"].float()
+    with raises_naming("torch.float32", "must be torch.int16", "or int32"):
+        twin.load_state_dict(as_float)
+    for p in model.parameters():  # a refused load changed nothing
+        assert torch.equal(twin.state[p]["master_low_bits"], optimizer.state[p]["master_low_bits"])
+
+
 @pytest.mark.parametrize("mode", ALL_MODES, ids=mode_id)
 def test_extra_bytes_per_param(mode):
     model = make_model()

@@ -256,6 +256,52 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _split_full_state_dict():
+    """master_weights="split" under FSDP2 through torch's full (unsharded) optimizer state dict:
+    the int16 low halves must be gathered (as int32: no backend gathers int16), come back as the
+    live values, load into a fresh optimizer's shards, and the next steps must equal the
+    uninterrupted run's."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    make = OPTIMIZERS["FusedAdamW (no masters, split)"]
+
+    def steps(model, optimizer, which):
+        for step in which:
+            inputs, targets = _batch(step)
+            F.mse_loss(model(inputs).float(), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    model = _shard(_model())
+    optimizer = make(model.parameters())
+    steps(model, optimizer, range(2))
+    saved = get_optimizer_state_dict(model, optimizer, options=full)
+    low = saved["state"]["0.weight"]["master_low_bits"]
+    live = _full(optimizer.state[model[0].weight]["master_low_bits"])
+    resumed_model = _shard(_model())
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = make(resumed_model.parameters())
+    set_optimizer_state_dict(resumed_model, resumed, saved, options=full)
+    loaded = resumed.state[resumed_model[0].weight]["master_low_bits"]
+    result = {
+        "saved": (type(low).__name__, low.dtype, tuple(low.shape)),
+        "saved_values_live": torch.equal(low.to(torch.int16), live),
+        "loaded": (type(loaded).__name__, loaded.dtype),
+        "loaded_values": torch.equal(_local(loaded), _local(
+            optimizer.state[model[0].weight]["master_low_bits"])),
+    }
+    steps(model, optimizer, range(2, 4))
+    steps(resumed_model, resumed, range(2, 4))
+    result["same_after"] = all(torch.equal(_local(p), _local(q)) for p, q in
+                               zip(model.parameters(), resumed_model.parameters()))
+    return result
+
+
 def _all_scenarios():
     """Everything the tests check, in one pair of processes (a spawn costs seconds)."""
     return {
@@ -264,6 +310,7 @@ def _all_scenarios():
         "reference": {name: _train(name, sharded=False) for name in OPTIMIZERS},
         "scaler": {flag: _scaler_skips(flag) for flag in (True, False)},
         "checkpoint": _checkpoint_round_trip(),
+        "split_full_state_dict": _split_full_state_dict(),
         "master_follows": _master_follows_loaded_weights(),
         "attribution": _attribution(),
         "mixed_precision": [
@@ -335,6 +382,19 @@ def test_fsdp2_optimizer_state_dict_round_trips_through_distributed_checkpoint(r
             "master_param": "DTensor",
         }, f"rank {rank}"
         assert result["same"], f"rank {rank}"
+
+
+def test_fsdp2_split_low_halves_go_through_a_full_optimizer_state_dict(ranks):
+    """gloo and NCCL cannot all-gather int16; state_dict() gives sharded low halves as int32."""
+    for rank, ranks_results in enumerate(ranks):
+        result = ranks_results["split_full_state_dict"]
+        assert result == {
+            "saved": ("Tensor", torch.int32, (32, 16)),
+            "saved_values_live": True,
+            "loaded": ("DTensor", torch.int16),
+            "loaded_values": True,
+            "same_after": True,
+        }, f"rank {rank}"
 
 
 @pytest.fixture

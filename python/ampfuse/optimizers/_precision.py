@@ -27,6 +27,8 @@ can hold (to nearest, and for "kahan" the remainder into the compensation).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # master_weights values that update bf16 params without an fp32 master.
@@ -101,11 +103,42 @@ EXTRA_DTYPES = {"master_param": torch.float32, "kahan_compensation": torch.bfloa
                 "master_low_bits": torch.int16}
 
 
+# Neither gloo nor NCCL all-gathers int16, and torch's full (unsharded) state dicts
+# (get_optimizer_state_dict(..., full_state_dict=True)) gather every DTensor in the optimizer's
+# state_dict. So sharded low halves go into state_dict() as int32, which every backend gathers
+# and which holds the same values; a load takes them back in either dtype. Plain tensors keep
+# int16, the checkpoint format of an unsharded run.
+_GATHERABLE_LOW_BITS = torch.int32
+
+
+def _is_dtensor(t):
+    module = sys.modules.get("torch.distributed.tensor")  # only loaded where DTensors exist
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def export_extra(state, out):
     """Copies the extra tensor `state` holds (if any) into the state_dict entry `out`."""
     for key in EXTRA_DTYPES:
         if key in state:
-            out[key] = state[key]
+            value = state[key]
+            if key == "master_low_bits" and _is_dtensor(value):
+                value = value.to(_GATHERABLE_LOW_BITS)
+            out[key] = value
+
+
+def _loaded_low_bits(value, where, owner):
+    """Saved low halves as int16: as they are, or from the int32 a sharded state_dict() gave
+    (checked to be int16 values, on this rank's part of them)."""
+    if value.dtype != _GATHERABLE_LOW_BITS:
+        return value
+    local = value.to_local() if _is_dtensor(value) else value
+    if local.numel() and (int(local.min()) < -0x8000 or int(local.max()) > 0x7FFF):
+        raise ValueError(
+            f"{owner}.load_state_dict: state of {where} has 'master_low_bits' as int32 with "
+            "values outside int16; they are not the low halves master_weights='split' saves, "
+            "so the state dict is damaged or not from ampfuse."
+        )
+    return value.to(torch.int16)
 
 
 def import_extras(group, p, saved, where, owner):
@@ -129,10 +162,14 @@ def import_extras(group, p, saved, where, owner):
                 f"{tuple(value.shape)} but the param has shape {tuple(p.shape)}; the state dict "
                 "belongs to another model."
             )
+        if key == "master_low_bits":
+            value = _loaded_low_bits(value, where, owner)
         if value.dtype != dtype and (key != "master_param" or not value.is_floating_point()):
+            also = " (or int32, as a sharded state_dict() gives it)" if key == (
+                "master_low_bits") else ""
             raise ValueError(
                 f"{owner}.load_state_dict: state of {where} has {key!r} of dtype {value.dtype}; "
-                f"it must be {dtype} (saved by master_weights="
+                f"it must be {dtype}{also} (saved by master_weights="
                 f"{ {v: k for k, v in EXTRA_KEYS.items()}[key]!r})."
             )
         out[key] = like(p, dtype).copy_(value)
