@@ -88,31 +88,24 @@ def workload(name, device, seed):
     return model.to(device), torch.randn(shape, device=device), torch.randn(shape, device=device)
 
 
-def make_step(impl, name, device, dtype, seed):
-    model, x, target = workload(name, device, seed)
-    if impl in ("torch", "torch fused"):
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
-                              fused=impl == "torch fused" or None)
-        scaler = torch.amp.GradScaler(device)
+def torch_recipe_step(model, opt, x, target, device, dtype):
+    """One step of torch's recipe: autocast around forward and loss, torch.amp.GradScaler."""
+    scaler = torch.amp.GradScaler(device)
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=dtype):
-                loss = F.mse_loss(model(x).float(), target)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=dtype):
+            loss = F.mse_loss(model(x).float(), target)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
-        return step
-    if impl in ("O2", "O2 noattr"):
-        opt = FusedSGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0,
-                                    attribute_overflow=impl == "O2")
-    else:
-        lists = {"custom_white_list": ["gelu"]} if impl == "O1 lists" else {}
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0,
-                                    **lists)
+    return step
+
+
+def amp_step(model, opt, x, target):
+    """One step of a model and optimizer amp.initialize returned: amp.scale_loss around
+    backward."""
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -122,6 +115,24 @@ def make_step(impl, name, device, dtype, seed):
         opt.step()
 
     return step
+
+
+def make_step(impl, name, device, dtype, seed):
+    model, x, target = workload(name, device, seed)
+    if impl in ("torch", "torch fused"):
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
+                              fused=impl == "torch fused" or None)
+        return torch_recipe_step(model, opt, x, target, device, dtype)
+    if impl in ("O2", "O2 noattr"):
+        opt = FusedSGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0,
+                                    attribute_overflow=impl == "O2")
+    else:
+        lists = {"custom_white_list": ["gelu"]} if impl == "O1 lists" else {}
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0,
+                                    **lists)
+    return amp_step(model, opt, x, target)
 
 
 def time_interleaved(steps, device, warmup, repeats):

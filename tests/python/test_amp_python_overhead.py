@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from ampfuse import amp
 from ampfuse.optimizers import FusedAdam, FusedSGD
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_amp_overhead import python_calls_per_step  # noqa: E402
+from bench_amp_overhead import (  # noqa: E402
+    amp_step,
+    python_calls_per_step,
+    torch_recipe_step,
+)
 
 DTYPE = torch.bfloat16
 
@@ -35,18 +38,7 @@ def calls_per_step(step):
 
 def torch_recipe(torch_optimizer):
     model, x, target = make_model()
-    opt = torch_optimizer(model.parameters())
-    scaler = torch.amp.GradScaler("cpu")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=DTYPE):
-            loss = F.mse_loss(model(x).float(), target)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    return step
+    return torch_recipe_step(model, torch_optimizer(model.parameters()), x, target, "cpu", DTYPE)
 
 
 def amp_o2(fused_optimizer, loss_scale):
@@ -54,15 +46,7 @@ def amp_o2(fused_optimizer, loss_scale):
     opt = fused_optimizer(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=DTYPE, verbosity=0,
                                 loss_scale=loss_scale)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), target)
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-
-    return step
+    return amp_step(model, opt, x, target)
 
 
 OPTIMIZERS = {
