@@ -132,7 +132,8 @@ def _loaded_low_bits(value, where, owner):
     if value.dtype != _GATHERABLE_LOW_BITS:
         return value
     local = value.to_local() if _is_dtensor(value) else value
-    if local.numel() and (int(local.min()) < -0x8000 or int(local.max()) > 0x7FFF):
+    low, high = torch.aminmax(local) if local.numel() else (0, 0)
+    if int(low) < -0x8000 or int(high) > 0x7FFF:
         raise ValueError(
             f"{owner}.load_state_dict: state of {where} has 'master_low_bits' as int32 with "
             "values outside int16; they are not the low halves master_weights='split' saves, "

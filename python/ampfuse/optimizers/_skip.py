@@ -76,8 +76,10 @@ def step_verdicts(plans, found_inf, own_check=None):
     or {} when nothing can skip this step. `plans` is [(index, group, calls)] of the step.
     own_check: a CheckRecord that an undriven check (no found_inf) fills with the grads it read
     and their per-tensor flags; left empty otherwise."""
-    devices, to_check, checked_params = [], {}, {}
+    devices, to_check, where = [], {}, {}
     driven = found_inf is not None
+    if driven:
+        own_check = None  # the scaler's flag decides; its attribution is the scaler's
     for _, group, calls in plans:
         checks = _checks(group, calls, driven)
         for call in calls:
@@ -86,7 +88,9 @@ def step_verdicts(plans, found_inf, own_check=None):
                 devices.append(device)
             if checks:
                 to_check.setdefault(device, []).extend(call.grads)
-                checked_params.setdefault(device, []).extend(call.params)
+                if own_check is not None:
+                    # Places in the optimizer are looked up only for a report (see report()).
+                    where.setdefault(device, []).extend((None, None, p) for p in call.params)
     if not devices and isinstance(found_inf, torch.Tensor):
         devices.append(found_inf.device)  # nothing to update: the scaler's verdict still counts
     given = {}
@@ -102,10 +106,9 @@ def step_verdicts(plans, found_inf, own_check=None):
         grads = to_check.get(device)
         if grads:
             tensor_flags = None
-            if own_check is not None and not driven:
+            if own_check is not None:
                 tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
-                # Places in the optimizer are looked up only for a report (see report()).
-                own_check.add([(None, None, p) for p in checked_params[device]], tensor_flags)
+                own_check.add(where[device], tensor_flags)
             _ops.multi_tensor_nonfinite_check_(grads, flags[device], tensor_flags)
     if len(devices) > 1:
         home = devices[0]
