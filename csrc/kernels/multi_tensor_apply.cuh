@@ -90,7 +90,9 @@ __device__ BlockChunk block_chunk(const ChunkTable<Depth>& table) {
 }
 
 // Visits elements [0, n) of a chunk: full packs of N at offsets that are
-// multiples of N when `aligned`, the rest one element at a time.
+// multiples of N when `aligned`, the rest one element at a time. The optimizer kernels use
+// this one-pack-at-a-time walk. Written as visit_chunk_in_batches<N, 1>, the same walk, it
+// compiled Adam to 108 bytes of spills (24 now) and SGD to 64 registers (56), so it stays.
 template <int N, typename PackOp, typename ElementOp>
 __device__ void visit_chunk(int n, bool aligned, PackOp&& pack_op, ElementOp&& element_op) {
   const int packed_end = aligned ? n - n % N : 0;
