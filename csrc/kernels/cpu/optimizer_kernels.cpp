@@ -9,23 +9,22 @@ namespace ampfuse::kernels::cpu {
 namespace portable {
 namespace {
 
-// The element loops with an AVX2 clone (target_clones): fp32 vectorizes fully there, and
-// fp16/bf16 convert in software on CPUs without F16C.
+// The 8-lane loops with software conversions, cloned for AVX2 (fp32 then runs on AVX registers)
+// and the baseline (fp16/bf16 on CPUs without F16C, and every dtype off x86).
 struct Kernels {
   template <bool kMaster, bool kWriteGrad, bool kAmsgrad, typename Param, typename Grad>
-  AMPFUSE_CPU_CLONES static void adam(Param* __restrict param, Grad* __restrict grad,
-                                      float* __restrict exp_avg, float* __restrict exp_avg_sq,
-                                      float* __restrict max_exp_avg_sq, float* __restrict master,
-                                      std::int64_t n, const AdamStep step) {
-    adam_loop<kMaster, kWriteGrad, kAmsgrad>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                             master, n, step);
+  AMPFUSE_CPU_CLONES static void adam(Param* param, Grad* grad, float* exp_avg, float* exp_avg_sq,
+                                      float* max_exp_avg_sq, float* master, std::int64_t n,
+                                      const AdamStep& step) {
+    adam_lanes<PortableLanes, kMaster, kWriteGrad, kAmsgrad>(param, grad, exp_avg, exp_avg_sq,
+                                                            max_exp_avg_sq, master, n, step);
   }
 
   template <bool kMaster, bool kWriteGrad, bool kMomentum, typename Param, typename Grad>
-  AMPFUSE_CPU_CLONES static void sgd(Param* __restrict param, Grad* __restrict grad,
-                                     float* __restrict momentum_buffer, float* __restrict master,
-                                     std::int64_t n, const SgdStep step) {
-    sgd_loop<kMaster, kWriteGrad, kMomentum>(param, grad, momentum_buffer, master, n, step);
+  AMPFUSE_CPU_CLONES static void sgd(Param* param, Grad* grad, float* momentum_buffer,
+                                     float* master, std::int64_t n, const SgdStep& step) {
+    sgd_lanes<PortableLanes, kMaster, kWriteGrad, kMomentum>(param, grad, momentum_buffer, master,
+                                                            n, step);
   }
 };
 

@@ -1,10 +1,11 @@
-// The implementations behind adam_span and sgd_span: portable loops that convert fp16 in
-// software, and AVX2+F16C loops (optimizer_kernels_avx2.cpp) that convert in hardware.
-// optimizer_kernels.cpp picks one per call; the tests run both and require the same bits.
+// The implementations behind adam_span and sgd_span: 8-lane loops (adam_lanes, sgd_lanes) that
+// convert fp16/bf16 in software (portable::, optimizer_kernels.cpp) or with F16C (avx2::,
+// optimizer_kernels_avx2.cpp). optimizer_kernels.cpp picks one per call; the tests run both and
+// require the same bits.
 //
-// Both run the element loops below, so the update math is written once (optimizer_math.h)
-// and compiled with the same flags (-ffp-contract=off): the AVX2 loops only change how
-// fp16/bf16 elements reach and leave those loops.
+// Both run the element updates of optimizer_math.h, so the math is written once and compiled
+// with the same flags (-ffp-contract=off): the two only differ in how fp16/bf16 elements reach
+// and leave the lanes. The scalar loops below take the last n % 8 elements.
 #pragma once
 
 #include <cstdint>
@@ -13,15 +14,15 @@
 #include "../dtype.h"
 #include "../optimizer_math.h"
 #include "half_convert.h"
+#include "lanes8.h"
 #include "storage_dispatch.h"
 #include "vec_avx2.h"
 
 namespace ampfuse::kernels::cpu {
 
-// Options that change which arrays are touched are template parameters, so each
-// loop is straight-line code the compiler vectorizes. kWriteGrad stores the unscaled
-// grad back in its own dtype (torch's fused optimizers leave p.grad unscaled). master and
-// max_exp_avg_sq / momentum_buffer are read only when their flag is set. These carry no
+// Options that change which arrays are touched are template parameters. kWriteGrad stores the
+// unscaled grad back in its own dtype (torch's fused optimizers leave p.grad unscaled). master
+// and max_exp_avg_sq / momentum_buffer are read only when their flag is set. These carry no
 // target attribute, so each caller inlines them for its own instruction set.
 template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
 inline float load_param_and_grad(const Param* __restrict param, Grad* __restrict grad,
@@ -59,6 +60,62 @@ inline void sgd_loop(Param* __restrict param, Grad* __restrict grad,
     if (kMaster) master[i] = p;
     param[i] = Element<Param>::store(p);
   }
+}
+
+// The loops above eight elements at a time, on Lanes8 (lanes8.h), then the last n % 8 elements
+// on the scalar loops. Lanes<Storage>::load(p) and store(p, lanes) move eight elements of one
+// storage type: PortableLanes, or the F16C conversions of the AVX2 kernels. A per-step option
+// is a predicted branch per eight elements here, and skips its arithmetic (see choose()).
+// Always inlined, so the lanes are compiled for the instruction set of the caller.
+template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, bool kAmsgrad,
+          typename Param, typename Grad>
+inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, float* exp_avg,
+                                                      float* exp_avg_sq, float* max_exp_avg_sq,
+                                                      float* master, std::int64_t n,
+                                                      const AdamStep& step_in) {
+  // A copy: through the reference, every store to the float arrays might change the step
+  // constants, so GCC would reload and broadcast each of them in every iteration.
+  const AdamStep step = step_in;
+  const std::int64_t whole = n - n % 8;
+  for (std::int64_t i = 0; i < whole; i += 8) {
+    Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
+    if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
+    Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
+    Lanes8 m = Lanes<float>::load(exp_avg + i), v = Lanes<float>::load(exp_avg_sq + i);
+    Lanes8 max_v = kAmsgrad ? Lanes<float>::load(max_exp_avg_sq + i) : Lanes8();
+    adam_update<kAmsgrad>(p, g, m, v, max_v, step);
+    Lanes<float>::store(exp_avg + i, m);
+    Lanes<float>::store(exp_avg_sq + i, v);
+    if (kAmsgrad) Lanes<float>::store(max_exp_avg_sq + i, max_v);
+    if (kMaster) Lanes<float>::store(master + i, p);
+    Lanes<Param>::store(param + i, p);
+  }
+  adam_loop<kMaster, kWriteGrad, kAmsgrad>(
+      param + whole, grad + whole, exp_avg + whole, exp_avg_sq + whole,
+      kAmsgrad ? max_exp_avg_sq + whole : nullptr, kMaster ? master + whole : nullptr, n - whole,
+      step);
+}
+
+template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, bool kMomentum,
+          typename Param, typename Grad>
+inline __attribute__((always_inline)) void sgd_lanes(Param* param, Grad* grad,
+                                                     float* momentum_buffer, float* master,
+                                                     std::int64_t n, const SgdStep& step_in) {
+  const SgdStep step = step_in;  // a copy, as in adam_lanes
+  const std::int64_t whole = n - n % 8;
+  for (std::int64_t i = 0; i < whole; i += 8) {
+    Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
+    if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
+    Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
+    Lanes8 buf = kMomentum ? Lanes<float>::load(momentum_buffer + i) : Lanes8();
+    sgd_update<kMomentum>(p, g, buf, step);
+    if (kMomentum) Lanes<float>::store(momentum_buffer + i, buf);
+    if (kMaster) Lanes<float>::store(master + i, p);
+    Lanes<Param>::store(param + i, p);
+  }
+  sgd_loop<kMaster, kWriteGrad, kMomentum>(param + whole, grad + whole,
+                                           kMomentum ? momentum_buffer + whole : nullptr,
+                                           kMaster ? master + whole : nullptr, n - whole, step);
 }
 
 // Calls f with std::integral_constant<bool, flag>, turning a runtime flag into a template one.
