@@ -1,8 +1,8 @@
 // CPU Adam/AdamW and SGD span kernels for bf16 params without an fp32 master
 // (master_weights="stochastic", "kahan" and "split"; bf16_modes.h). The loops are
 // optimizer_variants.h's with the param read and written through Bf16Param<kMode>: the update
-// math is the same optimizer_math.h code. bf16 converts with shifts, so the portable loops
-// (with their AVX2 clone) vectorize without the F16C staging of optimizer_kernels_avx2.cpp.
+// math is the same optimizer_math.h code. bf16 converts with shifts, so these scalar loops
+// (with their AVX2 clone) vectorize; options that are off are bit selects here (see choose()).
 #include "../bf16_modes.h"
 #include "cpu_kernels.h"
 #include "optimizer_variants.h"
