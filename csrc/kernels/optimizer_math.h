@@ -97,12 +97,10 @@ AMPFUSE_HOST_DEVICE inline float square_root(float x) { return sqrtf(x); }
 // Per-step constants of an Adam update, derived once per call: on the CPU by the op, on CUDA by
 // a one-thread prologue kernel from the device-side step count and learning rate.
 // Scalars that torch forms in Python (double) are formed in double here too and
-// rounded once, so both round the same way. An option that is off costs nothing: the update
-// tests it (the same answer for every element of a step: a predicted branch on the CPU, where
-// GCC also unswitches the scalar loops, and no divergence on the GPU) and skips its
-// arithmetic, as torch does. (Until 2026-11 options were multipliers such as x + 0 * p, which
-// cost a multiply and an add per element each, and made inf/nan params NaN where torch keeps
-// them.)
+// rounded once, so both round the same way. An option that is off is skipped, as torch skips
+// it: the update picks each side with choose(), a branch that costs nothing for lanes and on the
+// GPU. (Until 2026-11 options were multipliers such as x + 0 * p, which cost a multiply and an
+// add per element each, and made inf/nan params NaN where torch keeps them.)
 struct AdamStep {
   float one_minus_beta1;
   float beta2;

@@ -6,7 +6,8 @@
 // computes for that element. GCC vector extensions rather than intrinsics: the intrinsics need
 // a target attribute on every function they are inlined through, the math templates included,
 // while generic vector operations are legal in baseline code and become single AVX
-// instructions once inlined into an AVX2 function (optimizer_kernels_avx2.cpp). GCC and clang only, as the AVX2 path is.
+// instructions once inlined into an AVX2 function (optimizer_kernels_avx2.cpp). GCC and clang
+// only, as the AVX2 path is.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +44,6 @@ struct Lanes8 {
 
   friend AMPFUSE_LANES Lanes8 operator+(Lanes8 a, Lanes8 b) { return a.v + b.v; }
   friend AMPFUSE_LANES Lanes8 operator-(Lanes8 a, Lanes8 b) { return a.v - b.v; }
-  friend AMPFUSE_LANES Lanes8 operator*(Lanes8 a, Lanes8 b) { return a.v * b.v; }
   friend AMPFUSE_LANES Lanes8 operator/(Lanes8 a, Lanes8 b) { return a.v / b.v; }
   friend AMPFUSE_LANES Lanes8 operator-(Lanes8 a) { return -a.v; }
   AMPFUSE_LANES Lanes8& operator+=(Lanes8 b) {
@@ -53,8 +53,9 @@ struct Lanes8 {
   // Ordered, as the scalar `>`: false where either lane is NaN.
   friend AMPFUSE_LANES Mask8 operator>(Lanes8 a, Lanes8 b) { return {a.v > b.v}; }
 
-  // The overloads the shared math calls by name (found by argument-dependent lookup).
-  // The build keeps products out of FMAs (-ffp-contract=off), as for the scalar mul.
+  // The overloads the shared math calls by name (found by argument-dependent lookup). Products
+  // are only mul(), as in the shared math, and the build keeps them out of FMAs
+  // (-ffp-contract=off), as for the scalar mul.
   friend AMPFUSE_LANES Lanes8 mul(Lanes8 a, Lanes8 b) { return a.v * b.v; }
   friend AMPFUSE_LANES Lanes8 square_root(Lanes8 a) {
     // Eight scalar square roots that GCC turns into one vsqrtps (with -fno-math-errno).
