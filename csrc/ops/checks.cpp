@@ -62,30 +62,34 @@ c10::optional<at::Device> list_device(const char* op, at::TensorList list, const
   return device;
 }
 
+kernels::TensorRef tensor_ref(const char* op, const at::Tensor& t, const ArgLabel& label,
+                              bool mutated, std::vector<at::Tensor>& keep_alive) {
+  TORCH_CHECK(t.defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
+  TORCH_CHECK(t.layout() == at::kStrided, "ampfuse.", op, ": ", label, " has layout ",
+              t.layout(), "; only dense (strided) tensors are supported.");
+  const kernels::DType dtype = kernel_dtype(op, t, label);
+  // Dense means the elements fill one block of memory in some dimension order
+  // (contiguous, channels_last, a transpose): element-wise kernels can then walk
+  // that block flat.
+  if (t.is_non_overlapping_and_dense()) {
+    return {t.numel() == 0 ? nullptr : t.data_ptr(), t.numel(), dtype};
+  }
+  TORCH_CHECK(!mutated, "ampfuse.", op, ": ", label,
+              " is not contiguous (its elements do not fill one block of memory, e.g. a "
+              "strided slice), and it is written in place. Pass a contiguous tensor "
+              "(.contiguous()) and copy the result back if you need the view updated.");
+  keep_alive.push_back(t.contiguous());
+  const at::Tensor& dense = keep_alive.back();
+  return {dense.numel() == 0 ? nullptr : dense.data_ptr(), dense.numel(), dtype};
+}
+
 std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list, const char* name,
                                             bool mutated, std::vector<at::Tensor>& keep_alive) {
   std::vector<kernels::TensorRef> refs;
   refs.reserve(list.size());
   for (std::size_t i = 0; i < list.size(); ++i) {
-    const ArgLabel label{name, static_cast<std::int64_t>(i)};
-    const at::Tensor& t = list[i];
-    TORCH_CHECK(t.defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
-    TORCH_CHECK(t.layout() == at::kStrided, "ampfuse.", op, ": ", label, " has layout ",
-                t.layout(), "; only dense (strided) tensors are supported.");
-    const kernels::DType dtype = kernel_dtype(op, t, label);
-    // Dense means the elements fill one block of memory in some dimension order
-    // (contiguous, channels_last, a transpose): element-wise kernels can then walk
-    // that block flat.
-    const bool dense = t.is_non_overlapping_and_dense();
-    if (!dense) {
-      TORCH_CHECK(!mutated, "ampfuse.", op, ": ", label,
-                  " is not contiguous (its elements do not fill one block of memory, e.g. a "
-                  "strided slice), and it is written in place. Pass a contiguous tensor "
-                  "(.contiguous()) and copy the result back if you need the view updated.");
-      keep_alive.push_back(t.contiguous());
-    }
-    const at::Tensor& dense_t = dense ? t : keep_alive.back();
-    refs.push_back({dense_t.numel() == 0 ? nullptr : dense_t.data_ptr(), dense_t.numel(), dtype});
+    refs.push_back(
+        tensor_ref(op, list[i], ArgLabel{name, static_cast<std::int64_t>(i)}, mutated, keep_alive));
   }
   return refs;
 }
@@ -99,8 +103,9 @@ std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList li
   TORCH_CHECK(list.size() == params.size(), "ampfuse.", op, ": ", name, " has ", list.size(),
               " tensors but params has ", params.size(), "; pass one per param",
               optional ? " (or an empty list)." : ".");
-  std::vector<at::Tensor> laid_out;
-  laid_out.reserve(list.size());
+  const bool mutated = access == Access::kWrite;
+  std::vector<kernels::TensorRef> refs;
+  refs.reserve(list.size());
   for (std::size_t i = 0; i < list.size(); ++i) {
     const ArgLabel label{name, static_cast<std::int64_t>(i)};
     TORCH_CHECK(list[i].defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
@@ -114,21 +119,20 @@ std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList li
                 " must be torch.float32 (optimizer state and masters are kept in fp32), got ",
                 "torch.", c10::getDtypeNames(list[i].scalar_type()).first, ".");
     const bool same_layout = list[i].numel() <= 1 || list[i].strides() == params[i].strides();
-    const bool param_dense = params[i].is_non_overlapping_and_dense();
-    if (same_layout || !param_dense) {
+    if (same_layout || !params[i].is_non_overlapping_and_dense()) {
       // A non-dense param is refused by tensor_refs; its companions need no copy first.
-      laid_out.push_back(list[i]);
+      refs.push_back(tensor_ref(op, list[i], label, mutated, keep_alive));
       continue;
     }
     TORCH_CHECK(access != Access::kWrite, "ampfuse.", op, ": ", label, " has strides ",
                 list[i].strides(), " but ", arg_label("params", i), " has strides ",
                 params[i].strides(), "; create it with torch.zeros_like(param) so both share "
                 "one memory layout.");
-    laid_out.push_back(at::empty_like(params[i], list[i].options()).copy_(list[i]));
-    if (access == Access::kWriteOrCopyBack) copy_back->push_back({list[i], laid_out.back()});
+    const at::Tensor copy = at::empty_like(params[i], list[i].options()).copy_(list[i]);
+    keep_alive.push_back(copy);
+    if (access == Access::kWriteOrCopyBack) copy_back->push_back({list[i], copy});
+    refs.push_back(tensor_ref(op, copy, label, mutated, keep_alive));
   }
-  auto refs = tensor_refs(op, laid_out, name, access == Access::kWrite, keep_alive);
-  keep_alive.insert(keep_alive.end(), laid_out.begin(), laid_out.end());
   return refs;
 }
 

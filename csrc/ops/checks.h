@@ -36,6 +36,14 @@ void check_scalar_tensor(const char* op, const at::Tensor& t, const ArgLabel& na
                          at::ScalarType dtype, c10::optional<at::Device> device,
                          const char* device_owner = "the tensors");
 
+// One tensor's kernel view: checks what tensor_refs checks, for one tensor. A tensor that is
+// not dense is copied into `keep_alive` (a read-only one) or refused (a `mutated` one); a dense
+// one is viewed in place and not copied: copying an at::Tensor that Python also holds costs a
+// Python reference count and, on release, a GIL acquire (torch ties the Python object to a
+// second C++ reference), hundreds of times per optimizer step.
+kernels::TensorRef tensor_ref(const char* op, const at::Tensor& t, const ArgLabel& label,
+                              bool mutated, std::vector<at::Tensor>& keep_alive);
+
 // Validates a list of floating tensors (dtype, one device) and returns kernel
 // views of them. Tensors that are written (`mutated`) must already be dense
 // (contiguous in some dimension order); read-only tensors that are not dense are

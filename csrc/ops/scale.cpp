@@ -94,10 +94,10 @@ ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& 
   args.dst = tensor_refs(kScale, dst, "dst", /*mutated=*/true, args.keep_alive);
   // Each source is read in the flat element order of its destination; a source
   // laid out differently (or not dense) is first copied into the destination's layout.
-  std::vector<at::Tensor> sources;
-  sources.reserve(src.size());
+  args.src.reserve(src.size());
   for (std::size_t i = 0; i < src.size(); ++i) {
-    TORCH_CHECK(src[i].sizes() == dst[i].sizes(), "ampfuse.", kScale, ": ", arg_label("src", i),
+    const ArgLabel label{"src", static_cast<std::int64_t>(i)};
+    TORCH_CHECK(src[i].sizes() == dst[i].sizes(), "ampfuse.", kScale, ": ", label,
                 " has shape ", src[i].sizes(), " but ", arg_label("dst", i), " has shape ",
                 dst[i].sizes(), "; each destination must match its source's shape.");
     if (src[i].numel() > 0 && src[i].storage().is_alias_of(dst[i].storage())) {
@@ -105,17 +105,20 @@ ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& 
       TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
                       (overlap == at::MemOverlapStatus::Full &&
                        src[i].scalar_type() == dst[i].scalar_type()),
-                  "ampfuse.", kScale, ": ", arg_label("src", i), " and ", arg_label("dst", i),
+                  "ampfuse.", kScale, ": ", label, " and ", arg_label("dst", i),
                   " share memory without being the same tensor; use separate storage, or the "
                   "very same tensor for an in-place scale.");
     }
     const bool same_layout = src[i].is_non_overlapping_and_dense() &&
                              (src[i].numel() <= 1 || src[i].strides() == dst[i].strides());
-    sources.push_back(same_layout ? src[i]
-                                  : at::empty_like(dst[i], src[i].options()).copy_(src[i]));
+    if (same_layout) {
+      args.src.push_back(tensor_ref(kScale, src[i], label, /*mutated=*/false, args.keep_alive));
+      continue;
+    }
+    const at::Tensor copy = at::empty_like(dst[i], src[i].options()).copy_(src[i]);
+    args.keep_alive.push_back(copy);
+    args.src.push_back(tensor_ref(kScale, copy, label, /*mutated=*/false, args.keep_alive));
   }
-  args.src = tensor_refs(kScale, sources, "src", /*mutated=*/false, args.keep_alive);
-  args.keep_alive.insert(args.keep_alive.end(), sources.begin(), sources.end());
   args.tensor_flags = tensor_flags_data(kScale, tensor_flags, src.size(), "src", found_inf);
   return args;
 }
