@@ -34,6 +34,7 @@ import torch
 
 from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin, param_name
 from ampfuse.optimizers._masters import MasterWeightsMixin, ParamRecord, make_master
+from ampfuse.optimizers._plan import StepPlan
 from ampfuse.optimizers._precision import (
     BF16_MODES,
     EXTRA_KEYS,
@@ -116,6 +117,8 @@ class FusedOptimizer(
         self._param_records = {}
         # last_step_skipped and the skipped-step count (see _skip).
         self._skips = SkipRecord()
+        # group index -> the StepPlan of its last full sort (see _plan), or None.
+        self._step_plans = {}
         super().__init__(params, defaults)
 
     def __getstate__(self):
@@ -131,6 +134,7 @@ class FusedOptimizer(
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("_lr_tensors", {})
         self.__dict__.setdefault("_param_records", {})
+        self.__dict__["_step_plans"] = {}
         skipped = self.__dict__.pop("skipped_steps", 0)
         self.__dict__.setdefault("_skips", SkipRecord(skipped))
         # Pickled before the option existed: such optimizers never checked.
@@ -220,6 +224,25 @@ class FusedOptimizer(
         return torch.device("cpu")
 
     def _calls(self, index, group, follow_params=True):
+        """The op calls of `group` for this step: the last step's plan when it still holds (see
+        _plan), else a full sort (_sort_into_calls), which plans the next step. Compiled steps
+        (follow_params=False) always sort: their trace must not depend on host-side caches."""
+        plannable = follow_params and not self._step_on_master_grads
+        if plannable:
+            plan = self._step_plans.get(index)
+            if plan is not None:
+                calls = plan.calls_if_unchanged(self, group)
+                if calls is not None:
+                    return calls
+                del self._step_plans[index]  # a sort that raises leaves no stale plan behind
+        calls = self._sort_into_calls(index, group, follow_params)
+        if plannable:
+            self._step_plans[index] = StepPlan.build(
+                group, self.state, self._state_keys(group), calls, self._param_records
+            )
+        return calls
+
+    def _sort_into_calls(self, index, group, follow_params=True):
         """Sorts the params of `group` that have grads into op calls (see the module docstring),
         creating state on a param's first step.
 

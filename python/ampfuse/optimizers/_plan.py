@@ -1,0 +1,104 @@
+"""A param group's step plan: the op calls FusedOptimizer._calls sorted its params into at the
+last step, reused while nothing they depend on has changed.
+
+Sorting a group into op calls looks at every param at every step: its grad, its state, whether
+something else wrote it since the last step (its fp32 master then follows it), its memory
+layout. In Python that is several attribute reads and two tensor-keyed dict lookups per param
+(Tensor.__hash__ is itself a Python function), which took longer than the fused SGD op on a
+CPU model of 291 small tensors. A plan keeps what the last full sort found, per param, and
+``ampfuse._C.scan_step`` confirms in one C++ pass per group that each param still matches it:
+
+- the group's params list, the optimizer's state dict, master_weights and the state keys of the
+  group's options are the objects (values) the plan was made from;
+- each param is the same object as before and has a grad exactly when it had one then (a plain
+  strided tensor of the dtype it had);
+- each stepping param's state is the same dict holding the same step tensor, with the entries
+  its mode needs and none of another mode's; its strides are those its state was laid out for;
+- a param with an fp32 master was not written since its last step (same version and storage).
+
+Then the plan's calls are returned with this step's grads; the state tensors they pass are read
+from the state dicts at launch, as before. Anything else, including every param of a subclass
+such as DTensor, runs the full sort, which then makes a new plan. The plan decides nothing the
+full sort would not: it only skips re-deriving what is already known.
+"""
+
+from __future__ import annotations
+
+from ampfuse import _C
+
+# The modes a plan covers. The bf16 master modes ("stochastic", "kahan", "split") keep the full
+# sort at every step: their extra state follows param writes differently (see _precision).
+_PLANNED_MODES = ("none", "fp32")
+
+# State entries that must be absent for a param stepped in each mode: another mode's extra
+# tensor means the full sort has to convert it first.
+_ABSENT_KEYS = {
+    "none": ("master_param", "kahan_compensation", "master_low_bits"),
+    "fp32": ("kahan_compensation", "master_low_bits"),
+}
+
+
+class StepPlan:
+    """What one group's last full sort found (see the module docstring)."""
+
+    __slots__ = ("group", "params", "state_map", "master_weights", "state_keys", "entries",
+                 "calls", "picks")
+
+    @classmethod
+    def build(cls, group, state_map, state_keys, calls, records):
+        """A plan for `group` after the full sort made `calls` from it, or None when the group
+        steps in a mode plans do not cover. records: the optimizer's param -> ParamRecord."""
+        if any(call.mode not in _PLANNED_MODES for call in calls):
+            return None
+        plan = cls()
+        plan.group = group
+        plan.params = group["params"]
+        plan.state_map = state_map
+        plan.master_weights = group["master_weights"]
+        plan.state_keys = state_keys
+        plan.calls = calls
+        # Where each stepping param sits: id() is safe here, every param is alive in the group.
+        stepping = {}
+        for call in calls:
+            for p, state in zip(call.params, call.states):
+                stepping[id(p)] = (call, state)
+        required = {
+            "none": tuple(state_keys),
+            "fp32": tuple(state_keys) + ("master_param",),
+        }
+        entries = []
+        order = {id(call): [] for call in calls}
+        position = 0  # among the stepping params
+        for p in plan.params:
+            found = stepping.get(id(p))
+            if found is None:
+                entries.append((p,))
+                continue
+            call, state = found
+            order[id(call)].append(position)
+            position += 1
+            entries.append((p, state, call.step, records[p], p.dtype, call.mode == "fp32",
+                            required[call.mode], _ABSENT_KEYS[call.mode]))
+        plan.entries = tuple(entries)
+        # The grads scan_step returns are those of the stepping params in group order; each call
+        # takes its own positions (all of them, in order, for the usual single call).
+        plan.picks = None if len(calls) == 1 else [order[id(call)] for call in calls]
+        return plan
+
+    def calls_if_unchanged(self, optimizer, group):
+        """The plan's calls with this step's grads when nothing they depend on changed, else
+        None."""
+        if (group is not self.group or group["params"] is not self.params
+                or optimizer.state is not self.state_map
+                or group["master_weights"] != self.master_weights
+                or optimizer._state_keys(group) != self.state_keys):
+            return None
+        grads = _C.scan_step(self.params, self.state_map, self.entries)
+        if grads is None:
+            return None
+        if self.picks is None:
+            self.calls[0].grads = grads
+        else:
+            for call, picks in zip(self.calls, self.picks):
+                call.grads = [grads[j] for j in picks]
+        return self.calls

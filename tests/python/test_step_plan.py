@@ -1,0 +1,198 @@
+"""Step plans (ampfuse.optimizers._plan): a group's op calls are reused while nothing they depend
+on changed, and every change between steps gives what the full sort gives.
+
+Each scenario runs twice, once as users run it and once with plans switched off (every step a
+full sort, the behaviour before plans existed), and the two must agree bit for bit; the planned
+run must also have skipped the full sort on its steady steps, so a plan that never holds fails.
+fp32 scenarios are also checked against torch.optim."""
+
+import pytest
+import torch
+
+from ampfuse.optimizers import FusedAdamW, FusedSGD
+from ampfuse.optimizers import _base, _plan
+
+SHAPES = [(4, 8), (8,), (3, 5, 2), (16,)]
+STEPS = 6
+CHANGE_AT = 3  # the change happens between step CHANGE_AT - 1 and step CHANGE_AT
+
+
+def make_params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def set_grads(params, step, skip=()):
+    gen = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = None if i in skip else g
+
+
+def count_full_sorts(monkeypatch):
+    calls = {"n": 0}
+    original = _base.FusedOptimizer._sort_into_calls
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_base.FusedOptimizer, "_sort_into_calls", counting)
+    return calls
+
+
+def run(make, dtype, change, planned, monkeypatch):
+    """Steps an optimizer STEPS times, calling change(opt, params) before step CHANGE_AT.
+    Returns params, state tensors and how many full sorts ran."""
+    with monkeypatch.context() as m:
+        if not planned:
+            m.setattr(_plan.StepPlan, "build", classmethod(lambda cls, *a, **k: None))
+        sorts = count_full_sorts(m)
+        params = make_params(dtype)
+        opt = make(params)
+        for step in range(STEPS):
+            if step == CHANGE_AT:
+                change(opt, params)
+            skip = getattr(change, "skip", lambda s: ())(step)
+            set_grads(params, step, skip)
+            opt.step()
+        state = [
+            {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+            for p in params
+        ]
+        return [p.detach().clone() for p in params], state, sorts["n"]
+
+
+def replace_state_dict(opt, params):
+    opt.state[params[1]] = {}
+
+
+def replace_momentum(opt, params):
+    for p in params:
+        key = "momentum_buffer" if "momentum_buffer" in opt.state[p] else "exp_avg"
+        opt.state[p][key] = torch.full_like(opt.state[p][key], 0.25)
+
+
+def write_param_in_place(opt, params):
+    with torch.no_grad():
+        params[2].mul_(0.5)
+
+
+def replace_param_data(opt, params):
+    params[0].data = params[0].data * 2
+
+
+def change_layout(opt, params):
+    params[2].data = params[2].data.transpose(0, 2).contiguous().transpose(0, 2)
+
+
+def append_param(opt, params):
+    extra = torch.nn.Parameter(torch.ones(5, dtype=params[0].dtype))
+    extra.grad = torch.full((5,), 0.5, dtype=extra.dtype)
+    params.append(extra)
+    opt.param_groups[0]["params"].append(extra)
+
+
+def replace_step(opt, params):
+    for p in params[:2]:
+        opt.state[p]["step"] = opt.state[p]["step"].clone()
+
+
+def drop_a_grad(opt, params):
+    pass
+
+
+drop_a_grad.skip = lambda step: (1,) if step >= CHANGE_AT else ()
+
+
+def load_own_state_dict(opt, params):
+    saved = opt.state_dict()
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.125)
+    opt.load_state_dict(saved)
+
+
+CHANGES = {
+    "none": lambda opt, params: None,
+    "replace_state_dict": replace_state_dict,
+    "replace_momentum": replace_momentum,
+    "write_param_in_place": write_param_in_place,
+    "replace_param_data": replace_param_data,
+    "change_layout": change_layout,
+    "append_param": append_param,
+    "replace_step": replace_step,
+    "drop_a_grad": drop_a_grad,
+    "load_own_state_dict": load_own_state_dict,
+}
+
+OPTIMIZERS = {
+    "sgd": lambda master: (
+        lambda params: FusedSGD(params, lr=0.1, momentum=0.9, master_weights=master)
+    ),
+    "adamw": lambda master: (
+        lambda params: FusedAdamW(params, lr=0.01, weight_decay=0.1, master_weights=master)
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_planned_steps_match_full_sorts(monkeypatch, name, dtype, change):
+    make = OPTIMIZERS[name](dtype != torch.float32)
+    planned = run(make, dtype, CHANGES[change], True, monkeypatch)
+    full = run(make, dtype, CHANGES[change], False, monkeypatch)
+    for i, (a, b) in enumerate(zip(planned[0], full[0])):
+        assert torch.equal(a, b), f"params[{i}] differ between planned and full-sort steps"
+    for i, (a, b) in enumerate(zip(planned[1], full[1])):
+        assert a.keys() == b.keys(), f"params[{i}] state keys differ"
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"params[{i}] state {key!r} differs"
+    assert full[2] == STEPS
+    # Two sorts at most: the first step, and the step after the change.
+    assert planned[2] <= 2, f"{planned[2]} full sorts in {STEPS} steps: plans were not reused"
+
+
+@pytest.mark.parametrize("change", ["replace_state_dict", "replace_momentum", "drop_a_grad",
+                                    "append_param", "change_layout", "replace_param_data"])
+def test_planned_sgd_matches_torch(monkeypatch, change):
+    """The same changes made to torch.optim.SGD give the same params (fp32)."""
+    ours = run(OPTIMIZERS["sgd"](False), torch.float32, CHANGES[change], True, monkeypatch)
+
+    params = make_params(torch.float32)
+    ref = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+    for step in range(STEPS):
+        if step == CHANGE_AT:
+            CHANGES[change](ref, params)
+        skip = getattr(CHANGES[change], "skip", lambda s: ())(step)
+        set_grads(params, step, skip)
+        ref.step()
+    for i, (a, b) in enumerate(zip(ours[0], params)):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-6,
+                                   msg=f"params[{i}] after {change}")
+
+
+def test_a_subclass_param_keeps_the_full_sort(monkeypatch):
+    """Params that are Tensor subclasses with their own dispatch (DTensor is one) are never
+    planned: scan_step refuses them and the full sort runs at every step."""
+
+    class Wrapped(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise AssertionError("not reached")
+
+    sorts = count_full_sorts(monkeypatch)
+    params = make_params(torch.float32)
+    opt = FusedSGD(params, lr=0.1)
+    plan_entries = None
+    for step in range(3):
+        set_grads(params, step)
+        opt.step()
+        plan_entries = opt._step_plans[0].entries
+    assert sorts["n"] == 1
+    from ampfuse import _C
+    wrapped = torch.Tensor._make_subclass(Wrapped, torch.zeros(2))
+    assert _C.scan_step([wrapped], opt.state, ((wrapped,),)) is None
+    assert _C.scan_step(opt.param_groups[0]["params"], opt.state, plan_entries) is not None
