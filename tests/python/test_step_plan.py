@@ -174,25 +174,38 @@ def test_planned_sgd_matches_torch(monkeypatch, change):
                                    msg=f"params[{i}] after {change}")
 
 
-def test_a_subclass_param_keeps_the_full_sort(monkeypatch):
-    """Params that are Tensor subclasses with their own dispatch (DTensor is one) are never
-    planned: scan_step refuses them and the full sort runs at every step."""
+def test_subclass_params_keep_the_full_sort(monkeypatch):
+    """Params that are Tensor subclasses (DTensor is one) are never planned, in the optimizer
+    and in scan_step, and step as plain params do."""
 
+    class Sub(torch.Tensor):
+        pass
+
+    sorts = count_full_sorts(monkeypatch)
+    plain = make_params(torch.float32)
+    subs = [torch.Tensor._make_subclass(Sub, p.detach().clone(), True) for p in plain]
+    results = []
+    for params in (plain, subs):
+        opt = FusedSGD(params, lr=0.1, momentum=0.9)
+        for step in range(3):
+            set_grads(params, step)
+            opt.step()
+        results.append([p.detach().clone().as_subclass(torch.Tensor) for p in params])
+    assert sorts["n"] == 1 + 3, "plain params sort once, subclass params at every step"
+    assert opt._step_plans[0] is None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_scan_step_refuses_a_dispatching_subclass():
     class Wrapped(torch.Tensor):
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            raise AssertionError("not reached")
+            raise AssertionError("scan_step must not dispatch")
 
-    sorts = count_full_sorts(monkeypatch)
-    params = make_params(torch.float32)
-    opt = FusedSGD(params, lr=0.1)
-    plan_entries = None
-    for step in range(3):
-        set_grads(params, step)
-        opt.step()
-        plan_entries = opt._step_plans[0].entries
-    assert sorts["n"] == 1
     from ampfuse import _C
+
     wrapped = torch.Tensor._make_subclass(Wrapped, torch.zeros(2))
-    assert _C.scan_step([wrapped], opt.state, ((wrapped,),)) is None
-    assert _C.scan_step(opt.param_groups[0]["params"], opt.state, plan_entries) is not None
+    assert _C.scan_step([wrapped], {}, ((wrapped,),)) is None
+    plain = torch.zeros(2)
+    assert _C.scan_step([plain], {}, ((plain,),)) == []

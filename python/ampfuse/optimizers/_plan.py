@@ -24,11 +24,17 @@ full sort would not: it only skips re-deriving what is already known.
 
 from __future__ import annotations
 
+import torch
+
 from ampfuse import _C
 
 # The modes a plan covers. The bf16 master modes ("stochastic", "kahan", "split") keep the full
 # sort at every step: their extra state follows param writes differently (see _precision).
 _PLANNED_MODES = ("none", "fp32")
+
+# Param types a plan covers. Subclasses (DTensor under FSDP2, FakeTensor, user subclasses) may
+# override what the scan reads, so their groups always take the full sort.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 # State entries that must be absent for a param stepped in each mode: another mode's extra
 # tensor means the full sort has to convert it first.
@@ -50,9 +56,12 @@ class StepPlan:
         steps in a mode plans do not cover. records: the optimizer's param -> ParamRecord."""
         if any(call.mode not in _PLANNED_MODES for call in calls):
             return None
+        params = group["params"]
+        if not all(type(p) in _PLAIN_TYPES for p in params):
+            return None  # scan_step would refuse them at every step; don't build one each time
         plan = cls()
         plan.group = group
-        plan.params = group["params"]
+        plan.params = params
         plan.state_map = state_map
         plan.master_weights = group["master_weights"]
         plan.state_keys = state_keys
