@@ -165,9 +165,11 @@ PyObject* scan_step(PyObject* /*module*/, PyObject* args) {
   PyObject* params = nullptr;
   PyObject* state_map = nullptr;
   PyObject* entries = nullptr;
-  if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &params, &PyDict_Type, &state_map,
-                        &PyTuple_Type, &entries)) {
-    return nullptr;
+  if (!PyArg_ParseTuple(args, "OOO", &params, &state_map, &entries)) return nullptr;
+  // Anything but torch.optim's own containers (a list of params, a dict of states) is left to
+  // the Python loop, which knows what to do with it.
+  if (!PyList_Check(params) || !PyDict_Check(state_map) || !PyTuple_Check(entries)) {
+    Py_RETURN_NONE;
   }
   const Py_ssize_t n = PyList_GET_SIZE(params);
   if (PyTuple_GET_SIZE(entries) != n) Py_RETURN_NONE;

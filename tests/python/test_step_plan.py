@@ -209,3 +209,27 @@ def test_scan_step_refuses_a_dispatching_subclass():
     assert _C.scan_step([wrapped], {}, ((wrapped,),)) is None
     plain = torch.zeros(2)
     assert _C.scan_step([plain], {}, ((plain,),)) == []
+    # Containers other than torch.optim's own are left to the Python loop, not refused.
+    assert _C.scan_step((plain,), {}, ((plain,),)) is None
+    assert _C.scan_step([plain], object(), ((plain,),)) is None
+    assert _C.scan_step([plain], {}, [(plain,)]) is None
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_plan_does_not_keep_grads_alive(name):
+    """zero_grad(set_to_none=True) frees the grads even though the plan keeps its calls: a
+    plan holding them would add a whole set of grads to the next backward's peak memory."""
+    import gc
+    import weakref
+
+    params = make_params(torch.float16)
+    opt = OPTIMIZERS[name](True)(params)
+    for step in range(3):  # the first full sort, then planned steps
+        set_grads(params, step)
+        refs = [weakref.ref(p.grad) for p in params]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        alive = [i for i, r in enumerate(refs) if r() is not None]
+        assert not alive, f"step {step}: grads of params {alive} outlived zero_grad"
+    assert opt._step_plans[0] is not None

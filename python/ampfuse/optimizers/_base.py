@@ -68,6 +68,7 @@ class _Call:
     def seal(self):
         if self.entries:
             self.params, self.grads, self.states, self.records = map(list, zip(*self.entries))
+            self.entries = []  # a StepPlan keeps the call: it must not keep the grads alive
 
     @property
     def has_master(self):
@@ -191,6 +192,9 @@ class FusedOptimizer(
                 )
                 if call.mode in EXTRA_KEYS and not compiling:
                     self._mark_stepped(call)
+                # The step plan keeps its calls for the next step (see _plan), but not this
+                # step's grads: zero_grad(set_to_none=True) must free them.
+                call.grads = []
         self._skips.record(verdicts, home, own_check)
         return loss
 
