@@ -136,12 +136,24 @@ OPTIMIZERS = {
 }
 
 
+# (param dtype, master_weights): fp32 steps without masters, fp16 and bf16 with fp32 masters,
+# bf16 in the three master-free modes.
+PRECISIONS = {
+    "fp32": (torch.float32, False),
+    "fp16": (torch.float16, True),
+    "bf16": (torch.bfloat16, True),
+    "bf16-stochastic": (torch.bfloat16, "stochastic"),
+    "bf16-kahan": (torch.bfloat16, "kahan"),
+    "bf16-split": (torch.bfloat16, "split"),
+}
+
+
 @pytest.mark.parametrize("change", list(CHANGES))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
-                         ids=["fp32", "fp16", "bf16"])
-def test_planned_steps_match_full_sorts(monkeypatch, name, dtype, change):
-    make = OPTIMIZERS[name](dtype != torch.float32)
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_planned_steps_match_full_sorts(monkeypatch, name, precision, change):
+    dtype, master = PRECISIONS[precision]
+    make = OPTIMIZERS[name](master)
     planned = run(make, dtype, CHANGES[change], True, monkeypatch)
     full = run(make, dtype, CHANGES[change], False, monkeypatch)
     for i, (a, b) in enumerate(zip(planned[0], full[0])):
@@ -233,3 +245,24 @@ def test_a_plan_does_not_keep_grads_alive(name):
         alive = [i for i, r in enumerate(refs) if r() is not None]
         assert not alive, f"step {step}: grads of params {alive} outlived zero_grad"
     assert opt._step_plans[0] is not None
+
+
+def test_stochastic_param_ids_follow_an_earlier_group_growing(monkeypatch):
+    """master_weights="stochastic" keys each param's random bits by its index in the optimizer:
+    a param added to an earlier group shifts the ids of every later group, and a plan must not
+    keep the old ones."""
+
+    def make(params):
+        return FusedAdamW([{"params": params[:1]}, {"params": params[1:]}], lr=0.01,
+                          master_weights="stochastic")
+
+    def grow_first_group(opt, params):
+        extra = torch.nn.Parameter(torch.ones(6, dtype=torch.bfloat16))
+        params.append(extra)  # set_grads gives it a grad; its place in the optimizer is group 0
+        opt.param_groups[0]["params"].append(extra)
+
+    planned = run(make, torch.bfloat16, grow_first_group, True, monkeypatch)
+    full = run(make, torch.bfloat16, grow_first_group, False, monkeypatch)
+    for i, (a, b) in enumerate(zip(planned[0], full[0])):
+        assert torch.equal(a, b), f"params[{i}] differ between planned and full-sort steps"
+    assert planned[2] <= 4  # two groups: a sort each at the first step and after the change

@@ -235,15 +235,13 @@ class FusedOptimizer(
         if plannable:
             plan = self._step_plans.get(index)
             if plan is not None:
-                calls = plan.calls_if_unchanged(self, group)
+                calls = plan.calls_if_unchanged(self, index, group)
                 if calls is not None:
                     return calls
                 del self._step_plans[index]  # a sort that raises leaves no stale plan behind
         calls = self._sort_into_calls(index, group, follow_params)
         if plannable:
-            self._step_plans[index] = StepPlan.build(
-                group, self.state, self._state_keys(group), calls, self._param_records
-            )
+            self._step_plans[index] = StepPlan.build(self, index, calls)
         return calls
 
     def _sort_into_calls(self, index, group, follow_params=True):

@@ -14,12 +14,15 @@ CPU model of 291 small tensors. A plan keeps what the last full sort found, per 
   strided tensor of the dtype it had);
 - each stepping param's state is the same dict holding the same step tensor, with the entries
   its mode needs and none of another mode's; its strides are those its state was laid out for;
-- a param with an fp32 master was not written since its last step (same version and storage).
+- a param with an extra tensor (an fp32 master; a bf16 mode's compensation or low half) was
+  not written since its last step (same version and storage);
+- with master_weights="stochastic", the groups before this one hold as many params as before
+  (a param's index in the optimizer keys its random bits).
 
 Then the plan's calls are returned with this step's grads; the state tensors they pass are read
-from the state dicts at launch, as before. Anything else, including every param of a subclass
-such as DTensor, runs the full sort, which then makes a new plan. The plan decides nothing the
-full sort would not: it only skips re-deriving what is already known.
+from the state dicts at launch, as before. Anything else runs the full sort, which then makes a
+new plan; groups holding Tensor subclasses such as DTensor are never planned. The plan decides
+nothing the full sort would not: it only skips re-deriving what is already known.
 """
 
 from __future__ import annotations
@@ -27,54 +30,61 @@ from __future__ import annotations
 import torch
 
 from ampfuse import _C
-
-# The modes a plan covers. The bf16 master modes ("stochastic", "kahan", "split") keep the full
-# sort at every step: their extra state follows param writes differently (see _precision).
-_PLANNED_MODES = ("none", "fp32")
+from ampfuse.optimizers._precision import EXTRA_KEYS
 
 # Param types a plan covers. Subclasses (DTensor under FSDP2, FakeTensor, user subclasses) may
 # override what the scan reads, so their groups always take the full sort.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-# State entries that must be absent for a param stepped in each mode: another mode's extra
-# tensor means the full sort has to convert it first.
-_ABSENT_KEYS = {
-    "none": ("master_param", "kahan_compensation", "master_low_bits"),
-    "fp32": ("kahan_compensation", "master_low_bits"),
-}
+
+def _mode_keys(mode, state_keys):
+    """(the state entries a param stepped in `mode` must hold, those it must not hold): its own
+    extra tensor (a master, a compensation, a low half) besides the optimizer's state keys, and
+    none of another mode's, which the full sort would convert first."""
+    own = EXTRA_KEYS.get(mode)
+    required = tuple(state_keys) + ((own,) if own is not None else ())
+    absent = tuple(key for key in EXTRA_KEYS.values() if key != own)
+    return required, absent
+
+
+def _first_param_id(optimizer, index):
+    """The index in the optimizer of group `index`'s first param: stochastic rounding keys its
+    random bits by it (see _sort_into_calls)."""
+    return sum(len(g["params"]) for g in optimizer.param_groups[:index])
 
 
 class StepPlan:
     """What one group's last full sort found (see the module docstring)."""
 
     __slots__ = ("group", "params", "state_map", "master_weights", "state_keys", "entries",
-                 "calls", "picks")
+                 "calls", "picks", "first_id")
 
     @classmethod
-    def build(cls, group, state_map, state_keys, calls, records):
-        """A plan for `group` after the full sort made `calls` from it, or None when the group
-        steps in a mode plans do not cover. records: the optimizer's param -> ParamRecord."""
-        if any(call.mode not in _PLANNED_MODES for call in calls):
-            return None
+    def build(cls, optimizer, index, calls):
+        """A plan for group `index` of `optimizer` after the full sort made `calls` from it, or
+        None when its params are Tensor subclasses."""
+        group = optimizer.param_groups[index]
         params = group["params"]
         if not all(type(p) in _PLAIN_TYPES for p in params):
             return None  # scan_step would refuse them at every step; don't build one each time
         plan = cls()
+        state_keys = optimizer._state_keys(group)
         plan.group = group
         plan.params = params
-        plan.state_map = state_map
+        plan.state_map = optimizer.state
         plan.master_weights = group["master_weights"]
         plan.state_keys = state_keys
         plan.calls = calls
+        # Stochastic rounding's param ids count the params of the groups before this one.
+        stochastic = any(call.mode == "stochastic" for call in calls)
+        plan.first_id = _first_param_id(optimizer, index) if stochastic else None
         # Where each stepping param sits: id() is safe here, every param is alive in the group.
         stepping = {}
         for call in calls:
             for p, state in zip(call.params, call.states):
                 stepping[id(p)] = (call, state)
-        required = {
-            "none": tuple(state_keys),
-            "fp32": tuple(state_keys) + ("master_param",),
-        }
+        keys = {call.mode: _mode_keys(call.mode, state_keys) for call in calls}
+        records = optimizer._param_records
         entries = []
         order = {id(call): [] for call in calls}
         position = 0  # among the stepping params
@@ -86,21 +96,25 @@ class StepPlan:
             call, state = found
             order[id(call)].append(position)
             position += 1
-            entries.append((p, state, call.step, records[p], p.dtype, call.mode == "fp32",
-                            required[call.mode], _ABSENT_KEYS[call.mode]))
+            # A param with an extra tensor (master, compensation, low half) must not have been
+            # written since its step: the extra tensor then no longer belongs to its value.
+            follows = call.mode in EXTRA_KEYS
+            entries.append((p, state, call.step, records[p], p.dtype, follows, *keys[call.mode]))
         plan.entries = tuple(entries)
         # The grads scan_step returns are those of the stepping params in group order; each call
         # takes its own positions (all of them, in order, for the usual single call).
         plan.picks = None if len(calls) == 1 else [order[id(call)] for call in calls]
         return plan
 
-    def calls_if_unchanged(self, optimizer, group):
+    def calls_if_unchanged(self, optimizer, index, group):
         """The plan's calls with this step's grads when nothing they depend on changed, else
         None."""
         if (group is not self.group or group["params"] is not self.params
                 or optimizer.state is not self.state_map
                 or group["master_weights"] != self.master_weights
                 or optimizer._state_keys(group) != self.state_keys):
+            return None
+        if self.first_id is not None and _first_param_id(optimizer, index) != self.first_id:
             return None
         grads = _C.scan_step(self.params, self.state_map, self.entries)
         if grads is None:
