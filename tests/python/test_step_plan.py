@@ -1,5 +1,6 @@
 """Step plans (ampfuse.optimizers._plan): a group's op calls are reused while nothing they depend
-on changed, and every change between steps gives what the full sort gives.
+on changed, and every change between steps gives what the full sort gives (on CPU and CUDA
+params: the scan reads metadata only, never device data).
 
 Each scenario runs twice, once as users run it and once with plans switched off (every step a
 full sort, the behaviour before plans existed), and the two must agree bit for bit; the planned
@@ -17,15 +18,16 @@ STEPS = 6
 CHANGE_AT = 3  # the change happens between step CHANGE_AT - 1 and step CHANGE_AT
 
 
-def make_params(dtype, seed=0):
+def make_params(dtype, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
+            for s in SHAPES]
 
 
 def set_grads(params, step, skip=()):
     gen = torch.Generator().manual_seed(100 + step)
     for i, p in enumerate(params):
-        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        g = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
         p.grad = None if i in skip else g
 
 
@@ -41,14 +43,14 @@ def count_full_sorts(monkeypatch):
     return calls
 
 
-def run(make, dtype, change, planned, monkeypatch):
+def run(make, dtype, change, planned, monkeypatch, device="cpu"):
     """Steps an optimizer STEPS times, calling change(opt, params) before step CHANGE_AT.
     Returns params, state tensors and how many full sorts ran."""
     with monkeypatch.context() as m:
         if not planned:
             m.setattr(_plan.StepPlan, "build", classmethod(lambda cls, *a, **k: None))
         sorts = count_full_sorts(m)
-        params = make_params(dtype)
+        params = make_params(dtype, device=device)
         opt = make(params)
         for step in range(STEPS):
             if step == CHANGE_AT:
@@ -87,8 +89,8 @@ def change_layout(opt, params):
 
 
 def append_param(opt, params):
-    extra = torch.nn.Parameter(torch.ones(5, dtype=params[0].dtype))
-    extra.grad = torch.full((5,), 0.5, dtype=extra.dtype)
+    extra = torch.nn.Parameter(torch.ones(5, dtype=params[0].dtype, device=params[0].device))
+    extra.grad = torch.full_like(extra, 0.5)
     params.append(extra)
     opt.param_groups[0]["params"].append(extra)
 
@@ -151,11 +153,11 @@ PRECISIONS = {
 @pytest.mark.parametrize("change", list(CHANGES))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_planned_steps_match_full_sorts(monkeypatch, name, precision, change):
+def test_planned_steps_match_full_sorts(monkeypatch, device, name, precision, change):
     dtype, master = PRECISIONS[precision]
     make = OPTIMIZERS[name](master)
-    planned = run(make, dtype, CHANGES[change], True, monkeypatch)
-    full = run(make, dtype, CHANGES[change], False, monkeypatch)
+    planned = run(make, dtype, CHANGES[change], True, monkeypatch, device)
+    full = run(make, dtype, CHANGES[change], False, monkeypatch, device)
     for i, (a, b) in enumerate(zip(planned[0], full[0])):
         assert torch.equal(a, b), f"params[{i}] differ between planned and full-sort steps"
     for i, (a, b) in enumerate(zip(planned[1], full[1])):
