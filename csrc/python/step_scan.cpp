@@ -119,7 +119,8 @@ bool stepping_param_holds(PyObject* entry, PyObject* param, const at::Tensor& t,
   Py_DECREF(strides);
   if (!same_strides) return false;
   if (PyTuple_GET_ITEM(entry, 5) != Py_True) return true;
-  // A param with a master: unchanged since its last step (else its master must follow it).
+  // A param with an extra tensor (an fp32 master, a kahan compensation, a split low half):
+  // unchanged since its last step, else the extra tensor must follow it.
   PyObject* mark = attribute(record, mark_name);
   if (mark == nullptr) return false;
   const bool unchanged = mark == Py_None || mark_holds(mark, t);

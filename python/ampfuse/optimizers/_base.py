@@ -34,7 +34,7 @@ import torch
 
 from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin, param_name
 from ampfuse.optimizers._masters import MasterWeightsMixin, ParamRecord, make_master
-from ampfuse.optimizers._plan import StepPlan
+from ampfuse.optimizers._plan import StepPlan, first_param_id
 from ampfuse.optimizers._precision import (
     BF16_MODES,
     EXTRA_KEYS,
@@ -248,9 +248,11 @@ class FusedOptimizer(
         """Sorts the params of `group` that have grads into op calls (see the module docstring),
         creating state on a param's first step.
 
-        This runs for every param at every step, so it stays lean: torch already guarantees that
-        a grad has its param's dtype, shape and device. Step tensors are told apart with `is`
-        and plain lists, not id() and dicts, so that torch.compile traces step() whole."""
+        This runs for every param at every compiled step, and at every eager step whose plan
+        does not hold (see _plan: Tensor subclasses, changed state), so it stays lean: torch
+        already guarantees that a grad has its param's dtype, shape and device. Step tensors
+        are told apart with `is` and plain lists, not id() and dicts, so that torch.compile
+        traces step() whole."""
         calls = []
         idle_steps = []  # step tensors of params that have no grad this time
         new_steps = {}  # (device, mode) -> the step tensor of params starting now
@@ -262,8 +264,7 @@ class FusedOptimizer(
         bf16_mode = master_weights if master_weights in BF16_MODES else low_mode
         # Param ids key stochastic rounding: a param's index in the optimizer, as state_dict()
         # numbers it, so a resumed optimizer draws the same bits.
-        first_id = (sum(len(g["params"]) for g in self.param_groups[:index])
-                    if master_weights == "stochastic" else 0)
+        first_id = first_param_id(self, index) if master_weights == "stochastic" else 0
         # follow_params: host-side bookkeeping that torch.compile cannot trace; compiled steps
         # skip it.
         records = self._param_records

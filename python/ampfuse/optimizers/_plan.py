@@ -47,9 +47,10 @@ def _mode_keys(mode, state_keys):
     return required, absent
 
 
-def _first_param_id(optimizer, index):
+def first_param_id(optimizer, index):
     """The index in the optimizer of group `index`'s first param: stochastic rounding keys its
-    random bits by it (see _sort_into_calls)."""
+    random bits by it. The full sort numbers the params with it, and a plan checks it has not
+    moved."""
     return sum(len(g["params"]) for g in optimizer.param_groups[:index])
 
 
@@ -77,7 +78,7 @@ class StepPlan:
         plan.calls = calls
         # Stochastic rounding's param ids count the params of the groups before this one.
         stochastic = any(call.mode == "stochastic" for call in calls)
-        plan.first_id = _first_param_id(optimizer, index) if stochastic else None
+        plan.first_id = first_param_id(optimizer, index) if stochastic else None
         # Where each stepping param sits: id() is safe here, every param is alive in the group.
         stepping = {}
         for call in calls:
@@ -114,7 +115,7 @@ class StepPlan:
                 or group["master_weights"] != self.master_weights
                 or optimizer._state_keys(group) != self.state_keys):
             return None
-        if self.first_id is not None and _first_param_id(optimizer, index) != self.first_id:
+        if self.first_id is not None and first_param_id(optimizer, index) != self.first_id:
             return None
         grads = _C.scan_step(self.params, self.state_map, self.entries)
         if grads is None:
