@@ -6,6 +6,7 @@
 
 #include "../bf16_modes.h"
 #include "../dtype.h"
+#include "../lamb_math.h"
 #include "../nonfinite_kind.h"
 #include "../optimizer_math.h"
 
@@ -43,6 +44,19 @@ void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, boo
 // adam_span.
 void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
               float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
+
+// LAMB's first pass over a span (lamb_math.h): divides the grad by step.grad_scale (stored back
+// so with write_grad), updates the fp32 moments, and adds the squares of the fp32 param (the
+// master when there is one; master is null otherwise) and of the update to *param_sq and
+// *update_sq. The param is only read.
+void lamb_moments_span(const void* param, DType param_dtype, void* grad, DType grad_dtype,
+                       bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq);
+
+// LAMB's second pass: p -= ratio * update, the update recomputed from the stored moments; with
+// a master the master is updated and the param receives it rounded.
+void lamb_apply_span(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
+                     float* master, std::int64_t n, const LambStep& step, float ratio);
 
 // bf16 params without an fp32 master (master_weights="stochastic", "kahan", "split"):
 // `extra` holds the kahan compensations or the split low halves (bf16 bits; null for

@@ -15,13 +15,6 @@
 namespace ampfuse::kernels::cpu::avx2 {
 namespace {
 
-// Eight elements to and from lanes with the F16C conversions of vec_avx2.h.
-template <typename Storage>
-struct F16cLanes {
-  AMPFUSE_AVX2 static Lanes8 load(const Storage* p) { return Lanes8(Vec8<Storage>::load(p)); }
-  AMPFUSE_AVX2 static void store(Storage* p, Lanes8 x) { Vec8<Storage>::store(p, x.v); }
-};
-
 struct Kernels {
   template <bool kMaster, bool kWriteGrad, bool kAmsgrad, typename Param, typename Grad>
   AMPFUSE_AVX2 static void adam(Param* param, Grad* grad, float* exp_avg, float* exp_avg_sq,

@@ -182,6 +182,14 @@ void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool writ
 #ifdef AMPFUSE_HAVE_AVX2_PATH
 // Call only where cpu_has_avx2_f16c() is true.
 namespace avx2 {
+// Eight elements to and from lanes with the F16C conversions of vec_avx2.h (the avx2:: kernels'
+// counterpart of PortableLanes).
+template <typename Storage>
+struct F16cLanes {
+  AMPFUSE_AVX2 static Lanes8 load(const Storage* p) { return Lanes8(Vec8<Storage>::load(p)); }
+  AMPFUSE_AVX2 static void store(Storage* p, Lanes8 x) { Vec8<Storage>::store(p, x.v); }
+};
+
 void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
           float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
           std::int64_t n, const AdamStep& step);

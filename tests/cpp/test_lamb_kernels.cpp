@@ -1,0 +1,142 @@
+// The CPU LAMB span kernels against the shared element math (lamb_math.h) run one element at a
+// time: the 8-lane loops, the scalar tails, the F16C and software conversions must all give
+// the same bits as the scalar float code, for fp32, fp16 and bf16 params, with and without
+// masters and grad write-back. The float64 comparison is in tests/python/test_lamb.py.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/half_convert.h"
+
+using namespace ampfuse::kernels;
+using namespace ampfuse::kernels::cpu;
+
+namespace {
+
+std::vector<float> random_floats(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+// Values stored in `Storage` and read back: what the kernels see of a low-precision tensor.
+template <typename Storage>
+std::vector<Storage> stored(const std::vector<float>& x) {
+  std::vector<Storage> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = Element<Storage>::store(x[i]);
+  return out;
+}
+
+template <typename Storage>
+DType dtype_of();
+template <>
+DType dtype_of<float>() { return DType::kFloat32; }
+template <>
+DType dtype_of<Fp16Bits>() { return DType::kFloat16; }
+template <>
+DType dtype_of<Bf16Bits>() { return DType::kBFloat16; }
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+template <typename Param>
+void check_against_scalar_math(std::size_t n, bool with_master, bool write_grad) {
+  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false};
+  const float grad_scale = 512.0f;
+  const LambStep step = make_lamb_constants(config, 4.0f, 1e-2f, grad_scale, 3000.0f);
+  REQUIRE(step.clipped);
+
+  const std::vector<Param> param0 = stored<Param>(random_floats(n, 1));
+  const std::vector<Param> grad0 = stored<Param>(random_floats(n, 2, 100.0f));
+  std::vector<float> master(n);
+  for (std::size_t i = 0; i < n; ++i) master[i] = Element<Param>::load(param0[i]);
+  const std::vector<float> m0 = random_floats(n, 3, 0.1f);
+  std::vector<float> v0 = random_floats(n, 4, 0.1f);
+  for (auto& x : v0) x = x * x;
+
+  // The kernels.
+  std::vector<Param> param(param0), grad(grad0);
+  std::vector<float> m(m0), v(v0), masters(master);
+  double param_sq = 0.0, update_sq = 0.0;
+  lamb_moments_span(param.data(), dtype_of<Param>(), grad.data(), dtype_of<Param>(), write_grad,
+                    m.data(), v.data(), with_master ? masters.data() : nullptr,
+                    static_cast<std::int64_t>(n), step, &param_sq, &update_sq);
+  const float ratio =
+      lamb_ratio(static_cast<float>(std::sqrt(param_sq)), static_cast<float>(std::sqrt(update_sq)),
+                 step);
+  lamb_apply_span(param.data(), dtype_of<Param>(), m.data(), v.data(),
+                  with_master ? masters.data() : nullptr, static_cast<std::int64_t>(n), step,
+                  ratio);
+
+  // The same math one float at a time.
+  double want_param_sq = 0.0, want_update_sq = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float g = unscale_grad(Element<Param>::load(grad0[i]), grad_scale);
+    float mi = m0[i], vi = v0[i];
+    const float p = master[i];
+    const float u = lamb_moments(g, p, mi, vi, step);
+    REQUIRE(same_bits(m[i], mi));
+    REQUIRE(same_bits(v[i], vi));
+    const Param want_grad = write_grad ? Element<Param>::store(g) : grad0[i];
+    REQUIRE(std::memcmp(&grad[i], &want_grad, sizeof(Param)) == 0);
+    want_param_sq += double(p) * p;
+    want_update_sq += double(u) * u;
+  }
+  // The kernels add the squares in fp32 lanes folded into double: close to float64, not equal.
+  CHECK(param_sq == Approx(want_param_sq).epsilon(1e-6));
+  CHECK(update_sq == Approx(want_update_sq).epsilon(1e-6));
+  for (std::size_t i = 0; i < n; ++i) {
+    float p = master[i];
+    lamb_apply(p, m[i], v[i], ratio, step);
+    if (with_master) REQUIRE(same_bits(masters[i], p));
+    const Param want = Element<Param>::store(p);
+    REQUIRE(std::memcmp(&param[i], &want, sizeof(Param)) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("LAMB spans give the scalar element math's bits, lanes and tails alike") {
+  for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{133},
+                        std::size_t{1000}}) {
+    for (bool write_grad : {false, true}) {
+      check_against_scalar_math<float>(n, false, write_grad);
+      check_against_scalar_math<Fp16Bits>(n, true, write_grad);
+      check_against_scalar_math<Fp16Bits>(n, false, write_grad);
+      check_against_scalar_math<Bf16Bits>(n, true, write_grad);
+      check_against_scalar_math<Bf16Bits>(n, false, write_grad);
+    }
+  }
+}
+
+TEST_CASE("LAMB constants: clip, trust and bias corrections as apex forms them") {
+  LambConfig config{0.9, 0.999, 1e-6, 0.0, 1.0, true, true, true, false};
+  // Norm 8 at scale 4 is 2 unscaled: clipped by 2.
+  LambStep s = make_lamb_constants(config, 0.0f, 0.1f, 4.0f, 8.0f);
+  CHECK(s.clip_divisor == 2.0f);
+  CHECK_FALSE(s.trust);  // no weight decay, no nvlamb
+  CHECK(lamb_ratio(3.0f, 1.0f, s) == 0.1f);
+  // Below the limit, or clipping off: no clip.
+  CHECK(make_lamb_constants(config, 0.0f, 0.1f, 4.0f, 3.0f).clip_divisor == 1.0f);
+  config.max_grad_norm = 0.0;
+  CHECK(make_lamb_constants(config, 0.0f, 0.1f, 1.0f, 1e9f).clip_divisor == 1.0f);
+  // use_nvlamb applies the trust ratio without weight decay; zero norms fall back to lr.
+  config.use_nvlamb = true;
+  s = make_lamb_constants(config, 2.0f, 0.1f, 1.0f, 0.0f);
+  CHECK(lamb_ratio(3.0f, 1.5f, s) == 0.1f * (3.0f / 1.5f));
+  CHECK(lamb_ratio(0.0f, 1.5f, s) == 0.1f);
+  CHECK(lamb_ratio(3.0f, 0.0f, s) == 0.1f);
+  // t = 3: 1 - beta^3 from the float betas, in double, rounded once.
+  CHECK(s.bias_correction1 == static_cast<float>(1.0 - std::pow(double(0.9f), 3.0)));
+  CHECK(s.bias_correction2 == static_cast<float>(1.0 - std::pow(double(0.999f), 3.0)));
+  config.grad_averaging = false;
+  config.bias_correction = false;
+  s = make_lamb_constants(config, 2.0f, 0.1f, 1.0f, 0.0f);
+  CHECK(s.beta3 == 1.0f);
+  CHECK(s.bias_correction1 == 1.0f);
+}
