@@ -9,6 +9,7 @@
 
 #include "bf16_modes.h"
 #include "dtype.h"
+#include "lamb_math.h"
 #include "optimizer_math.h"
 
 namespace ampfuse::kernels::cuda {
@@ -63,5 +64,26 @@ void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gra
          const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
          const SgdConfig& config, const StepScalars& scalars, bool write_grads,
          SgdStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
+
+// Scratch the lamb launcher needs: lamb_scratch_chunks(params) 64K-element chunks, each with
+// two floats of chunk_sums (its param's and its update's sum of squares) and one int32 of
+// chunk_owner.
+std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params);
+
+// LAMB (lamb_math.h) over lists of equal length: params (any float dtype), grads (any),
+// exp_avgs and exp_avg_sqs (fp32), masters (fp32) optional (empty vector when absent).
+// grad_norm: the global norm of the grads as passed (still carrying the loss scale), a device
+// float read only when config.max_grad_norm > 0 (may be null otherwise). A one-thread prologue
+// fills `constants` (device memory for one LambStep) and advances the step count unless
+// *scalars.found_inf != 0; the first pass updates the moments and writes each chunk's sums of
+// squares into chunk_sums/chunk_owner; a finishing kernel turns each tensor's sums into its
+// step size in `ratios` (one float per tensor); the second pass updates the params. On
+// overflow nothing but the scratch is written. Deterministic: no atomics.
+void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+          const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
+          const std::vector<TensorRef>& masters, const LambConfig& config,
+          const StepScalars& scalars, const float* grad_norm, bool write_grads,
+          LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
+          StreamHandle stream);
 
 }  // namespace ampfuse::kernels::cuda

@@ -44,21 +44,6 @@ struct ChunkSumOfSquaresFunctor {
   }
 };
 
-// First chunk whose owner is >= tensor (chunk_owner is sorted: chunks follow list order).
-__device__ std::int64_t first_chunk_of(const std::int32_t* chunk_owner, std::int64_t chunks,
-                                       std::int32_t tensor) {
-  std::int64_t lo = 0, hi = chunks;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (chunk_owner[mid] < tensor) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // Block 0 reduces every chunk into the global norm; block 1 + t reduces tensor t's
 // chunks. Chunk sums are added in double: cheap here, and it keeps the global norm
 // of billions of elements accurate.

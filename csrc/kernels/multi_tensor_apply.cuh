@@ -151,6 +151,22 @@ __device__ T block_sum(T value) {
   return value;
 }
 
+// The first chunk whose owner is >= tensor, in the chunk_owner array that per-chunk reductions
+// (l2norm, lamb) fill with each chunk's list index: sorted, since chunks follow list order.
+__device__ inline std::int64_t first_chunk_of(const std::int32_t* chunk_owner,
+                                              std::int64_t chunks, std::int32_t tensor) {
+  std::int64_t lo = 0, hi = chunks;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (chunk_owner[mid] < tensor) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // Blocks per SM a functor's kernel is compiled for (its launch bounds, hence its register
 // cap): Functor::kMinBlocksPerSm where the functor says, kMinBlocksPerSm otherwise. At least
 // two: that caps registers at 64 per thread (Adam would take 72 on sm_90; see

@@ -13,65 +13,14 @@
 #include "cpu/cpu_kernels.h"
 #include "cpu/half_convert.h"
 #include "cuda_kernels.h"
+#include "cuda_test_buffers.h"
 #include "launch_plan.h"
 #include "scale_rule.h"
 
 using namespace ampfuse::kernels;
+using namespace ampfuse::kernels::test;
 
 namespace {
-
-void check(cudaError_t status) { REQUIRE(status == cudaSuccess); }
-
-// A host buffer of raw element bits and its device copy.
-struct DeviceTensor {
-  DType dtype;
-  std::int64_t numel;
-  std::vector<unsigned char> host;
-  void* device = nullptr;
-
-  DeviceTensor(DType d, std::int64_t n, std::uint32_t seed, float spread = 100.0f)
-      : dtype(d), numel(n), host(static_cast<std::size_t>(n * element_size(d))) {
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> dist(-spread, spread);
-    for (std::int64_t i = 0; i < n; ++i) set(i, dist(rng));
-    check(cudaMalloc(&device, host.size() + 16));
-    upload();
-  }
-  DeviceTensor(const DeviceTensor&) = delete;
-  ~DeviceTensor() { cudaFree(device); }
-
-  void set(std::int64_t i, float x) {
-    if (dtype == DType::kFloat32) {
-      std::memcpy(&host[i * 4], &x, 4);
-    } else {
-      const std::uint16_t h = dtype == DType::kFloat16 ? cpu::float_to_fp16(x) : cpu::float_to_bf16(x);
-      std::memcpy(&host[i * 2], &h, 2);
-    }
-  }
-  void upload() { check(cudaMemcpy(device, host.data(), host.size(), cudaMemcpyHostToDevice)); }
-  std::vector<unsigned char> download() const {
-    std::vector<unsigned char> out(host.size());
-    check(cudaMemcpy(out.data(), device, out.size(), cudaMemcpyDeviceToHost));
-    return out;
-  }
-  TensorRef ref() { return {device, numel, dtype}; }
-};
-
-template <typename T>
-struct DeviceScalar {
-  T* device = nullptr;
-  explicit DeviceScalar(T value) {
-    check(cudaMalloc(reinterpret_cast<void**>(&device), sizeof(T)));
-    set(value);
-  }
-  ~DeviceScalar() { cudaFree(device); }
-  void set(T value) { check(cudaMemcpy(device, &value, sizeof(T), cudaMemcpyHostToDevice)); }
-  T get() const {
-    T value;
-    check(cudaMemcpy(&value, device, sizeof(T), cudaMemcpyDeviceToHost));
-    return value;
-  }
-};
 
 const DType kDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 const std::int64_t kSizes[] = {1, 7, 65535, 65536, 65537, 3 * 65536 + 5};

@@ -1,0 +1,223 @@
+// fused_lamb_: LAMB (lamb_math.h) in two passes over the lists, with four launches per step
+// and no host sync. A one-thread prologue derives the step's constants (they need the global
+// grad norm for the clip) and advances the step count; the first pass unscales the grads
+// (written back so with write_grads), updates the fp32 moments and writes each 64K-element
+// chunk's sums of squares of the fp32 param and of the update; a finishing kernel adds each
+// tensor's chunk sums in a fixed order (deterministic, no atomics, as multi_tensor_l2norm) into
+// its trust ratio; the second pass recomputes each update from the stored moments and applies
+// it. An overflow skips everything but the prologue's constants.
+#include "optimizer_step.cuh"
+
+namespace ampfuse::kernels::cuda {
+namespace {
+
+// First pass lists: 0 params, 1 grads, 2 exp_avgs, 3 exp_avg_sqs, 4 masters (params if none).
+constexpr int kLambMomentsDepth = 5;
+// Second pass lists: 0 params, 1 exp_avgs, 2 exp_avg_sqs, 3 masters (params if none).
+constexpr int kLambApplyDepth = 4;
+
+// As step_prologue_kernel, with the grad norm that the clip divisor needs; it is read only
+// when clipping is on (the launcher's caller may pass null otherwise).
+__global__ void lamb_prologue_kernel(LambConfig config, StepScalars scalars,
+                                     const float* grad_norm, LambStep* constants) {
+  const float grad_scale = scalars.grad_scale != nullptr ? *scalars.grad_scale : 1.0f;
+  const float norm = config.max_grad_norm > 0.0 && grad_norm != nullptr ? *grad_norm : 0.0f;
+  *constants = make_lamb_constants(config, *scalars.step, *scalars.lr, grad_scale, norm);
+  if (!step_is_skipped(scalars)) *scalars.step += 1.0f;
+}
+
+// The first pass. Each block leaves its chunk's two sums of squares in
+// chunk_sums[2 * c] (param) and chunk_sums[2 * c + 1] (update), c its chunk's number across the
+// whole call, and the chunk's tensor (its index in the full list) in chunk_owner[c].
+struct LambMomentsFunctor {
+  // The default 2 blocks per SM: 56 registers on sm_90, no spills; at 3 (40 registers) ptxas
+  // gives it a stack frame.
+  __device__ void operator()(const ChunkTable<kLambMomentsDepth>& table, StepScalars scalars,
+                             const LambStep* constants, bool has_master, bool write_grads,
+                             float* chunk_sums, std::int32_t* chunk_owner) const {
+    if (step_is_skipped(scalars)) return;
+    const LambStep step = *constants;
+    const BlockChunk chunk = block_chunk(table);
+    float* m = fp32_list(table, chunk, 2);
+    float* v = fp32_list(table, chunk, 3);
+    const float* master = has_master ? fp32_list(table, chunk, 4) : nullptr;
+    // A thread adds at most 64K / 512 = 128 squares of each in fp32, as l2norm does.
+    float param_sq = 0.0f;
+    float update_sq = 0.0f;
+    with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
+      using Param = std::remove_pointer_t<decltype(param)>;
+      using Grad = std::remove_pointer_t<decltype(grad)>;
+      constexpr bool kWrite = decltype(write)::value;
+      constexpr int kPack = 4;
+      using F4 = Pack<float, kPack>;
+      const auto element = [&](int i) {
+        const float g = unscaled_grad<kWrite>(grad, i, step.grad_scale);
+        const float p = master != nullptr ? master[i] : DeviceElement<Param>::load(param[i]);
+        float mi = m[i];
+        float vi = v[i];
+        const float u = lamb_moments(g, p, mi, vi, step);
+        m[i] = mi;
+        v[i] = vi;
+        param_sq += p * p;
+        update_sq += u * u;
+      };
+      // As update_chunk: the grad pack is unscaled (and stored back) before the rest is loaded.
+      const auto pack = [&](int i) {
+        Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
+        float g[kPack];
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), step.grad_scale);
+          if (kWrite) gg.v[j] = DeviceElement<Grad>::store(g[j]);
+        }
+        if (kWrite) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
+        F4 pp;
+        if (master != nullptr) {
+          pp = *reinterpret_cast<const F4*>(master + i);
+        } else {
+          const Pack<Param, kPack> raw = *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) pp.v[j] = DeviceElement<Param>::load(raw.v[j]);
+        }
+        F4 mm = *reinterpret_cast<const F4*>(m + i);
+        F4 vv = *reinterpret_cast<const F4*>(v + i);
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          const float u = lamb_moments(g[j], pp.v[j], mm.v[j], vv.v[j], step);
+          param_sq += pp.v[j] * pp.v[j];
+          update_sq += u * u;
+        }
+        *reinterpret_cast<F4*>(m + i) = mm;
+        *reinterpret_cast<F4*>(v + i) = vv;
+      };
+      const bool aligned = is_aligned_16(param) && is_aligned_16(grad) && is_aligned_16(m) &&
+                           is_aligned_16(v) && (master == nullptr || is_aligned_16(master));
+      visit_chunk<kPack>(chunk.size, aligned, pack, element);
+    });
+    param_sq = block_sum(param_sq);
+    update_sq = block_sum(update_sq);
+    if (threadIdx.x == 0) {
+      const std::int64_t index = table.first_chunk + blockIdx.x;
+      chunk_sums[2 * index] = param_sq;
+      chunk_sums[2 * index + 1] = update_sq;
+      chunk_owner[index] = table.list_index[chunk.slot];
+    }
+  }
+};
+
+// Block t adds tensor t's chunk sums in double, in an order fixed by the chunk count alone,
+// and turns the two norms into the tensor's step size. A tensor without elements owns no
+// chunk: its norms are 0, its ratio the plain lr, and no pass reads it.
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    finish_lamb_kernel(const float* chunk_sums, const std::int32_t* chunk_owner,
+                       std::int64_t chunks, StepScalars scalars, const LambStep* constants,
+                       float* ratios) {
+  // On overflow the first pass wrote no chunk sums (nor owners) to search.
+  if (step_is_skipped(scalars)) return;
+  const auto tensor = static_cast<std::int32_t>(blockIdx.x);
+  const std::int64_t begin = first_chunk_of(chunk_owner, chunks, tensor);
+  const std::int64_t end = first_chunk_of(chunk_owner, chunks, tensor + 1);
+  double param_sum = 0.0;
+  double update_sum = 0.0;
+  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    param_sum += chunk_sums[2 * i];
+    update_sum += chunk_sums[2 * i + 1];
+  }
+  param_sum = block_sum(param_sum);
+  update_sum = block_sum(update_sum);
+  if (threadIdx.x != 0) return;
+  ratios[tensor] = lamb_ratio(static_cast<float>(sqrt(param_sum)),
+                              static_cast<float>(sqrt(update_sum)), *constants);
+}
+
+// The second pass: p -= ratio * update, with the update recomputed from the stored moments;
+// writes the master (when there is one) and the param rounded to its dtype.
+struct LambApplyFunctor {
+  static constexpr int kMinBlocksPerSm = 3;  // 40 registers, no spills on sm_80 and sm_90
+  __device__ void operator()(const ChunkTable<kLambApplyDepth>& table, StepScalars scalars,
+                             const LambStep* constants, bool has_master,
+                             const float* ratios) const {
+    if (step_is_skipped(scalars)) return;
+    const LambStep step = *constants;
+    const BlockChunk chunk = block_chunk(table);
+    const float ratio = ratios[table.list_index[chunk.slot]];
+    const float* m = fp32_list(table, chunk, 1);
+    const float* v = fp32_list(table, chunk, 2);
+    float* master = has_master ? fp32_list(table, chunk, 3) : nullptr;
+    with_element_type(table.dtypes[0][chunk.slot], [&](auto* type_tag) {
+      using Param = std::remove_pointer_t<decltype(type_tag)>;
+      constexpr int kPack = 4;
+      using F4 = Pack<float, kPack>;
+      Param* param = static_cast<Param*>(table.addresses[0][chunk.slot]) + chunk.start;
+      const auto element = [&](int i) {
+        float p = master != nullptr ? master[i] : DeviceElement<Param>::load(param[i]);
+        lamb_apply(p, m[i], v[i], ratio, step);
+        if (master != nullptr) master[i] = p;
+        param[i] = DeviceElement<Param>::store(p);
+      };
+      const auto pack = [&](int i) {
+        // With a master the param is only written: its old value is not read.
+        Pack<Param, kPack> pp = master != nullptr
+                                    ? Pack<Param, kPack>{}
+                                    : *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
+        F4 ww = master != nullptr ? *reinterpret_cast<const F4*>(master + i) : F4{};
+        const F4 mm = *reinterpret_cast<const F4*>(m + i);
+        const F4 vv = *reinterpret_cast<const F4*>(v + i);
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          float p = master != nullptr ? ww.v[j] : DeviceElement<Param>::load(pp.v[j]);
+          lamb_apply(p, mm.v[j], vv.v[j], ratio, step);
+          ww.v[j] = p;
+          pp.v[j] = DeviceElement<Param>::store(p);
+        }
+        *reinterpret_cast<Pack<Param, kPack>*>(param + i) = pp;
+        if (master != nullptr) *reinterpret_cast<F4*>(master + i) = ww;
+      };
+      const bool aligned = is_aligned_16(param) && is_aligned_16(m) && is_aligned_16(v) &&
+                           (master == nullptr || is_aligned_16(master));
+      visit_chunk<kPack>(chunk.size, aligned, pack, element);
+    });
+  }
+};
+
+}  // namespace
+
+std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params) {
+  return total_chunks(params);
+}
+
+void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+          const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
+          const std::vector<TensorRef>& masters, const LambConfig& config,
+          const StepScalars& scalars, const float* grad_norm, bool write_grads,
+          LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
+          StreamHandle stream) {
+  const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  // The step count advances even for an empty list, as in adam and sgd.
+  lamb_prologue_kernel<<<1, 1, 0, cuda_stream>>>(config, scalars, grad_norm, constants);
+  throw_on_launch_error("fused_lamb_ (prologue)");
+  const std::int64_t chunks = total_chunks(params);
+  if (chunks == 0) return;
+  const bool has_master = !masters.empty();
+  const LambStep* step = constants;
+
+  // list_index is each tensor's index in `params` (no ids are given), which is what
+  // chunk_owner, the finishing kernel's blocks and `ratios` are indexed by.
+  const std::vector<TensorRef>* moment_lists[kLambMomentsDepth] = {
+      &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
+  launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", moment_lists, stream,
+                                         LambMomentsFunctor{}, scalars, step, has_master,
+                                         write_grads, chunk_sums, chunk_owner);
+
+  finish_lamb_kernel<<<static_cast<unsigned>(params.size()), kThreadsPerBlock, 0, cuda_stream>>>(
+      chunk_sums, chunk_owner, chunks, scalars, step, ratios);
+  throw_on_launch_error("fused_lamb_ (trust ratios)");
+
+  const std::vector<TensorRef>* apply_lists[kLambApplyDepth] = {
+      &params, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
+  launch_multi_tensor<kLambApplyDepth>("fused_lamb_ (apply)", apply_lists, stream,
+                                       LambApplyFunctor{}, scalars, step, has_master,
+                                       static_cast<const float*>(ratios));
+}
+
+}  // namespace ampfuse::kernels::cuda

@@ -1,0 +1,230 @@
+// cuda::lamb against the CPU LAMB spans (cpu_kernels.h), run the way the CPU op runs them: the
+// moments pass per tensor with its sums of squares in double, the trust ratio from their square
+// roots, then the apply pass. The moments and the written-back grads are bit-identical; the
+// params and masters may differ in their last bits, because the GPU adds the sums of squares in
+// another order, so the ratio may differ in its last bits.
+#include <catch2/catch.hpp>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/half_convert.h"
+#include "cuda_kernels.h"
+#include "cuda_test_buffers.h"
+#include "lamb_math.h"
+#include "launch_plan.h"
+
+using namespace ampfuse::kernels;
+using namespace ampfuse::kernels::test;
+
+namespace {
+
+template <typename T>
+struct LambBuffer {
+  T* device = nullptr;
+  explicit LambBuffer(std::int64_t n) {
+    check(cudaMalloc(reinterpret_cast<void**>(&device), sizeof(T) * (n > 0 ? n : 1)));
+  }
+  LambBuffer(const LambBuffer&) = delete;
+  ~LambBuffer() { cudaFree(device); }
+};
+
+// Distance in units in the last place between two floats of `dtype` held as raw bits: the bit
+// patterns mapped onto one ordered integer line (so -0 and +0 are 0 apart).
+std::int64_t ulps_apart(const unsigned char* a, const unsigned char* b, DType dtype) {
+  const auto ordered = [&](const unsigned char* x) -> std::int64_t {
+    if (dtype == DType::kFloat32) {
+      std::uint32_t bits;
+      std::memcpy(&bits, x, 4);
+      const std::int64_t magnitude = bits & 0x7fffffffu;
+      return bits & 0x80000000u ? -magnitude : magnitude;
+    }
+    std::uint16_t bits;
+    std::memcpy(&bits, x, 2);
+    const std::int64_t magnitude = bits & 0x7fffu;
+    return bits & 0x8000u ? -magnitude : magnitude;
+  };
+  const std::int64_t d = ordered(a) - ordered(b);
+  return d < 0 ? -d : d;
+}
+
+// The largest distance in ulps between two element arrays of `dtype` (raw bits).
+std::int64_t max_ulps(const std::vector<unsigned char>& a, const std::vector<unsigned char>& b,
+                      DType dtype) {
+  REQUIRE(a.size() == b.size());
+  const std::size_t size = static_cast<std::size_t>(element_size(dtype));
+  std::int64_t worst = 0;
+  for (std::size_t i = 0; i < a.size(); i += size) {
+    const std::int64_t d = ulps_apart(&a[i], &b[i], dtype);
+    if (d > worst) worst = d;
+  }
+  return worst;
+}
+
+bool floats_within_ulps(float a, float b, std::int64_t ulps) {
+  unsigned char x[4], y[4];
+  std::memcpy(x, &a, 4);
+  std::memcpy(y, &b, 4);
+  return ulps_apart(x, y, DType::kFloat32) <= ulps;
+}
+
+// One tensor's param, grad, moments and master, `offset` elements into their allocations (an
+// offset of 1 breaks 16-byte alignment: the scalar path).
+struct LambSlot {
+  DType param_dtype;
+  DType grad_dtype;
+  std::int64_t n;
+  std::int64_t offset;
+  DeviceTensor param, grad, m, v, master;
+
+  LambSlot(DType p, DType g, std::int64_t size, std::int64_t off, std::uint32_t seed)
+      : param_dtype(p), grad_dtype(g), n(size), offset(off),
+        param(p, size + off, seed, -1.0f, 1.0f),
+        grad(g, size + off, seed + 1, -1.0f, 1.0f),
+        m(DType::kFloat32, size + off, seed + 2, -0.1f, 0.1f),
+        v(DType::kFloat32, size + off, seed + 3, 0.0f, 0.01f),
+        master(DType::kFloat32, size + off, seed + 4, -1.0f, 1.0f) {}
+
+  TensorRef at(DeviceTensor& t) const {
+    return {static_cast<char*>(t.device) + offset * element_size(t.dtype), n, t.dtype};
+  }
+  unsigned char* host_at(std::vector<unsigned char>& h, DType dtype) const {
+    return h.data() + offset * element_size(dtype);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
+  // Clipped AdamW-style with bias correction; and unclipped, L2 decay, no bias correction, no
+  // grad averaging (grad_norm null: read only when clipping).
+  const LambConfig configs[] = {{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false},
+                                {0.9, 0.99, 1e-8, 0.01, 0.0, false, false, false, true}};
+  for (const LambConfig& config : configs) {
+    for (bool with_masters : {false, true}) {
+      for (bool write_grads : {false, true}) {
+        std::vector<std::unique_ptr<LambSlot>> slots;
+        // Sizes over 64K and not multiples of 4 (packs and a scalar tail, a tensor over several
+        // chunks), a tiny one, and an unaligned one.
+        slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat16, 3 * 65536 + 5, 0, 10));
+        slots.emplace_back(new LambSlot(DType::kFloat16, DType::kFloat16, 70001, 0, 20));
+        slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 7, 0, 30));
+        slots.emplace_back(new LambSlot(DType::kBFloat16, DType::kFloat32, 65536 + 3, 1, 40));
+        std::vector<TensorRef> P, G, M, V, W;
+        for (auto& s : slots) {
+          P.push_back(s->at(s->param));
+          G.push_back(s->at(s->grad));
+          M.push_back(s->at(s->m));
+          V.push_back(s->at(s->v));
+          if (with_masters) W.push_back(s->at(s->master));
+        }
+        const std::int64_t chunks = cuda::lamb_scratch_chunks(P);
+        REQUIRE(chunks == 4 + 2 + 1 + 2);
+        LambBuffer<float> chunk_sums(2 * chunks), ratios(static_cast<std::int64_t>(P.size()));
+        LambBuffer<std::int32_t> chunk_owner(chunks);
+        DeviceScalar<LambStep> constants(LambStep{});
+        // The global norm of the grads as passed (scaled): 512 * 300 clips to max_grad_norm 1.
+        DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f),
+            grad_norm(512.0f * 300.0f);
+        const StepScalars scalars{step.device, lr.device, scale.device, found.device};
+        const float* norm = config.max_grad_norm > 0.0 ? grad_norm.device : nullptr;
+
+        cuda::lamb(P, G, M, V, W, config, scalars, norm, write_grads, constants.device,
+                   chunk_sums.device, chunk_owner.device, ratios.device, nullptr);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step.get() == 4.0f);
+
+        // The CPU reference runs with the constants the GPU used (each side's double pow may
+        // differ in the last bit; compared to within one ulp here).
+        const LambStep used = constants.get();
+        const LambStep host = make_lamb_constants(config, 3.0f, 1e-3f, 512.0f,
+                                                  config.max_grad_norm > 0.0 ? 512.0f * 300.0f
+                                                                             : 0.0f);
+        REQUIRE(floats_within_ulps(used.bias_correction1, host.bias_correction1, 1));
+        REQUIRE(floats_within_ulps(used.bias_correction2, host.bias_correction2, 1));
+        REQUIRE(used.clip_divisor == host.clip_divisor);
+        REQUIRE(used.clipped == (config.max_grad_norm > 0.0));
+        REQUIRE(used.grad_scale == 512.0f);
+        REQUIRE(used.steps_taken == 3.0f);
+
+        std::vector<float> device_ratios(P.size());
+        check(cudaMemcpy(device_ratios.data(), ratios.device, sizeof(float) * P.size(),
+                         cudaMemcpyDeviceToHost));
+        for (std::size_t t = 0; t < slots.size(); ++t) {
+          LambSlot& s = *slots[t];
+          std::vector<unsigned char> p = s.param.host, g = s.grad.host, mm = s.m.host,
+                                     vv = s.v.host, ww = s.master.host;
+          float* master = with_masters
+                              ? reinterpret_cast<float*>(s.host_at(ww, DType::kFloat32))
+                              : nullptr;
+          double param_sq = 0.0, update_sq = 0.0;
+          cpu::lamb_moments_span(s.host_at(p, s.param_dtype), s.param_dtype,
+                                 s.host_at(g, s.grad_dtype), s.grad_dtype, write_grads,
+                                 reinterpret_cast<float*>(s.host_at(mm, DType::kFloat32)),
+                                 reinterpret_cast<float*>(s.host_at(vv, DType::kFloat32)), master,
+                                 s.n, used, &param_sq, &update_sq);
+          const float ratio = lamb_ratio(static_cast<float>(std::sqrt(param_sq)),
+                                         static_cast<float>(std::sqrt(update_sq)), used);
+          INFO("tensor " << t << ", masters " << with_masters << ", write_grads " << write_grads
+                         << ", ratio " << ratio << " (GPU " << device_ratios[t] << ")");
+          REQUIRE(floats_within_ulps(device_ratios[t], ratio, 2));
+          cpu::lamb_apply_span(s.host_at(p, s.param_dtype), s.param_dtype,
+                               reinterpret_cast<float*>(s.host_at(mm, DType::kFloat32)),
+                               reinterpret_cast<float*>(s.host_at(vv, DType::kFloat32)), master,
+                               s.n, used, ratio);
+          REQUIRE(s.m.download() == mm);
+          REQUIRE(s.v.download() == vv);
+          REQUIRE(s.grad.download() == g);
+          // fp32 within 2 ulps; a 16-bit param is the fp32 result rounded, so a last-bit
+          // difference there may move it by one ulp of its own type.
+          REQUIRE(max_ulps(s.param.download(), p, s.param_dtype) <=
+                  (s.param_dtype == DType::kFloat32 ? 2 : 1));
+          REQUIRE(max_ulps(s.master.download(), ww, DType::kFloat32) <= 2);
+          REQUIRE(s.param.download() != s.param.host);  // the step did move the params
+        }
+
+        // A skipped step writes nothing but scratch: params, grads, moments, masters and the
+        // step count stay as they are.
+        std::vector<std::vector<unsigned char>> before;
+        for (auto& s : slots) {
+          for (DeviceTensor* t : {&s->param, &s->grad, &s->m, &s->v, &s->master}) {
+            before.push_back(t->download());
+          }
+        }
+        found.set(1.0f);
+        cuda::lamb(P, G, M, V, W, config, scalars, norm, true, constants.device,
+                   chunk_sums.device, chunk_owner.device, ratios.device, nullptr);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step.get() == 4.0f);
+        std::size_t k = 0;
+        for (auto& s : slots) {
+          for (DeviceTensor* t : {&s->param, &s->grad, &s->m, &s->v, &s->master}) {
+            REQUIRE(t->download() == before[k++]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA LAMB over an empty list only advances the step count") {
+  DeviceScalar<float> step(7.0f), lr(1e-3f), found(0.0f);
+  DeviceScalar<LambStep> constants(LambStep{});
+  const StepScalars scalars{step.device, lr.device, nullptr, found.device};
+  const std::vector<TensorRef> none;
+  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 0.0, true, true, true, false};
+  REQUIRE(cuda::lamb_scratch_chunks(none) == 0);
+  cuda::lamb(none, none, none, none, none, config, scalars, nullptr, false, constants.device,
+             nullptr, nullptr, nullptr, nullptr);
+  REQUIRE(step.get() == 8.0f);
+  found.set(1.0f);
+  cuda::lamb(none, none, none, none, none, config, scalars, nullptr, false, constants.device,
+             nullptr, nullptr, nullptr, nullptr);
+  REQUIRE(step.get() == 8.0f);
+}
