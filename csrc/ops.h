@@ -41,6 +41,14 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                    bool wd_after_momentum,
                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
+void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList master_params,
+                    const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                    bool grad_averaging, bool use_nvlamb, double max_grad_norm,
+                    const c10::optional<at::Tensor>& grad_norm,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
 
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cpu(const at::Tensor& input, const at::Tensor& scale,
@@ -90,6 +98,14 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                     bool wd_after_momentum,
                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
+void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList master_params,
+                     const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                     double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                     bool grad_averaging, bool use_nvlamb, double max_grad_norm,
+                     const c10::optional<at::Tensor>& grad_norm,
+                     const c10::optional<at::Tensor>& grad_scale,
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cuda(const at::Tensor& input, const at::Tensor& scale,
                               const at::Tensor& amax, at::ScalarType dtype);

@@ -53,6 +53,19 @@ TORCH_LIBRARY(ampfuse, m) {
       "float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
       "Tensor? found_inf, bool write_unscaled_grads=False, bool wd_after_momentum=False, "
       "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
+  // LAMB step (apex.optimizers.FusedLAMB's math): Adam moments of the grads divided by
+  // grad_scale and by the clip max(1, ||grads|| / grad_scale / max_grad_norm), where grad_norm is
+  // the global norm of the step's grads as passed (max_grad_norm=0: no clipping, grad_norm
+  // unused); each param moves by lr * ||param|| / ||update|| (the trust ratio; plain lr without
+  // weight decay unless use_nvlamb). fp32 moments and optional fp32 masters; grads, step,
+  // found_inf and write_unscaled_grads as for Adam.
+  m.def(
+      "fused_lamb_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!) step, Tensor lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+      "bool bias_correction, bool grad_averaging, bool use_nvlamb, float max_grad_norm, "
+      "Tensor? grad_norm, Tensor? grad_scale, Tensor? found_inf, "
+      "bool write_unscaled_grads=False) -> ()");
   // FP8 (delayed scaling). input * scale saturated to dtype's range (e4m3fn or e5m2) and
   // cast; amax = max(amax, max |input|), nan propagating, in the same pass.
   m.def("fp8_cast_amax(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> Tensor");
@@ -81,6 +94,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("update_scale_", &ampfuse::ops::update_scale_cpu);
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cpu);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cpu);
+  m.impl("fused_lamb_", &ampfuse::ops::fused_lamb_cpu);
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cpu);
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cpu);
   m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cpu);
@@ -96,6 +110,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("update_scale_", &ampfuse::ops::update_scale_cuda);
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cuda);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cuda);
+  m.impl("fused_lamb_", &ampfuse::ops::fused_lamb_cuda);
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cuda);
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cuda);
   m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cuda);
@@ -118,6 +133,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   m.impl("update_scale_", refuse());
   m.impl("fused_adam_", refuse());
   m.impl("fused_sgd_", refuse());
+  m.impl("fused_lamb_", refuse());
   m.impl("fp8_cast_amax", refuse());
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_fallback);
   m.impl("fp8_gemm", refuse());
@@ -131,8 +147,8 @@ TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
   };
   for (const char* op : {"multi_tensor_unscale_", "multi_tensor_nonfinite_check_",
                          "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_",
-                         "fused_adam_", "fused_sgd_", "fp8_cast_amax", "fp8_update_scales_",
-                         "fp8_gemm", "fp8_transpose"}) {
+                         "fused_adam_", "fused_sgd_", "fused_lamb_", "fp8_cast_amax",
+                         "fp8_update_scales_", "fp8_gemm", "fp8_transpose"}) {
     m.impl(op, refuse());
   }
 }

@@ -29,6 +29,7 @@ _OPS = (
     "update_scale_",
     "fused_adam_",
     "fused_sgd_",
+    "fused_lamb_",
     "fp8_cast_amax",
     "fp8_update_scales_",
     "fp8_gemm",
@@ -398,3 +399,5 @@ from ampfuse._fp8_ops import (  # noqa: E402,F401
     fp8_transpose,
     fp8_update_scales_,
 )
+# fused_lamb_'s wrapper and fake kernel live in _lamb_ops, for the same reason.
+from ampfuse._lamb_ops import fused_lamb_  # noqa: E402,F401

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ampfuse._doctor_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
+from ampfuse._doctor_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -477,6 +478,7 @@ SMOKE_TESTS = {
     "update_scale_": _smoke_update_scale,
     "fused_adam_": _smoke_adam,
     "fused_sgd_": _smoke_sgd,
+    **LAMB_SMOKE_TESTS,
     **FP8_SMOKE_TESTS,
 }
 

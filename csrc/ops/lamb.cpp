@@ -1,0 +1,168 @@
+// fused_lamb_: validation, then the two CPU span passes with the per-tensor trust ratios
+// between them, or the CUDA launcher (csrc/kernels/lamb.cu).
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+#include "optimizer_args.h"
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kLamb = "fused_lamb_";
+
+struct LambArgs {
+  std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, masters;
+  kernels::LambConfig config;
+  kernels::StepScalars scalars;
+  const float* grad_norm;  // null without clipping
+  bool write_grads;
+  std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;
+};
+
+LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList master_params,
+                    const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                    bool grad_averaging, bool use_nvlamb, double max_grad_norm,
+                    const c10::optional<at::Tensor>& grad_norm,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kLamb, ": beta1 must be in [0, 1), got ",
+              beta1, ".");
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kLamb, ": beta2 must be in [0, 1), got ",
+              beta2, ".");
+  TORCH_CHECK(eps >= 0.0, "ampfuse.", kLamb, ": eps must be >= 0, got ", eps, ".");
+  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kLamb, ": weight_decay must be >= 0, got ",
+              weight_decay, ".");
+  TORCH_CHECK(max_grad_norm >= 0.0 && std::isfinite(max_grad_norm), "ampfuse.", kLamb,
+              ": max_grad_norm must be a finite number >= 0 (0 turns clipping off), got ",
+              max_grad_norm, ".");
+  const bool has_norm = grad_norm.has_value() && grad_norm->defined();
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm, "ampfuse.", kLamb, ": max_grad_norm=",
+              max_grad_norm, " clips by the global grad norm; pass it as grad_norm (a "
+              "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
+              "the step), or max_grad_norm=0 for no clipping.");
+  LambArgs a;
+  const c10::optional<at::Device> device = list_device(kLamb, params, "params");
+  a.params = tensor_refs(kLamb, params, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kLamb, step, lr, grad_scale, found_inf, device);
+  a.grad_norm = nullptr;
+  if (max_grad_norm > 0.0) {
+    check_scalar_tensor(kLamb, *grad_norm, "grad_norm", at::kFloat, device.value_or(step.device()),
+                        device.has_value() ? "params" : "step, as params is empty");
+    a.grad_norm = grad_norm->data_ptr<float>();
+  }
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kLamb, grads, params, a.write_grads, a.keep_alive, a.copy_back);
+  const auto state = [&](at::TensorList list, const char* name, bool optional) {
+    return companion_refs(kLamb, list, name, params, Access::kWrite, /*fp32_only=*/true, optional,
+                          a.keep_alive);
+  };
+  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
+  a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
+  a.masters = state(master_params, "master_params", /*optional=*/true);
+  a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
+              adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
+  return a;
+}
+
+}  // namespace
+
+void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList master_params,
+                    const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                    double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                    bool grad_averaging, bool use_nvlamb, double max_grad_norm,
+                    const c10::optional<at::Tensor>& grad_norm,
+                    const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+  const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
+                                beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
+                                grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
+                                found_inf, write_unscaled_grads);
+  if (cpu_step_skipped(a.scalars)) return;
+  const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
+  const kernels::LambStep lamb_step =
+      kernels::make_lamb_constants(a.config, *a.scalars.step, *a.scalars.lr, grad_scale_value,
+                                   a.grad_norm != nullptr ? *a.grad_norm : 0.0f);
+  const std::vector<Span> spans = split_into_spans(a.params);
+  // First pass: moments, and each span's sums of squares of the param and its update.
+  std::vector<double> param_sq(spans.size(), 0.0), update_sq(spans.size(), 0.0);
+  for_each_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    const kernels::TensorRef& param = a.params[span.tensor];
+    const kernels::TensorRef& grad = a.grads[span.tensor];
+    kernels::cpu::lamb_moments_span(
+        element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
+        a.write_grads, optional_fp32_ptr(a.exp_avgs, span), optional_fp32_ptr(a.exp_avg_sqs, span),
+        optional_fp32_ptr(a.masters, span), span.size, lamb_step, &param_sq[s], &update_sq[s]);
+  });
+  // Each tensor's trust ratio, from its spans' sums added in span order: the same for any
+  // number of threads.
+  std::vector<double> tensor_param_sq(a.params.size(), 0.0);
+  std::vector<double> tensor_update_sq(a.params.size(), 0.0);
+  for (std::size_t s = 0; s < spans.size(); ++s) {
+    tensor_param_sq[spans[s].tensor] += param_sq[s];
+    tensor_update_sq[spans[s].tensor] += update_sq[s];
+  }
+  std::vector<float> ratios(a.params.size());
+  for (std::size_t i = 0; i < ratios.size(); ++i) {
+    ratios[i] = kernels::lamb_ratio(static_cast<float>(std::sqrt(tensor_param_sq[i])),
+                                    static_cast<float>(std::sqrt(tensor_update_sq[i])), lamb_step);
+  }
+  // Second pass: the params (and masters).
+  for_each_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    const kernels::TensorRef& param = a.params[span.tensor];
+    kernels::cpu::lamb_apply_span(element_ptr(param, span.offset), param.dtype,
+                                  optional_fp32_ptr(a.exp_avgs, span),
+                                  optional_fp32_ptr(a.exp_avg_sqs, span),
+                                  optional_fp32_ptr(a.masters, span), span.size, lamb_step,
+                                  ratios[span.tensor]);
+  });
+  finish_copy_back(a.copy_back);
+  *a.scalars.step += 1.0f;
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList master_params,
+                     const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                     double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                     bool grad_averaging, bool use_nvlamb, double max_grad_norm,
+                     const c10::optional<at::Tensor>& grad_norm,
+                     const c10::optional<at::Tensor>& grad_scale,
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+  const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
+                                beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
+                                grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
+                                found_inf, write_unscaled_grads);
+  check_cuda_step(kLamb, step);
+  const c10::cuda::CUDAGuard guard(step.device());
+  const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
+  // Scratch from torch's caching allocator: no host sync, and graph capture takes it from the
+  // graph's pool.
+  const std::int64_t chunks = kernels::cuda::lamb_scratch_chunks(a.params);
+  const auto scratch = at::TensorOptions().device(step.device());
+  at::Tensor chunk_sums = at::empty({2 * chunks}, scratch.dtype(at::kFloat));
+  at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
+  at::Tensor ratios =
+      at::empty({static_cast<std::int64_t>(a.params.size())}, scratch.dtype(at::kFloat));
+  kernels::cuda::lamb(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.masters, a.config,
+                      a.scalars, a.grad_norm, a.write_grads,
+                      static_cast<kernels::LambStep*>(constants.data_ptr()),
+                      chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
+                      ratios.data_ptr<float>(), current_stream(step.device()));
+  finish_copy_back(a.copy_back);
+}
+#endif
+
+}  // namespace ampfuse::ops

@@ -1,0 +1,61 @@
+"""Typed wrapper and fake (meta) kernel of fused_lamb_ (schema in csrc/registration.cpp).
+
+Kept beside ``_ops.py``, which imports this module, so the op loads with the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse._ops import (
+    _check_companions,
+    _check_list,
+    _check_scalar,
+    _check_step_scalars,
+    _dtensor_rules,
+    _lr_tensor,
+)
+
+
+def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2,
+                eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_averaging=True,
+                use_nvlamb=False, max_grad_norm=0.0, grad_norm=None, grad_scale=None,
+                found_inf=None, write_unscaled_grads=False) -> None:
+    """One LAMB step over lists, in apex.optimizers.FusedLAMB's math.
+
+    grad_norm is the global L2 norm of every grad of the step as passed (still carrying
+    grad_scale, which the op divides out), needed when max_grad_norm > 0; max_grad_norm=0 turns
+    clipping off. lr, grad_scale, found_inf and write_unscaled_grads as for fused_adam_."""
+    lr = _lr_tensor(lr, step)
+    _dtensor_rules()
+    torch.ops.ampfuse.fused_lamb_(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(master_params), step,
+        lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
+        use_nvlamb, max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads,
+    )
+
+
+@torch.library.register_fake("ampfuse::fused_lamb_")
+def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2, eps,
+               weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
+               max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=False):
+    op = "fused_lamb_"
+    if not (max_grad_norm >= 0.0 and max_grad_norm != float("inf")):
+        raise RuntimeError(
+            f"ampfuse.{op}: max_grad_norm must be a finite number >= 0 (0 turns clipping off), "
+            f"got {max_grad_norm}."
+        )
+    if max_grad_norm > 0.0 and grad_norm is None:
+        raise RuntimeError(
+            f"ampfuse.{op}: max_grad_norm={max_grad_norm} clips by the global grad norm; pass it "
+            "as grad_norm, or max_grad_norm=0 for no clipping."
+        )
+    device = _check_list(op, "params", params)
+    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
+    _check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
+    _check_companions(op, params, "master_params", master_params, fp32_only=True, optional=True)
+    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+    if max_grad_norm > 0.0:
+        owner = "params" if device is not None else "step, as params is empty"
+        _check_scalar(op, "grad_norm", grad_norm, torch.float32, device or step.device, owner)
