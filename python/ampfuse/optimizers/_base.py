@@ -179,6 +179,7 @@ class FusedOptimizer(
         verdicts = step_verdicts(plans, found_inf, own_check)
         home = self._first_device()
         self._skips.prepare(verdicts, home, capturing, type(self).__name__)
+        self._before_launches(plans)
         scales = {}
         for index, group, calls in plans:
             for call in calls:
@@ -358,6 +359,11 @@ class FusedOptimizer(
                     state["step"] = call.step
             launched.append(shared)
         return calls
+
+    def _before_launches(self, plans):
+        """Called once per step with every group's calls, after the step's checks and before
+        the first launch: for work that needs the whole step's grads (FusedLAMB's global grad
+        norm)."""
 
     def _state_keys(self, group):
         """The fp32 state entries each param of `group` holds (moments, momentum buffers):

@@ -84,6 +84,22 @@ class ParamGroupsMixin:
                 "must be >= 0."
             )
 
+    def _check_betas(self, index, group):
+        """Adam's and LAMB's betas: a pair, each in [0, 1)."""
+        name = type(self).__name__
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(
+                f"{name}: param_groups[{index}] has betas={betas!r}; betas must be a pair "
+                "(beta1, beta2)."
+            )
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(
+                    f"{name}: param_groups[{index}] has betas[{i}]={float(beta)}; each beta "
+                    "must be in [0, 1)."
+                )
+
     def _check_nonnegative(self, index, group, key):
         if not group[key] >= 0.0:
             raise ValueError(

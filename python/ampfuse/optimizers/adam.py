@@ -123,21 +123,9 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     def _check_hyperparameters(self, index, group):
-        name = type(self).__name__
         self._check_lr(index, group["lr"])
         check_flag(self, index, group, "write_unscaled_grads")
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(
-                f"{name}: param_groups[{index}] has betas={betas!r}; betas must be a pair "
-                "(beta1, beta2)."
-            )
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(
-                    f"{name}: param_groups[{index}] has betas[{i}]={float(beta)}; each beta "
-                    "must be in [0, 1)."
-                )
+        self._check_betas(index, group)
         self._check_nonnegative(index, group, "eps")
         self._check_nonnegative(index, group, "weight_decay")
 

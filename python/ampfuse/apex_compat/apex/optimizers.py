@@ -1,10 +1,10 @@
-"""apex.optimizers on ampfuse: FusedAdam and FusedSGD with apex's constructors (apex's argument
-order and defaults) over ampfuse.optimizers.FusedAdam / FusedSGD, so amp takes its fused,
+"""apex.optimizers on ampfuse: FusedAdam, FusedSGD and FusedLAMB with apex's constructors (apex's
+argument order and defaults) over ampfuse.optimizers' fused optimizers, so amp takes its fused,
 sync-free path with them.
 
 Importing an apex optimizer that ampfuse does not have raises ImportError naming the
 replacement. An ImportError (rather than a name that fails when used) keeps every script that
-runs without apex running with the alias: ``try: from apex.optimizers import FusedLAMB`` /
+runs without apex running with the alias: ``try: from apex.optimizers import FusedNovoGrad`` /
 ``except ImportError:`` falls back to the script's own LAMB exactly as it does with no apex.
 """
 
@@ -16,7 +16,7 @@ from torch.optim.optimizer import required
 
 from ampfuse import optimizers as _fused
 
-__all__ = ["FusedAdam", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedLAMB", "FusedSGD"]
 
 
 class FusedAdam(_fused.FusedAdam):
@@ -65,9 +65,14 @@ class FusedSGD(_fused.FusedSGD):
                          set_grad_none=set_grad_none, **extra)
 
 
+class FusedLAMB(_fused.FusedLAMB):
+    """apex.optimizers.FusedLAMB on ampfuse.optimizers.FusedLAMB, which already takes apex's
+    arguments in apex's order with apex's defaults (see its docstring for the differences:
+    fp32 moments, p.grad left as it was, per-param step counts)."""
+
+
 # apex optimizers without an ampfuse version, and what to use instead.
 _MISSING = {
-    "FusedLAMB": "use timm.optim.Lamb, or the real apex",
     "FusedMixedPrecisionLamb": "use timm.optim.Lamb with amp.initialize(..., opt_level='O2') "
     "for fp32 masters, or the real apex",
     "FusedNovoGrad": "use timm.optim.NvNovoGrad, or the real apex",

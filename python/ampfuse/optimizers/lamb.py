@@ -1,0 +1,250 @@
+"""FusedLAMB: apex.optimizers.FusedLAMB's LAMB (layer-wise adaptive moments, You et al. 2019)
+over whole param lists, with optional fp32 master weights, on top of
+torch.ops.ampfuse.fused_lamb_."""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse import _ops
+from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._groups import check_flag, param_name
+from ampfuse.optimizers._precision import _is_dtensor, export_extra
+from ampfuse.optimizers._state import fp32_copy
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB in two fused passes per param group and device, in apex's FusedLAMB arithmetic.
+
+    Each step: the global L2 norm of every grad of the step (all groups) is taken once; each
+    grad is divided by max(1, norm / max_grad_norm); Adam moments are updated (the grad enters
+    the first moment times 1 - beta1 with grad_averaging, else times 1); the update is the
+    bias-corrected Adam direction plus weight_decay * param (adam_w_mode, the default) or the
+    direction of the grad plus weight_decay * param (adam_w_mode=False, L2); and each param
+    moves by lr * ||param|| / ||update|| times its update (the trust ratio; lr alone where
+    either norm is 0, and for groups without weight decay unless use_nvlamb).
+
+    Args:
+        params: params or param groups, as for any torch.optim optimizer.
+        lr, bias_correction, betas, eps, weight_decay, adam_w_mode, grad_averaging,
+            max_grad_norm, use_nvlamb: as in apex.optimizers.FusedLAMB, with its defaults
+            (eps=1e-6, weight_decay=0.01, max_grad_norm=1.0). max_grad_norm=None or 0 turns the
+            clipping off. A param group may carry its own max_grad_norm; the norm it is compared
+            with is always the global one.
+        amsgrad: must be False (LAMB has no AMSGrad variant; apex refuses it too).
+        master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
+            masters), False updates params in place. The bf16 modes of FusedAdam ("stochastic",
+            "kahan", "split") are not offered here.
+        set_grad_none, write_unscaled_grads, skip_nonfinite, capturable: as in FusedAdam.
+
+    Differences from apex: moments are fp32 for fp16 params too (apex kept them in the param's
+    dtype), the update is not written into p.grad (apex left it there), the step count is kept
+    per param as torch.optim does (state_dict() also writes apex's per-group 'step', and
+    load_state_dict() reads it), and fp16 grads may come scaled (GradScaler, amp): the norm and
+    the grads are unscaled on the device. Params that are DTensors (FSDP2) are refused: their
+    trust ratios need each param's norm over all shards.
+    """
+
+    _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
+    _FOREIGN_GROUP_KEYS = ("momentum", "dampening", "nesterov", "wd_after_momentum",
+                           "materialize_master_grads", "maximize")
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        amsgrad=False,
+        adam_w_mode=True,
+        grad_averaging=True,
+        set_grad_none=True,
+        max_grad_norm=1.0,
+        use_nvlamb=False,
+        *,
+        master_weights=False,
+        capturable=False,
+        write_unscaled_grads=True,
+        skip_nonfinite=False,
+    ):
+        if amsgrad:
+            raise ValueError("FusedLAMB: amsgrad=True has no LAMB variant; leave it False.")
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            betas = (float(betas[0]), float(betas[1]))
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adam_w_mode": adam_w_mode,
+            "grad_averaging": grad_averaging,
+            "max_grad_norm": max_grad_norm,
+            "use_nvlamb": use_nvlamb,
+            "master_weights": master_weights,
+            "capturable": capturable,
+            "write_unscaled_grads": write_unscaled_grads,
+            "skip_nonfinite": skip_nonfinite,
+        }
+        # The step's global grad norm per device, set by _before_launches.
+        self._grad_norms = {}
+        super().__init__(params, defaults, set_grad_none)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_grad_norms", {})
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def _check_hyperparameters(self, index, group):
+        name = type(self).__name__
+        self._check_lr(index, group["lr"])
+        for key in ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb",
+                    "write_unscaled_grads"):
+            check_flag(self, index, group, key)
+        self._check_betas(index, group)
+        self._check_nonnegative(index, group, "eps")
+        self._check_nonnegative(index, group, "weight_decay")
+        clip = group["max_grad_norm"]
+        if clip is not None and (isinstance(clip, bool) or not 0.0 <= clip < float("inf")):
+            raise ValueError(
+                f"{name}: param_groups[{index}] has max_grad_norm={clip!r}; it must be a finite "
+                "number >= 0, or None (0 and None turn the global grad-norm clipping off)."
+            )
+        if not (group["master_weights"] is True or group["master_weights"] is False):
+            raise ValueError(
+                f"{name}: param_groups[{index}] has master_weights={group['master_weights']!r}; "
+                "FusedLAMB takes True (fp32 masters) or False. The bf16 modes ('stochastic', "
+                "'kahan', 'split') are FusedAdam's and FusedSGD's."
+            )
+
+    def _check_param_dtype(self, group_index, param_index, p):
+        super()._check_param_dtype(group_index, param_index, p)
+        if _is_dtensor(p):
+            raise NotImplementedError(
+                f"{type(self).__name__}: {param_name(group_index, param_index)} is a DTensor "
+                "(FSDP2 or tensor parallel). LAMB's trust ratio needs each param's norm over all "
+                "of its shards, which FusedLAMB does not gather yet; use FusedAdam, or LAMB on "
+                "unsharded params (DDP)."
+            )
+
+    def _state_keys(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    # ---- step -----------------------------------------------------------------------------
+
+    def _before_launches(self, plans):
+        """The global L2 norm of every grad of the step, once, on each device that steps."""
+        self._grad_norms = {}
+        if not any(_clip_value(group) for _, group, _ in plans):
+            return
+        by_device = {}
+        for _, _, calls in plans:
+            for call in calls:
+                by_device.setdefault(call.step.device, []).extend(call.grads)
+        if not by_device:
+            return
+        norms = {device: _ops.multi_tensor_l2norm(grads, False)[0]
+                 for device, grads in by_device.items()}
+        if len(norms) > 1:  # params on several devices: one norm over all of them
+            home = next(iter(norms))
+            squares = [norm.to(home, non_blocking=True).square() for norm in norms.values()]
+            total = torch.stack(squares).sum().sqrt()
+            norms = {device: total.to(device, non_blocking=True) for device in norms}
+        self._grad_norms = norms
+
+    def _launch(self, group, call, lr, grad_scale, found_inf):
+        states = call.states
+        beta1, beta2 = group["betas"]
+        clip = _clip_value(group)
+        _ops.fused_lamb_(
+            call.params,
+            call.grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            call.masters(),
+            call.step,
+            lr,
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["adam_w_mode"]),
+            bool(group["bias_correction"]),
+            bool(group["grad_averaging"]),
+            bool(group["use_nvlamb"]),
+            clip,
+            self._grad_norms.get(call.step.device) if clip > 0.0 else None,
+            grad_scale,
+            found_inf,
+            write_unscaled_grads=bool(group["write_unscaled_grads"]),
+        )
+
+    # ---- state_dict -----------------------------------------------------------------------
+
+    def state_dict(self):
+        """torch.optim's layout with each param's 'step', plus apex's per-group 'step' (an
+        int) where every param of the group has taken the same number of steps, so apex's
+        FusedLAMB resumes from it too."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            steps = {
+                float(state_dict["state"][i]["step"])
+                for i in group["params"]
+                if "step" in state_dict["state"].get(i, {})
+            }
+            if len(steps) == 1:
+                group["step"] = int(steps.pop())
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        """Loads ours, or apex FusedLAMB's (whose step count is one int per group)."""
+        state_dict = dict(state_dict)
+        saved_state = dict(state_dict["state"])
+        groups = []
+        for group in state_dict["param_groups"]:
+            group = dict(group)
+            group_step = group.pop("step", None)
+            if group_step is not None:
+                for i in group["params"]:
+                    if i in saved_state and "step" not in saved_state[i]:
+                        saved_state[i] = dict(saved_state[i], step=float(group_step))
+            groups.append(group)
+        state_dict["state"] = saved_state
+        state_dict["param_groups"] = groups
+        super().load_state_dict(state_dict)
+
+    def _export_state(self, group, state, step_value):
+        if step_value is None:
+            return {}  # only a master made by master_params() before any step
+        out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        export_extra(state, out)
+        return out
+
+    def _import_state(self, group, p, saved, where):
+        if not saved:
+            return {}, None
+        if "step" not in saved or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state of {where} has keys "
+                f"{sorted(saved)}; a LAMB state needs 'exp_avg' and 'exp_avg_sq', and a "
+                "'step' of its own or in its param group."
+            )
+        imported = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            self._check_saved_shape(where, key, saved[key], p)
+            imported[key] = fp32_copy(saved[key], p)
+        self._import_master(group, p, saved, imported, where)
+        step = saved["step"]
+        return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def _import_group(self, saved, current, new):
+        if isinstance(new.get("betas"), list):
+            new["betas"] = tuple(new["betas"])
+
+
+def _clip_value(group):
+    clip = group["max_grad_norm"]
+    return 0.0 if clip is None else float(clip)
