@@ -87,6 +87,19 @@ def test_standalone_benchmarks_run(tmp_path):
     assert all(r["first_min_ms"] > 0 and r["second_min_ms"] > 0 for r in rows), rows
 
 
+def test_bench_lamb_runs_and_compares_with_torch(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_lamb.py"), "--total-elements", "2e4",
+         "--repeats", "2", "--dtype", "fp16", "--json", str(tmp_path / "lamb.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "lamb.json").read_text())["results"]
+    ratios = {r["impl"]: r.get("torch_over_ampfuse") for r in rows}
+    assert ratios["torch foreach masters"] > 0 and ratios["torch foreach fp32"] > 0, rows
+
+
 def test_profile_gpu_runs_on_the_cpu():
     """benchmarks/profile_gpu.py (host against device time, for the next GPU session): on the
     CPU it prints a host-time row per op, implementation and list layout (model-shaped, one
