@@ -223,6 +223,37 @@ def test_skip_nonfinite_leaves_everything_as_it_was(device, bad, position):
             assert torch.equal(opt.state[p][key], t), key
 
 
+def compiled_steps_match_eager(device, backend):
+    """A torch.compile(fullgraph=True) FusedLAMB step (grad norm included) gives the eager
+    step's bits, masters and bf16 params alike."""
+    params = make_params(SHAPES, torch.bfloat16, device)
+    eager = clone_params(params)
+    opts = [FusedLAMB(p, lr=1e-2, master_weights=True) for p in (params, eager)]
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def compiled_step():
+        opts[0].step()
+
+    for s in range(4):
+        grads = step_grads(params, s, scale=5.0)
+        set_grads(params, grads)
+        set_grads(eager, grads)
+        compiled_step()
+        opts[1].step()
+    for a, b in zip(params, eager):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_step_matches_eager_cpu(backend):
+    compiled_steps_match_eager("cpu", backend)
+
+
+@pytest.mark.cuda
+def test_compiled_step_matches_eager_cuda():
+    compiled_steps_match_eager("cuda", "inductor")
+
+
 def test_state_dict_resume_is_bit_for_bit(device):
     params = make_params(SHAPES, torch.bfloat16, device)
     resumed = clone_params(params)

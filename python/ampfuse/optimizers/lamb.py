@@ -136,8 +136,10 @@ class FusedLAMB(FusedOptimizer):
     # ---- step -----------------------------------------------------------------------------
 
     def _before_launches(self, plans):
-        """The global L2 norm of every grad of the step, once, on each device that steps."""
-        self._grad_norms = {}
+        """The global L2 norm of every grad of the step, once, on each device that steps.
+        (The dict is refilled, not replaced: torch.compile traces step() whole, and Dynamo
+        refuses to set an attribute of the optimizer.)"""
+        self._grad_norms.clear()
         if not any(_clip_value(group) for _, group, _ in plans):
             return
         by_device = {}
@@ -153,7 +155,7 @@ class FusedLAMB(FusedOptimizer):
             squares = [norm.to(home, non_blocking=True).square() for norm in norms.values()]
             total = torch.stack(squares).sum().sqrt()
             norms = {device: total.to(device, non_blocking=True) for device in norms}
-        self._grad_norms = norms
+        self._grad_norms.update(norms)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         states = call.states
