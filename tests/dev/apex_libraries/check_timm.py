@@ -7,9 +7,11 @@ What timm itself does with apex, and what this script runs:
   ``amp.state_dict()`` under its ``state_dict_key``. timm's train.py drives it after
   ``amp.initialize(model, optimizer, opt_level="O1")``; here O1 and O2, with gradient
   accumulation (``need_update=False``) and clipping.
-* ``timm.optim.create_optimizer_v2(model, "fusedadamw" | "fusedadam" | "fusedsgd")`` imports
-  ``apex.optimizers.FusedAdam`` / ``FusedSGD`` by name and binds timm's defaults.
-  ``fusedlamb`` / ``fusednovograd`` must fail with the replacement named.
+* ``timm.optim.create_optimizer_v2(model, "fusedadamw" | "fusedadam" | "fusedsgd" |
+  "fusedlamb")`` imports ``apex.optimizers.FusedAdam`` / ``FusedSGD`` / ``FusedLAMB`` by name
+  and binds timm's defaults. ``fusednovograd`` must fail with the replacement named.
+* ``timm.optim.Lamb``, timm's own LAMB "similar in behaviour to APEX FusedLamb", is an
+  independent implementation of the same algorithm: FusedLAMB must track it in fp32.
 * ``timm.layers.fast_norm`` imports ``apex.normalization.fused_layer_norm`` and uses
   ``fused_layer_norm_affine`` for LayerNorm when fast norm is on.
 
@@ -84,6 +86,8 @@ def direct_optimizer(model, name, lr):
     if name == "fusedsgd":
         return ampfuse.optimizers.FusedSGD(groups, lr=lr, momentum=0.9, nesterov=True,
                                            set_grad_none=False)
+    if name == "fusedlamb":
+        return ampfuse.optimizers.FusedLAMB(groups, lr=lr)
     return ampfuse.optimizers.FusedAdam(groups, lr=lr, adam_w_mode=name == "fusedadamw")
 
 
@@ -165,14 +169,39 @@ def check_fast_norm():
 
 
 def check_missing_optimizers():
-    for name, replacement in (("fusedlamb", "timm.optim.Lamb"),
-                              ("fusednovograd", "timm.optim.NvNovoGrad")):
+    for name, replacement in (("fusednovograd", "timm.optim.NvNovoGrad"),):
         try:
             timm_optimizer(fresh_model(), name, 1e-3)
             message = ""
         except ImportError as error:
             message = str(error)
         check(replacement in message, f"timm's {name} fails to import and names {replacement}")
+
+
+def check_timm_lamb(steps=STEPS):
+    """timm.optim.Lamb and FusedLAMB on two copies of one fp32 model, with timm's defaults and
+    param groups (no decay on 1-d params, so both trust-ratio branches run). Both step on the
+    grads of timm's copy: fed their own, the copies' tiny rounding differences are amplified
+    by Adam's normalized steps on near-zero grads, which would test the model, not the math."""
+    timm_model, fused_model = fresh_model(), fresh_model()
+    timm_lamb = timm.optim.create_optimizer_v2(timm_model, "lamb", lr=2e-3, weight_decay=0.01)
+    fused_lamb = direct_optimizer(fused_model, "fusedlamb", lr=2e-3)
+    worst = 0.0
+    for step in range(steps):
+        images, labels = batches(step)
+        F.cross_entropy(timm_model(images), labels).backward()
+        for p, q in zip(timm_model.parameters(), fused_model.parameters()):
+            q.grad = p.grad.clone()
+        timm_lamb.step()
+        fused_lamb.step()
+        timm_lamb.zero_grad()
+        fused_lamb.zero_grad()
+        with torch.no_grad():
+            worst = max(worst, max(float((q - p).abs().max() / p.abs().max().clamp(min=1e-12))
+                                   for p, q in zip(timm_model.parameters(),
+                                                   fused_model.parameters())))
+    check(worst < 1e-5, f"FusedLAMB tracks timm.optim.Lamb over {steps} fp32 steps on the same "
+          f"grads (worst difference {worst:.1e} of a param's largest value)")
 
 
 def check_training(opt_level, name):
@@ -204,8 +233,9 @@ def main():
     check_imports()
     check_fast_norm()
     check_missing_optimizers()
+    check_timm_lamb()
     for opt_level in ("O1", "O2"):
-        for name in ("fusedadamw", "fusedadam", "fusedsgd"):
+        for name in ("fusedadamw", "fusedadam", "fusedsgd", "fusedlamb"):
             check_training(opt_level, name)
         check_resume(opt_level, "fusedadamw")
     return check.finish()
