@@ -207,6 +207,18 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
     )
 
 
+def _lamb_rule(cls, func, types, args=(), kwargs=None):
+    """fused_lamb_ is not element-wise: each param's trust ratio needs the norms of the whole
+    param and update, over every shard. Refused by name rather than run on local shards,
+    which would scale each shard by its own ratio."""
+    raise NotImplementedError(
+        "ampfuse.fused_lamb_: DTensor (sharded) params are not supported yet: LAMB's trust ratio "
+        "needs each param's norm over all of its shards. Use plain tensors (DDP, or "
+        "full_tensor()), or FusedAdam on DTensors."
+    )
+
+
 for _op in POINTWISE_OPS:
     torch.library.register_torch_dispatch(f"ampfuse::{_op}", DTensor, _pointwise_rule(_op))
 torch.library.register_torch_dispatch("ampfuse::multi_tensor_l2norm", DTensor, _l2norm_rule)
+torch.library.register_torch_dispatch("ampfuse::fused_lamb_", DTensor, _lamb_rule)

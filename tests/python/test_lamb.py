@@ -375,6 +375,22 @@ def test_bad_options_are_refused_by_name(case):
         FusedLAMB(params, **options)
 
 
+def test_dtensor_params_are_refused_by_the_optimizer_and_the_op(one_rank):
+    """Each shard would get its own trust ratio: refused, in FusedLAMB and in the op."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+    with raises_naming("DTensor", "norm over all"):
+        FusedLAMB([param])
+    local = [distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]) for _ in range(3)]
+    with raises_naming("DTensor", "norm over all of its shards"):
+        ampfuse._ops.fused_lamb_([param.data], [local[0]], [local[1]], [local[2]], [],
+                                 torch.zeros(()), 1e-3, 0.9, 0.999, 1e-6, 0.0)
+    assert torch.equal(local[1].to_local(), torch.zeros(4, 3))
+
+
 def test_option_sets_cover_each_switch_both_ways():
     switches = ("adam_w_mode", "grad_averaging", "bias_correction", "use_nvlamb")
     seen = {(k, v) for options in OPTION_SETS.values() for k, v in options.items()}
