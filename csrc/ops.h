@@ -48,7 +48,8 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool grad_averaging, bool use_nvlamb, double max_grad_norm,
                     const c10::optional<at::Tensor>& grad_norm,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part);
 
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cpu(const at::Tensor& input, const at::Tensor& scale,
@@ -105,7 +106,8 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      bool grad_averaging, bool use_nvlamb, double max_grad_norm,
                      const c10::optional<at::Tensor>& grad_norm,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part);
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cuda(const at::Tensor& input, const at::Tensor& scale,
                               const at::Tensor& amax, at::ScalarType dtype);

@@ -58,14 +58,17 @@ TORCH_LIBRARY(ampfuse, m) {
   // the global norm of the step's grads as passed (max_grad_norm=0: no clipping, grad_norm
   // unused); each param moves by lr * ||param|| / ||update|| (the trust ratio; plain lr without
   // weight decay unless use_nvlamb). fp32 moments and optional fp32 masters; grads, step,
-  // found_inf and write_unscaled_grads as for Adam.
+  // found_inf and write_unscaled_grads as for Adam. part="moments" runs the first pass alone
+  // and leaves each tensor's sums of squares of param and update in tensor_sums (float64
+  // [n, 2]); part="apply" takes them from there for the second pass and advances step; a
+  // sharded (FSDP2) step adds them over the shards in between.
   m.def(
       "fused_lamb_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!) step, Tensor lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
       "bool bias_correction, bool grad_averaging, bool use_nvlamb, float max_grad_norm, "
       "Tensor? grad_norm, Tensor? grad_scale, Tensor? found_inf, "
-      "bool write_unscaled_grads=False) -> ()");
+      "bool write_unscaled_grads=False, Tensor(h!)? tensor_sums=None, str part=\"both\") -> ()");
   // FP8 (delayed scaling). input * scale saturated to dtype's range (e4m3fn or e5m2) and
   // cast; amax = max(amax, max |input|), nan propagating, in the same pass.
   m.def("fp8_cast_amax(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> Tensor");

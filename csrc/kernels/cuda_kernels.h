@@ -79,11 +79,17 @@ std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params);
 // squares into chunk_sums/chunk_owner; a finishing kernel turns each tensor's sums into its
 // step size in `ratios` (one float per tensor); the second pass updates the params. On
 // overflow nothing but the scratch is written. Deterministic: no atomics.
+// `part` (lamb_math.h) splits the step: kMoments stops after the first pass (the step count is
+// not advanced) and writes each tensor's two sums of squares, as doubles, to tensor_sums[2t]
+// (param) and tensor_sums[2t + 1] (update); kApply reads them there instead of running the first
+// pass (grads, chunk_sums and chunk_owner are not read; grad_norm may be null), forms the
+// ratios, runs the second pass and advances the count. kBoth also writes tensor_sums when it is
+// not null.
 void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
           const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
           const std::vector<TensorRef>& masters, const LambConfig& config,
           const StepScalars& scalars, const float* grad_norm, bool write_grads,
           LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream);
+          StreamHandle stream, LambPart part = LambPart::kBoth, double* tensor_sums = nullptr);
 
 }  // namespace ampfuse::kernels::cuda

@@ -6,6 +6,19 @@
 // tensor's chunk sums in a fixed order (deterministic, no atomics, as multi_tensor_l2norm) into
 // its trust ratio; the second pass recomputes each update from the stored moments and applies
 // it. An overflow skips everything but the prologue's constants.
+//
+// `part` splits a step in two halves, for sharded params (FSDP2), with an all-reduce of each
+// tensor's two sums (as doubles, in tensor_sums) over the shards between them:
+//  - kMoments: the prologue (the count is not advanced), the first pass, and the finishing
+//    kernel writing each tensor's sums to tensor_sums instead of forming its ratio;
+//  - kApply: the prologue (advancing the count), a kernel forming the ratios from tensor_sums
+//    as the finishing kernel does from its own sums, and the second pass.
+// The constants are those of kBoth in either half (the count moves only in the second), so on
+// one device the two halves with tensor_sums passed unchanged are kBoth bit for bit. kBoth also
+// writes tensor_sums when it is not null.
+#include <algorithm>
+#include <stdexcept>
+
 #include "optimizer_step.cuh"
 
 namespace ampfuse::kernels::cuda {
@@ -17,13 +30,15 @@ constexpr int kLambMomentsDepth = 5;
 constexpr int kLambApplyDepth = 4;
 
 // As step_prologue_kernel, with the grad norm that the clip divisor needs; it is read only
-// when clipping is on (the launcher's caller may pass null otherwise).
+// when clipping is on (the launcher's caller may pass null otherwise: a 0 norm, no clip, which
+// kApply may pass since the second pass does not use the clip). The count advances only with
+// `advance` (not in kMoments: kApply advances it).
 __global__ void lamb_prologue_kernel(LambConfig config, StepScalars scalars,
-                                     const float* grad_norm, LambStep* constants) {
+                                     const float* grad_norm, LambStep* constants, bool advance) {
   const float grad_scale = scalars.grad_scale != nullptr ? *scalars.grad_scale : 1.0f;
   const float norm = config.max_grad_norm > 0.0 && grad_norm != nullptr ? *grad_norm : 0.0f;
   *constants = make_lamb_constants(config, *scalars.step, *scalars.lr, grad_scale, norm);
-  if (!step_is_skipped(scalars)) *scalars.step += 1.0f;
+  if (advance && !step_is_skipped(scalars)) *scalars.step += 1.0f;
 }
 
 // The first pass. Each block leaves its chunk's two sums of squares in
@@ -105,13 +120,23 @@ struct LambMomentsFunctor {
   }
 };
 
+// A tensor's step size from its two sums of squares (the finishing kernel's, or kApply's
+// tensor_sums): the same double sqrt and float lamb_ratio in both, so that the halves give
+// kBoth's ratios bit for bit.
+__device__ __forceinline__ float ratio_from_sums(double param_sum, double update_sum,
+                                                 const LambStep& step) {
+  return lamb_ratio(static_cast<float>(sqrt(param_sum)), static_cast<float>(sqrt(update_sum)),
+                    step);
+}
+
 // Block t adds tensor t's chunk sums in double, in an order fixed by the chunk count alone,
-// and turns the two norms into the tensor's step size. A tensor without elements owns no
-// chunk: its norms are 0, its ratio the plain lr, and no pass reads it.
+// and turns the two norms into the tensor's step size in ratios[t] and/or leaves the two sums
+// in tensor_sums[2t] and [2t + 1] (each output skipped when null). A tensor without elements
+// owns no chunk: its sums are 0, its ratio the plain lr, and no pass reads it.
 __global__ void __launch_bounds__(kThreadsPerBlock)
     finish_lamb_kernel(const float* chunk_sums, const std::int32_t* chunk_owner,
                        std::int64_t chunks, StepScalars scalars, const LambStep* constants,
-                       float* ratios) {
+                       float* ratios, double* tensor_sums) {
   // On overflow the first pass wrote no chunk sums (nor owners) to search.
   if (step_is_skipped(scalars)) return;
   const auto tensor = static_cast<std::int32_t>(blockIdx.x);
@@ -126,8 +151,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   param_sum = block_sum(param_sum);
   update_sum = block_sum(update_sum);
   if (threadIdx.x != 0) return;
-  ratios[tensor] = lamb_ratio(static_cast<float>(sqrt(param_sum)),
-                              static_cast<float>(sqrt(update_sum)), *constants);
+  if (tensor_sums != nullptr) {
+    tensor_sums[2 * static_cast<std::int64_t>(tensor)] = param_sum;
+    tensor_sums[2 * static_cast<std::int64_t>(tensor) + 1] = update_sum;
+  }
+  if (ratios != nullptr) ratios[tensor] = ratio_from_sums(param_sum, update_sum, *constants);
+}
+
+// kApply's ratios: ratios[t] from tensor_sums[2t] and [2t + 1] (summed over the shards by the
+// caller), one thread per tensor.
+__global__ void ratios_from_sums_kernel(const double* tensor_sums, std::int64_t tensors,
+                                        StepScalars scalars, const LambStep* constants,
+                                        float* ratios) {
+  if (step_is_skipped(scalars)) return;
+  const LambStep step = *constants;
+  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       t < tensors; t += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    ratios[t] = ratio_from_sums(tensor_sums[2 * t], tensor_sums[2 * t + 1], step);
+  }
 }
 
 // The second pass: p -= ratio * update, with the update recomputed from the stored moments;
@@ -191,27 +232,50 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
           const std::vector<TensorRef>& masters, const LambConfig& config,
           const StepScalars& scalars, const float* grad_norm, bool write_grads,
           LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream) {
+          StreamHandle stream, LambPart part, double* tensor_sums) {
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-  // The step count advances even for an empty list, as in adam and sgd.
-  lamb_prologue_kernel<<<1, 1, 0, cuda_stream>>>(config, scalars, grad_norm, constants);
+  const bool moments = part != LambPart::kApply;
+  const bool apply = part != LambPart::kMoments;
+  if (!params.empty() && part != LambPart::kBoth && tensor_sums == nullptr) {
+    throw std::invalid_argument(
+        "ampfuse: fused_lamb_ (part moments or apply) needs tensor_sums (2 doubles per tensor)");
+  }
+  // The step count advances even for an empty list, as in adam and sgd (in kApply and kBoth:
+  // kMoments leaves it to kApply).
+  lamb_prologue_kernel<<<1, 1, 0, cuda_stream>>>(config, scalars, grad_norm, constants, apply);
   throw_on_launch_error("fused_lamb_ (prologue)");
+  if (params.empty()) return;
   const std::int64_t chunks = total_chunks(params);
-  if (chunks == 0) return;
+  // Every tensor of a shard may be empty while the other shards' are not: the sums (zeros)
+  // are still written for the all-reduce, and kApply still forms the ratios.
+  if (chunks == 0 && tensor_sums == nullptr) return;
   const bool has_master = !masters.empty();
   const LambStep* step = constants;
+  const auto tensors = static_cast<std::int64_t>(params.size());
 
   // list_index is each tensor's index in `params` (no ids are given), which is what
-  // chunk_owner, the finishing kernel's blocks and `ratios` are indexed by.
-  const std::vector<TensorRef>* moment_lists[kLambMomentsDepth] = {
-      &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
-  launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", moment_lists, stream,
-                                         LambMomentsFunctor{}, scalars, step, has_master,
-                                         write_grads, chunk_sums, chunk_owner);
-
-  finish_lamb_kernel<<<static_cast<unsigned>(params.size()), kThreadsPerBlock, 0, cuda_stream>>>(
-      chunk_sums, chunk_owner, chunks, scalars, step, ratios);
-  throw_on_launch_error("fused_lamb_ (trust ratios)");
+  // chunk_owner, the finishing kernel's blocks, `ratios` and `tensor_sums` are indexed by.
+  if (moments) {
+    if (chunks > 0) {
+      const std::vector<TensorRef>* moment_lists[kLambMomentsDepth] = {
+          &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
+      launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", moment_lists, stream,
+                                             LambMomentsFunctor{}, scalars, step, has_master,
+                                             write_grads, chunk_sums, chunk_owner);
+    }
+    // Without chunks (kMoments, or kBoth asked for tensor_sums) every block finds none: zeros.
+    finish_lamb_kernel<<<static_cast<unsigned>(tensors), kThreadsPerBlock, 0, cuda_stream>>>(
+        chunk_sums, chunk_owner, chunks, scalars, step, apply ? ratios : nullptr, tensor_sums);
+    throw_on_launch_error("fused_lamb_ (trust ratios)");
+  } else {
+    constexpr int kRatioThreads = 256;
+    const std::int64_t blocks =
+        std::min<std::int64_t>((tensors + kRatioThreads - 1) / kRatioThreads, 1024);
+    ratios_from_sums_kernel<<<static_cast<unsigned>(blocks), kRatioThreads, 0, cuda_stream>>>(
+        tensor_sums, tensors, scalars, step, ratios);
+    throw_on_launch_error("fused_lamb_ (trust ratios from sums)");
+  }
+  if (!apply || chunks == 0) return;
 
   const std::vector<TensorRef>* apply_lists[kLambApplyDepth] = {
       &params, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};

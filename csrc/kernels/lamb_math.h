@@ -17,6 +17,11 @@
 
 namespace ampfuse::kernels {
 
+// Which passes one fused_lamb_ call runs: both, or one of the two halves of a sharded step
+// (FSDP2): kMoments leaves each tensor's sums of squares of param and update, the caller adds
+// them over the shards, and kApply takes them back to form the trust ratios.
+enum class LambPart { kBoth, kMoments, kApply };
+
 struct LambConfig {
   double beta1;
   double beta2;

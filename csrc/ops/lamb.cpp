@@ -1,8 +1,12 @@
 // fused_lamb_: validation, then the two CPU span passes with the per-tensor trust ratios
-// between them, or the CUDA launcher (csrc/kernels/lamb.cu).
+// between them, or the CUDA launcher (csrc/kernels/lamb.cu). part="moments" / "apply" run one
+// pass each, with the per-tensor sums in tensor_sums between them (FSDP2 adds them over the
+// shards there: ampfuse.distributed).
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "../kernels/cpu/cpu_kernels.h"
 #include "../kernels/cuda_kernels.h"
@@ -21,11 +25,41 @@ struct LambArgs {
   std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, masters;
   kernels::LambConfig config;
   kernels::StepScalars scalars;
-  const float* grad_norm;  // null without clipping
+  const float* grad_norm;  // null without clipping (and for kApply)
+  kernels::LambPart part;
+  double* tensor_sums;  // [n, 2] float64, null when not asked for (kBoth only)
   bool write_grads;
   std::vector<at::Tensor> keep_alive;
   std::vector<CopyBack> copy_back;
 };
+
+kernels::LambPart parse_part(c10::string_view part) {
+  if (part == "both") return kernels::LambPart::kBoth;
+  if (part == "moments") return kernels::LambPart::kMoments;
+  if (part == "apply") return kernels::LambPart::kApply;
+  TORCH_CHECK(false, "ampfuse.", kLamb, ": part='", std::string(part),
+              "' is not one of 'both', 'moments', 'apply'.");
+}
+
+// tensor_sums: what the first half leaves for the second (each tensor's sums of squares of its
+// param and its update), a contiguous float64 [n, 2] tensor on the params' device; required by
+// the halves, optional (an extra output) for kBoth.
+double* sums_ptr(const c10::optional<at::Tensor>& sums, kernels::LambPart part, std::size_t n,
+                 const at::Device& device) {
+  const bool given = sums.has_value() && sums->defined();
+  TORCH_CHECK(given || part == kernels::LambPart::kBoth, "ampfuse.", kLamb,
+              ": part='moments' and part='apply' pass each tensor's sums of squares through "
+              "tensor_sums; give a torch.float64 tensor of shape (", n, ", 2).");
+  if (!given) return nullptr;
+  const at::Tensor& t = *sums;
+  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 2 &&
+                  t.size(0) == static_cast<std::int64_t>(n) && t.size(1) == 2 &&
+                  t.is_contiguous() && t.device() == device,
+              "ampfuse.", kLamb, ": tensor_sums must be a contiguous torch.float64 tensor of "
+              "shape (", n, ", 2) on ", device, ", got ", t.scalar_type(), " of shape ",
+              t.sizes(), " on ", t.device(), ".");
+  return t.data_ptr<double>();
+}
 
 LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList master_params,
@@ -34,7 +68,8 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool grad_averaging, bool use_nvlamb, double max_grad_norm,
                     const c10::optional<at::Tensor>& grad_norm,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kLamb, ": beta1 must be in [0, 1), got ",
               beta1, ".");
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kLamb, ": beta2 must be in [0, 1), got ",
@@ -45,22 +80,27 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
   TORCH_CHECK(max_grad_norm >= 0.0 && std::isfinite(max_grad_norm), "ampfuse.", kLamb,
               ": max_grad_norm must be a finite number >= 0 (0 turns clipping off), got ",
               max_grad_norm, ".");
+  LambArgs a;
+  a.part = parse_part(part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
-  TORCH_CHECK(max_grad_norm == 0.0 || has_norm, "ampfuse.", kLamb, ": max_grad_norm=",
+  // The second half forms no clip: it needs no norm.
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply, "ampfuse.", kLamb, ": max_grad_norm=",
               max_grad_norm, " clips by the global grad norm; pass it as grad_norm (a "
               "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
               "the step), or max_grad_norm=0 for no clipping.");
-  LambArgs a;
   const c10::optional<at::Device> device = list_device(kLamb, params, "params");
   a.params = tensor_refs(kLamb, params, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kLamb, step, lr, grad_scale, found_inf, device);
+  a.tensor_sums = sums_ptr(tensor_sums, a.part, params.size(), device.value_or(step.device()));
   a.grad_norm = nullptr;
-  if (max_grad_norm > 0.0) {
+  if (max_grad_norm > 0.0 && a.part != kernels::LambPart::kApply) {
     check_scalar_tensor(kLamb, *grad_norm, "grad_norm", at::kFloat, device.value_or(step.device()),
                         device.has_value() ? "params" : "step, as params is empty");
     a.grad_norm = grad_norm->data_ptr<float>();
   }
-  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  // Only the first pass reads (and may write back) the grads.
+  a.write_grads = a.part != kernels::LambPart::kApply &&
+                  writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kLamb, grads, params, a.write_grads, a.keep_alive, a.copy_back);
   const auto state = [&](at::TensorList list, const char* name, bool optional) {
     return companion_refs(kLamb, list, name, params, Access::kWrite, /*fp32_only=*/true, optional,
@@ -83,40 +123,49 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool grad_averaging, bool use_nvlamb, double max_grad_norm,
                     const c10::optional<at::Tensor>& grad_norm,
                     const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
   const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
                                 beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
                                 grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
-                                found_inf, write_unscaled_grads);
+                                found_inf, write_unscaled_grads, tensor_sums, part);
   if (cpu_step_skipped(a.scalars)) return;
   const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
   const kernels::LambStep lamb_step =
       kernels::make_lamb_constants(a.config, *a.scalars.step, *a.scalars.lr, grad_scale_value,
                                    a.grad_norm != nullptr ? *a.grad_norm : 0.0f);
   const std::vector<Span> spans = split_into_spans(a.params);
-  // First pass: moments, and each span's sums of squares of the param and its update.
-  std::vector<double> param_sq(spans.size(), 0.0), update_sq(spans.size(), 0.0);
-  for_each_span(spans, [&](std::size_t s) {
-    const Span& span = spans[s];
-    const kernels::TensorRef& param = a.params[span.tensor];
-    const kernels::TensorRef& grad = a.grads[span.tensor];
-    kernels::cpu::lamb_moments_span(
-        element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
-        a.write_grads, optional_fp32_ptr(a.exp_avgs, span), optional_fp32_ptr(a.exp_avg_sqs, span),
-        optional_fp32_ptr(a.masters, span), span.size, lamb_step, &param_sq[s], &update_sq[s]);
-  });
-  // Each tensor's trust ratio, from its spans' sums added in span order: the same for any
-  // number of threads.
-  std::vector<double> tensor_param_sq(a.params.size(), 0.0);
-  std::vector<double> tensor_update_sq(a.params.size(), 0.0);
-  for (std::size_t s = 0; s < spans.size(); ++s) {
-    tensor_param_sq[spans[s].tensor] += param_sq[s];
-    tensor_update_sq[spans[s].tensor] += update_sq[s];
+  const std::size_t n = a.params.size();
+  // Each tensor's sums of squares of its param and of its update ([2i], [2i + 1]), from its
+  // spans' sums added in span order: the same for any number of threads.
+  std::vector<double> sums(2 * n, 0.0);
+  if (a.part == kernels::LambPart::kApply) {
+    std::copy(a.tensor_sums, a.tensor_sums + 2 * n, sums.begin());
+  } else {
+    // First pass: the moments, and each span's sums.
+    std::vector<double> param_sq(spans.size(), 0.0), update_sq(spans.size(), 0.0);
+    for_each_span(spans, [&](std::size_t s) {
+      const Span& span = spans[s];
+      const kernels::TensorRef& param = a.params[span.tensor];
+      const kernels::TensorRef& grad = a.grads[span.tensor];
+      kernels::cpu::lamb_moments_span(
+          element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset),
+          grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
+          optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.masters, span), span.size,
+          lamb_step, &param_sq[s], &update_sq[s]);
+    });
+    for (std::size_t s = 0; s < spans.size(); ++s) {
+      sums[2 * spans[s].tensor] += param_sq[s];
+      sums[2 * spans[s].tensor + 1] += update_sq[s];
+    }
+    finish_copy_back(a.copy_back);
+    if (a.tensor_sums != nullptr) std::copy(sums.begin(), sums.end(), a.tensor_sums);
+    if (a.part == kernels::LambPart::kMoments) return;  // the count advances in the second half
   }
-  std::vector<float> ratios(a.params.size());
-  for (std::size_t i = 0; i < ratios.size(); ++i) {
-    ratios[i] = kernels::lamb_ratio(static_cast<float>(std::sqrt(tensor_param_sq[i])),
-                                    static_cast<float>(std::sqrt(tensor_update_sq[i])), lamb_step);
+  std::vector<float> ratios(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ratios[i] = kernels::lamb_ratio(static_cast<float>(std::sqrt(sums[2 * i])),
+                                    static_cast<float>(std::sqrt(sums[2 * i + 1])), lamb_step);
   }
   // Second pass: the params (and masters).
   for_each_span(spans, [&](std::size_t s) {
@@ -128,7 +177,6 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                                   optional_fp32_ptr(a.masters, span), span.size, lamb_step,
                                   ratios[span.tensor]);
   });
-  finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
 }
 
@@ -140,11 +188,12 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      bool grad_averaging, bool use_nvlamb, double max_grad_norm,
                      const c10::optional<at::Tensor>& grad_norm,
                      const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
   const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
                                 beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
                                 grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
-                                found_inf, write_unscaled_grads);
+                                found_inf, write_unscaled_grads, tensor_sums, part);
   check_cuda_step(kLamb, step);
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
@@ -160,7 +209,8 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                       a.scalars, a.grad_norm, a.write_grads,
                       static_cast<kernels::LambStep*>(constants.data_ptr()),
                       chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
-                      ratios.data_ptr<float>(), current_stream(step.device()));
+                      ratios.data_ptr<float>(), current_stream(step.device()), a.part,
+                      a.tensor_sums);
   finish_copy_back(a.copy_back);
 }
 #endif

@@ -20,32 +20,46 @@ from ampfuse._ops import (
 def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2,
                 eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_averaging=True,
                 use_nvlamb=False, max_grad_norm=0.0, grad_norm=None, grad_scale=None,
-                found_inf=None, write_unscaled_grads=False) -> None:
+                found_inf=None, write_unscaled_grads=False, tensor_sums=None,
+                part="both") -> None:
     """One LAMB step over lists, in apex.optimizers.FusedLAMB's math.
 
     grad_norm is the global L2 norm of every grad of the step as passed (still carrying
     grad_scale, which the op divides out), needed when max_grad_norm > 0; max_grad_norm=0 turns
-    clipping off. lr, grad_scale, found_inf and write_unscaled_grads as for fused_adam_."""
+    clipping off. lr, grad_scale, found_inf and write_unscaled_grads as for fused_adam_.
+    part="moments" runs the first pass alone and leaves each tensor's sums of squares of param
+    and update in tensor_sums (torch.float64, shape (len(params), 2)); part="apply" runs the
+    second pass from them and advances step. For DTensor params (FSDP2) ampfuse.distributed
+    runs the two halves with the sums added over the shards in between."""
     lr = _lr_tensor(lr, step)
     _dtensor_rules()
     torch.ops.ampfuse.fused_lamb_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(master_params), step,
         lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
         use_nvlamb, max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads,
+        tensor_sums, part,
     )
+
+
+LAMB_PARTS = ("both", "moments", "apply")
 
 
 @torch.library.register_fake("ampfuse::fused_lamb_")
 def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2, eps,
                weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
-               max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=False):
+               max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=False,
+               tensor_sums=None, part="both"):
     op = "fused_lamb_"
+    if part not in LAMB_PARTS:
+        raise RuntimeError(
+            f"ampfuse.{op}: part={part!r} is not one of 'both', 'moments', 'apply'."
+        )
     if not (max_grad_norm >= 0.0 and max_grad_norm != float("inf")):
         raise RuntimeError(
             f"ampfuse.{op}: max_grad_norm must be a finite number >= 0 (0 turns clipping off), "
             f"got {max_grad_norm}."
         )
-    if max_grad_norm > 0.0 and grad_norm is None:
+    if max_grad_norm > 0.0 and grad_norm is None and part != "apply":
         raise RuntimeError(
             f"ampfuse.{op}: max_grad_norm={max_grad_norm} clips by the global grad norm; pass it "
             "as grad_norm, or max_grad_norm=0 for no clipping."
@@ -56,6 +70,20 @@ def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, be
     _check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
     _check_companions(op, params, "master_params", master_params, fp32_only=True, optional=True)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
-    if max_grad_norm > 0.0:
+    if max_grad_norm > 0.0 and part != "apply":
         owner = "params" if device is not None else "step, as params is empty"
         _check_scalar(op, "grad_norm", grad_norm, torch.float32, device or step.device, owner)
+    if tensor_sums is None and part != "both":
+        raise RuntimeError(
+            f"ampfuse.{op}: part='moments' and part='apply' pass each tensor's sums of squares "
+            f"through tensor_sums; give a torch.float64 tensor of shape ({len(params)}, 2)."
+        )
+    if tensor_sums is not None and (
+        tensor_sums.dtype != torch.float64 or tuple(tensor_sums.shape) != (len(params), 2)
+        or tensor_sums.device != (device or step.device)
+    ):
+        raise RuntimeError(
+            f"ampfuse.{op}: tensor_sums must be a contiguous torch.float64 tensor of shape "
+            f"({len(params)}, 2) on {device or step.device}, got {tensor_sums.dtype} of shape "
+            f"{tuple(tensor_sums.shape)} on {tensor_sums.device}."
+        )

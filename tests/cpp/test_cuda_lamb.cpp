@@ -228,3 +228,194 @@ TEST_CASE("CUDA LAMB over an empty list only advances the step count") {
              nullptr, nullptr, nullptr, nullptr);
   REQUIRE(step.get() == 8.0f);
 }
+
+namespace {
+
+// The first case's tensors and an empty one (no chunk: sums 0, ratio the plain lr; viewed one
+// element into a one-element allocation, so every copy of it moves a byte), from the same seeds
+// on every call: two calls start from the same bits.
+std::vector<std::unique_ptr<LambSlot>> sharded_lamb_slots() {
+  std::vector<std::unique_ptr<LambSlot>> slots;
+  slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat16, 3 * 65536 + 5, 0, 10));
+  slots.emplace_back(new LambSlot(DType::kFloat16, DType::kFloat16, 70001, 0, 20));
+  slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 0, 1, 25));
+  slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 7, 0, 30));
+  slots.emplace_back(new LambSlot(DType::kBFloat16, DType::kFloat32, 65536 + 3, 1, 40));
+  return slots;
+}
+
+struct LambLists {
+  std::vector<TensorRef> P, G, M, V, W;
+  LambLists(const std::vector<std::unique_ptr<LambSlot>>& slots, bool with_masters) {
+    for (const auto& s : slots) {
+      P.push_back(s->at(s->param));
+      G.push_back(s->at(s->grad));
+      M.push_back(s->at(s->m));
+      V.push_back(s->at(s->v));
+      if (with_masters) W.push_back(s->at(s->master));
+    }
+  }
+};
+
+// Every tensor's device bits (param, grad, m, v, master of each slot in turn).
+std::vector<std::vector<unsigned char>> download_slots(
+    const std::vector<std::unique_ptr<LambSlot>>& slots) {
+  std::vector<std::vector<unsigned char>> out;
+  for (const auto& s : slots) {
+    for (const DeviceTensor* t : {&s->param, &s->grad, &s->m, &s->v, &s->master}) {
+      out.push_back(t->download());
+    }
+  }
+  return out;
+}
+
+template <typename T>
+std::vector<T> download_array(const T* device, std::size_t n) {
+  std::vector<T> out(n);
+  check(cudaMemcpy(out.data(), device, sizeof(T) * n, cudaMemcpyDeviceToHost));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bit for bit") {
+  const LambConfig configs[] = {{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false},
+                                {0.9, 0.99, 1e-8, 0.01, 0.0, false, false, false, true}};
+  for (const LambConfig& config : configs) {
+    for (bool with_masters : {false, true}) {
+      for (bool write_grads : {false, true}) {
+        INFO("max_grad_norm " << config.max_grad_norm << ", masters " << with_masters
+                              << ", write_grads " << write_grads);
+        // One set of tensors steps in one call (kBoth, asked for its tensor sums too), the other
+        // in two (the sums passed from the first half to the second unchanged: one device, so
+        // nothing to add over shards).
+        const auto one = sharded_lamb_slots();
+        const auto two = sharded_lamb_slots();
+        const LambLists a(one, with_masters), b(two, with_masters);
+        const std::size_t n = one.size();
+        const std::int64_t chunks = cuda::lamb_scratch_chunks(a.P);
+        REQUIRE(chunks == 4 + 2 + 1 + 2);
+        LambBuffer<float> chunk_sums(2 * chunks), ratios_a(static_cast<std::int64_t>(n)),
+            ratios_b(static_cast<std::int64_t>(n));
+        LambBuffer<std::int32_t> chunk_owner(chunks);
+        LambBuffer<double> sums_a(2 * static_cast<std::int64_t>(n)),
+            sums_b(2 * static_cast<std::int64_t>(n));
+        DeviceScalar<LambStep> constants_a(LambStep{}), constants_b(LambStep{});
+        DeviceScalar<float> step_a(3.0f), step_b(3.0f), lr(1e-3f), scale(512.0f),
+            found(0.0f), grad_norm(512.0f * 300.0f);
+        const StepScalars scalars_a{step_a.device, lr.device, scale.device, found.device};
+        const StepScalars scalars_b{step_b.device, lr.device, scale.device, found.device};
+        const float* norm = config.max_grad_norm > 0.0 ? grad_norm.device : nullptr;
+
+        cuda::lamb(a.P, a.G, a.M, a.V, a.W, config, scalars_a, norm, write_grads,
+                   constants_a.device, chunk_sums.device, chunk_owner.device, ratios_a.device,
+                   nullptr, LambPart::kBoth, sums_a.device);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step_a.get() == 4.0f);
+        const LambStep used = constants_a.get();
+
+        // The first half: no ratios (null), no param or master written, the count kept.
+        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, norm, write_grads,
+                   constants_b.device, chunk_sums.device, chunk_owner.device, nullptr, nullptr,
+                   LambPart::kMoments, sums_b.device);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step_b.get() == 3.0f);
+        for (std::size_t t = 0; t < n; ++t) {
+          INFO("tensor " << t);
+          REQUIRE(two[t]->param.download() == two[t]->param.host);
+          REQUIRE(two[t]->master.download() == two[t]->master.host);
+          REQUIRE(two[t]->m.download() == one[t]->m.download());
+          REQUIRE(two[t]->v.download() == one[t]->v.download());
+          REQUIRE(two[t]->grad.download() == one[t]->grad.download());
+        }
+        const std::vector<double> host_sums_a = download_array(sums_a.device, 2 * n);
+        REQUIRE(download_array(sums_b.device, 2 * n) == host_sums_a);
+
+        // The second half, as the op runs it: no grad norm (it forms no clip), no grad
+        // write-back, no chunk scratch (it reads neither grads nor chunk sums).
+        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, nullptr, false,
+                   constants_b.device, nullptr, nullptr, ratios_b.device, nullptr,
+                   LambPart::kApply, sums_b.device);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step_b.get() == 4.0f);
+        const LambStep used_b = constants_b.get();
+        REQUIRE(used_b.steps_taken == used.steps_taken);
+        REQUIRE(used_b.bias_correction1 == used.bias_correction1);
+        REQUIRE(used_b.bias_correction2 == used.bias_correction2);
+        REQUIRE(download_array(ratios_b.device, n) == download_array(ratios_a.device, n));
+        REQUIRE(download_slots(two) == download_slots(one));
+        REQUIRE(one[0]->param.download() != one[0]->param.host);  // the step did move them
+
+        // kBoth's sums against the CPU's double sums of the first pass (the GPU adds in fp32
+        // within a chunk: not bit for bit).
+        for (std::size_t t = 0; t < n; ++t) {
+          LambSlot& s = *one[t];
+          std::vector<unsigned char> p = s.param.host, g = s.grad.host, mm = s.m.host,
+                                     vv = s.v.host, ww = s.master.host;
+          const float* master =
+              with_masters ? reinterpret_cast<const float*>(s.host_at(ww, DType::kFloat32))
+                           : nullptr;
+          double param_sq = 0.0, update_sq = 0.0;
+          cpu::lamb_moments_span(s.host_at(p, s.param_dtype), s.param_dtype,
+                                 s.host_at(g, s.grad_dtype), s.grad_dtype, write_grads,
+                                 reinterpret_cast<float*>(s.host_at(mm, DType::kFloat32)),
+                                 reinterpret_cast<float*>(s.host_at(vv, DType::kFloat32)), master,
+                                 s.n, used, &param_sq, &update_sq);
+          INFO("tensor " << t << ": GPU sums " << host_sums_a[2 * t] << ", "
+                         << host_sums_a[2 * t + 1] << "; CPU " << param_sq << ", " << update_sq);
+          REQUIRE(std::abs(host_sums_a[2 * t] - param_sq) <= 1e-6 * param_sq);
+          REQUIRE(std::abs(host_sums_a[2 * t + 1] - update_sq) <= 1e-6 * update_sq);
+          REQUIRE((s.n == 0) == (param_sq == 0.0));
+        }
+
+        // Skipped halves write nothing but the constants: no tensor, sum, ratio or count.
+        const std::vector<std::vector<unsigned char>> before = download_slots(two);
+        const std::vector<float> ratios_before = download_array(ratios_b.device, n);
+        found.set(1.0f);
+        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, norm, true, constants_b.device,
+                   chunk_sums.device, chunk_owner.device, nullptr, nullptr, LambPart::kMoments,
+                   sums_b.device);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step_b.get() == 4.0f);
+        REQUIRE(download_slots(two) == before);
+        REQUIRE(download_array(sums_b.device, 2 * n) == host_sums_a);
+        check(cudaMemset(sums_b.device, 0, sizeof(double) * 2 * n));  // would change ratios
+        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, nullptr, false,
+                   constants_b.device, nullptr, nullptr, ratios_b.device, nullptr,
+                   LambPart::kApply, sums_b.device);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step_b.get() == 4.0f);
+        REQUIRE(download_slots(two) == before);
+        REQUIRE(download_array(ratios_b.device, n) == ratios_before);
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA LAMB's halves on a shard without elements: zero sums, and the count advances") {
+  // FSDP2 may leave a rank no element of a tensor: its sums (zeros) still join the all-reduce.
+  std::vector<std::unique_ptr<LambSlot>> empty;
+  empty.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 0, 1, 25));
+  const LambLists l(empty, true);
+  REQUIRE(cuda::lamb_scratch_chunks(l.P) == 0);
+  LambBuffer<double> sums(2);
+  LambBuffer<float> ratio(1);
+  check(cudaMemset(sums.device, 0xff, 2 * sizeof(double)));  // NaN bits
+  DeviceScalar<LambStep> constants(LambStep{});
+  DeviceScalar<float> step(7.0f), lr(1e-3f), found(0.0f);
+  const StepScalars scalars{step.device, lr.device, nullptr, found.device};
+  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 0.0, true, true, true, false};
+  cuda::lamb(l.P, l.G, l.M, l.V, l.W, config, scalars, nullptr, true, constants.device, nullptr,
+             nullptr, nullptr, nullptr, LambPart::kMoments, sums.device);
+  check(cudaDeviceSynchronize());
+  REQUIRE(step.get() == 7.0f);
+  REQUIRE(download_array(sums.device, 2) == std::vector<double>{0.0, 0.0});
+  cuda::lamb(l.P, l.G, l.M, l.V, l.W, config, scalars, nullptr, false, constants.device,
+             nullptr, nullptr, ratio.device, nullptr, LambPart::kApply, sums.device);
+  check(cudaDeviceSynchronize());
+  REQUIRE(step.get() == 8.0f);
+  REQUIRE(download_array(ratio.device, 1) == std::vector<float>{1e-3f});
+  REQUIRE(download_slots(empty) == std::vector<std::vector<unsigned char>>{
+                                       empty[0]->param.host, empty[0]->grad.host, empty[0]->m.host,
+                                       empty[0]->v.host, empty[0]->master.host});
+}

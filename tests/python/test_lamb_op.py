@@ -28,13 +28,19 @@ def _lamb_args(device, dtypes=DTYPES, shapes=SHAPES, masters=True, seed=0):
 
 
 def _call(a, *, weight_decay=0.01, adam_w_mode=True, max_grad_norm=1.0, grad_norm=None,
-          grad_scale=None, found_inf=None, write_grads=False, use_nvlamb=False):
-    if grad_norm is None and max_grad_norm > 0:
+          grad_scale=None, found_inf=None, write_grads=False, use_nvlamb=False, sums=None,
+          part="both"):
+    if grad_norm is None and max_grad_norm > 0 and part != "apply":
         grad_norm = ampfuse._ops.multi_tensor_l2norm(a["grads"], False)[0]
     ampfuse._ops.fused_lamb_(
         a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["master_params"], a["step"],
         a["lr"], 0.9, 0.999, 1e-6, weight_decay, adam_w_mode, True, True, use_nvlamb,
-        max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=write_grads)
+        max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=write_grads,
+        tensor_sums=sums, part=part)
+
+
+def _sums(a):
+    return torch.zeros((len(a["params"]), 2), dtype=torch.float64, device=a["step"].device)
 
 
 def _clone(a):
@@ -127,6 +133,69 @@ def test_scale_is_divided_out_of_grads_and_norm():
     _assert_same(a, scaled)
 
 
+@pytest.mark.parametrize("masters", [True, False])
+def test_the_two_halves_give_the_whole_step_bit_for_bit(device, masters):
+    """part="moments" then part="apply" (what a sharded step runs, with the sums all-reduced in
+    between) equals one part="both" call; "both" leaves the same sums when asked, and the
+    first half alone moves no param and no step count."""
+    whole = _lamb_args(device, masters=masters)
+    halves = _clone(whole)
+    whole_sums, sums = _sums(whole), _sums(halves)
+    scale = torch.full((1,), 8.0, device=device)
+    _call(whole, grad_scale=scale, write_grads=True, sums=whole_sums)
+    before = _clone(halves)
+    _call(halves, grad_scale=scale, write_grads=True, sums=sums, part="moments")
+    _assert_same(halves, before, keys=("params", "master_params"))
+    assert float(halves["step"]) == 3.0
+    assert torch.equal(sums, whole_sums)
+    assert bool((sums[[0, 1, 2, 4]] > 0).all()) and not sums[3].any()  # tensor 3 is empty
+    assert not torch.equal(halves["exp_avgs"][0], before["exp_avgs"][0])
+    _call(halves, grad_scale=scale, sums=sums, part="apply", grad_norm=None)
+    _assert_same(halves, whole)
+    assert float(halves["step"]) == 4.0
+
+
+def test_the_second_half_forms_the_ratios_from_the_sums_it_is_given():
+    """Sums from elsewhere (other shards) change the step: twice the update's sum of squares
+    gives a trust ratio 1/sqrt(2) of the local one."""
+    a = _lamb_args("cpu", masters=True)
+    b = _clone(a)
+    sums_a, sums_b = _sums(a), _sums(b)
+    for args, sums in ((a, sums_a), (b, sums_b)):
+        _call(args, sums=sums, part="moments")
+    sums_b[:, 1] *= 2
+    start = [m.clone() for m in a["master_params"]]
+    _call(a, sums=sums_a, part="apply")
+    _call(b, sums=sums_b, part="apply")
+    for i in (0, 1, 2, 4):  # tensor 3 is empty
+        moved_a, moved_b = a["master_params"][i] - start[i], b["master_params"][i] - start[i]
+        # The step is a difference of fp32 values: its rounding is relative to the param's size.
+        atol = 1e-6 * float(start[i].abs().max())
+        torch.testing.assert_close(moved_b, moved_a / 2 ** 0.5, rtol=1e-5, atol=atol)
+
+
+def test_found_inf_skips_each_half():
+    a = _lamb_args("cpu")
+    before = _clone(a)
+    sums = _sums(a)
+    for part in ("moments", "apply"):
+        _call(a, found_inf=torch.ones(1), sums=sums, part=part)
+    _assert_same(a, before)
+    assert float(a["step"]) == 3.0 and not sums.any()
+
+
+@pytest.mark.parametrize("part", ["moments", "apply"])
+def test_opcheck_halves(device, part):
+    a = _lamb_args(device, masters=True)
+    norm = torch.full((), 40.0, device=device)
+    torch.library.opcheck(
+        torch.ops.ampfuse.fused_lamb_.default,
+        (a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["master_params"], a["step"],
+         a["lr"], 0.9, 0.999, 1e-6, 0.01, True, True, True, False, 1.0, norm, None, None, False,
+         torch.rand((len(a["params"]), 2), dtype=torch.float64, device=device), part),
+    )
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("masters", [True, False])
 def test_cuda_matches_the_cpu(masters):
@@ -150,6 +219,11 @@ ERRORS = {
     "clip_without_norm": ({"max_grad_norm": 1.0, "grad_norm": None}, ["grad_norm"]),
     "negative_clip": ({"max_grad_norm": -1.0}, ["max_grad_norm", ">= 0"]),
     "norm_wrong_dtype": ({"grad_norm": "int"}, ["grad_norm", "float32"]),
+    "unknown_part": ({"part": "first"}, ["part='first'", "'moments'"]),
+    "half_without_sums": ({"part": "moments"}, ["tensor_sums", "float64"]),
+    "sums_wrong_shape": ({"part": "apply", "tensor_sums": torch.zeros(2, 2, dtype=torch.float64)},
+                         ["tensor_sums", r"shape \(5, 2\)"]),
+    "sums_wrong_dtype": ({"tensor_sums": torch.zeros(5, 2)}, ["tensor_sums", "float64"]),
 }
 
 
@@ -165,7 +239,8 @@ def test_argument_errors_name_the_argument(case):
     with raises_naming(*patterns):
         ampfuse._ops.fused_lamb_(
             a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["master_params"],
-            a["step"], a["lr"], 0.9, 0.999, 1e-6, 0.01, True, True, True, False, clip, norm)
+            a["step"], a["lr"], 0.9, 0.999, 1e-6, 0.01, True, True, True, False, clip, norm,
+            tensor_sums=changes.get("tensor_sums"), part=changes.get("part", "both"))
     _assert_same(a, before)
 
 
