@@ -1,19 +1,22 @@
 """The ampfuse ops on DTensors (FSDP2's sharded params, grads and optimizer state).
 
-Every list op of ampfuse is element-wise: element j of tensor i of each list meets only element
-j of tensor i of the other lists. When tensor i of every list is sharded alike (the same device
-mesh, placements and global shape), each rank therefore runs the op on its local shards and gets
-exactly its shard of the unsharded result, with no communication. That is what torch's own
-sharding strategy for its fused Adam (list_pointwise_strategy) concludes for FSDP2 too; here it
-is a torch_dispatch rule for DTensor (torch.library.register_torch_dispatch, public API), see
-docs/DESIGN-NOTES.md for why not a sharding strategy.
+Every list op of ampfuse but fused_lamb_ is element-wise: element j of tensor i of each list
+meets only element j of tensor i of the other lists. When tensor i of every list is sharded
+alike (the same device mesh, placements and global shape), each rank therefore runs the op on
+its local shards and gets exactly its shard of the unsharded result, with no communication.
+That is what torch's own sharding strategy for its fused Adam (list_pointwise_strategy)
+concludes for FSDP2 too; here it is a torch_dispatch rule for DTensor
+(torch.library.register_torch_dispatch, public API), see docs/DESIGN-NOTES.md for why not a
+sharding strategy.
 
 multi_tensor_l2norm is the one reduction: the local sums of squares become a DTensor whose
 sharded mesh dimensions are Partial("sum"), and DTensor's own redistribution to Replicate
-all-reduces them, so every rank gets the global norms. multi_tensor_nonfinite_check_ checks the
-local shards and all-reduces its flag (MAX) over the tensors' meshes, so every rank gets the
-same verdict; the per-tensor overflow flags (tensor_flags) of the three flagging ops are OR-ed
-in the same collective, so every rank names the same tensors.
+all-reduces them, so every rank gets the global norms. fused_lamb_ needs the same for each
+param's trust ratio: it runs in two halves with the per-tensor sums all-reduced between them.
+multi_tensor_nonfinite_check_ checks the local shards and all-reduces its flag (MAX) over the
+tensors' meshes, so every rank gets the same verdict; the per-tensor overflow flags
+(tensor_flags) of the three flagging ops are OR-ed in the same collective, so every rank names
+the same tensors.
 
 Importing this module registers the rules; ampfuse._ops imports it as soon as
 torch.distributed.tensor is loaded (no DTensor can exist before that), so the wrappers in
@@ -208,14 +211,40 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
 
 
 def _lamb_rule(cls, func, types, args=(), kwargs=None):
-    """fused_lamb_ is not element-wise: each param's trust ratio needs the norms of the whole
-    param and update, over every shard. Refused by name rather than run on local shards,
-    which would scale each shard by its own ratio."""
-    raise NotImplementedError(
-        "ampfuse.fused_lamb_: DTensor (sharded) params are not supported yet: LAMB's trust ratio "
-        "needs each param's norm over all of its shards. Use plain tensors (DDP, or "
-        "full_tensor()), or FusedAdam on DTensors."
-    )
+    """fused_lamb_ on DTensors. LAMB is element-wise except for each param's trust ratio, which
+    needs the norms of the whole param and of its whole update: the first pass runs on the
+    local shards and leaves each tensor's local sums of squares (part="moments"), those are
+    summed over the ranks that hold different shards (DTensor's Partial -> Replicate, as for
+    multi_tensor_l2norm), and the second pass runs on the local shards from the global sums
+    (part="apply"). Every rank so forms the ratio a single process would."""
+    op = "fused_lamb_"
+    bound = dict(zip(_LAMB_ARGS, args))
+    bound.update(kwargs or {})
+    if bound.get("part", "both") != "both" or bound.get("tensor_sums") is not None:
+        raise RuntimeError(
+            f"ampfuse.{op}: part and tensor_sums are how the DTensor rule splits a sharded step; "
+            "call it on DTensors with part='both' and no tensor_sums."
+        )
+    params = list(bound["params"])
+    list_names = [n for n in _LAMB_ARGS if _is_tensor_list(bound.get(n))]
+    local = _local_lists(op, list_names, [bound[n] for n in list_names])
+    bound.update(zip(list_names, local))
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor):
+            bound[name] = _local_scalar(op, name, value)
+    sums = torch.zeros((len(params), 2), dtype=torch.float64, device=bound["step"].device)
+    func(**dict(bound, tensor_sums=sums, part="moments"))
+    groups = {}  # (mesh, placements) -> indices of the params sharded that way
+    for i, t in enumerate(params):
+        if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
+            groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
+    for (mesh, placements), indices in groups.items():
+        index = torch.tensor(indices, device=sums.device)
+        sums[index] = _reduced_over_shards(sums[index], mesh, placements, "sum")
+    func(**dict(bound, tensor_sums=sums, part="apply"))
+
+
+_LAMB_ARGS = [a.name for a in torch.ops.ampfuse.fused_lamb_.default._schema.arguments]
 
 
 for _op in POINTWISE_OPS:

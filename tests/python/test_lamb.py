@@ -375,20 +375,31 @@ def test_bad_options_are_refused_by_name(case):
         FusedLAMB(params, **options)
 
 
-def test_dtensor_params_are_refused_by_the_optimizer_and_the_op(one_rank):
-    """Each shard would get its own trust ratio: refused, in FusedLAMB and in the op."""
+def test_dtensor_params_step_like_plain_ones(one_rank):
+    """On one rank a DTensor step runs both halves of the op with the sums all-reduced between
+    them (a no-op here): the same bits as plain tensors. Two ranks: test_fsdp2.py."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
-    param = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
-    with raises_naming("DTensor", "norm over all"):
-        FusedLAMB([param])
-    local = [distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]) for _ in range(3)]
-    with raises_naming("DTensor", "norm over all of its shards"):
-        ampfuse._ops.fused_lamb_([param.data], [local[0]], [local[1]], [local[2]], [],
-                                 torch.zeros(()), 1e-3, 0.9, 0.999, 1e-6, 0.0)
-    assert torch.equal(local[1].to_local(), torch.zeros(4, 3))
+    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
+    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
+               for p in plain]
+    opts = [FusedLAMB(ps, lr=1e-2) for ps in (plain, sharded)]
+    for s in range(3):
+        grads = step_grads(plain, s, scale=4.0)
+        set_grads(plain, grads)
+        for p, g in zip(sharded, grads):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        for opt in opts:
+            opt.step()
+    for p, q in zip(plain, sharded):
+        assert torch.equal(p.detach(), q.detach().full_tensor())
+    with raises_naming("part and tensor_sums", "part='both'"):
+        ampfuse._ops.fused_lamb_([sharded[1].data], [sharded[1].grad], [sharded[1].data],
+                                 [sharded[1].data], [], torch.zeros(()), 1e-3, 0.9, 0.999, 1e-6,
+                                 0.0, tensor_sums=torch.zeros(1, 2, dtype=torch.float64),
+                                 part="moments")
 
 
 def test_option_sets_cover_each_switch_both_ways():

@@ -8,8 +8,8 @@ import torch
 
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
-from ampfuse.optimizers._groups import check_flag, param_name
-from ampfuse.optimizers._precision import _is_dtensor, export_extra
+from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import fp32_copy
 
 
@@ -41,8 +41,8 @@ class FusedLAMB(FusedOptimizer):
     dtype), the update is not written into p.grad (apex left it there), the step count is kept
     per param as torch.optim does (state_dict() also writes apex's per-group 'step', and
     load_state_dict() reads it), and fp16 grads may come scaled (GradScaler, amp): the norm and
-    the grads are unscaled on the device. Params that are DTensors (FSDP2) are refused: their
-    trust ratios need each param's norm over all shards.
+    the grads are unscaled on the device. Params may be DTensors (FSDP2): the trust ratios are
+    then formed from norms summed over the shards (ampfuse.distributed), as one process would.
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
@@ -118,16 +118,6 @@ class FusedLAMB(FusedOptimizer):
                 f"{name}: param_groups[{index}] has master_weights={group['master_weights']!r}; "
                 "FusedLAMB takes True (fp32 masters) or False. The bf16 modes ('stochastic', "
                 "'kahan', 'split') are FusedAdam's and FusedSGD's."
-            )
-
-    def _check_param_dtype(self, group_index, param_index, p):
-        super()._check_param_dtype(group_index, param_index, p)
-        if _is_dtensor(p):
-            raise NotImplementedError(
-                f"{type(self).__name__}: {param_name(group_index, param_index)} is a DTensor "
-                "(FSDP2 or tensor parallel). LAMB's trust ratio needs each param's norm over all "
-                "of its shards, which FusedLAMB does not gather yet; use FusedAdam, or LAMB on "
-                "unsharded params (DDP)."
             )
 
     def _state_keys(self, group):
