@@ -11,15 +11,13 @@ positions, threads) is tested in test_lamb_op.py.
 
 import itertools
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 from ampfuse.optimizers import FusedLAMB
-from helpers import dtype_id, raises_naming
+from helpers import dtype_id
 from test_adam import assert_parity, clone_params, make_params, set_grads, step_grads
 
 STEPS = 20
@@ -223,185 +221,6 @@ def test_skip_nonfinite_leaves_everything_as_it_was(device, bad, position):
             assert torch.equal(opt.state[p][key], t), key
 
 
-def compiled_steps_match_eager(device, backend):
-    """A torch.compile(fullgraph=True) FusedLAMB step (grad norm included) gives the eager
-    step's bits, masters and bf16 params alike."""
-    params = make_params(SHAPES, torch.bfloat16, device)
-    eager = clone_params(params)
-    opts = [FusedLAMB(p, lr=1e-2, master_weights=True) for p in (params, eager)]
-
-    @torch.compile(backend=backend, fullgraph=True)
-    def compiled_step():
-        opts[0].step()
-
-    for s in range(4):
-        grads = step_grads(params, s, scale=5.0)
-        set_grads(params, grads)
-        set_grads(eager, grads)
-        compiled_step()
-        opts[1].step()
-    for a, b in zip(params, eager):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_step_matches_eager_cpu(backend):
-    compiled_steps_match_eager("cpu", backend)
-
-
-@pytest.mark.cuda
-def test_compiled_step_matches_eager_cuda():
-    compiled_steps_match_eager("cuda", "inductor")
-
-
-def test_state_dict_resume_is_bit_for_bit(device):
-    params = make_params(SHAPES, torch.bfloat16, device)
-    resumed = clone_params(params)
-    grads = [step_grads(params, s) for s in range(6)]
-    opt = run_fused(params, [[0, 1, 2], [3, 4, 5]], grads, lr=1e-2, master_weights=True)
-
-    first = run_fused(resumed, [[0, 1, 2], [3, 4, 5]], grads[:3], lr=1e-2, master_weights=True)
-    saved = first.state_dict()
-    assert [g["step"] for g in saved["param_groups"]] == [3, 3], "apex's per-group step"
-    again = FusedLAMB([{"params": resumed[:3]}, {"params": resumed[3:]}], lr=1e-2,
-                      master_weights=True)
-    again.load_state_dict(saved)
-    for g in grads[3:]:
-        set_grads(resumed, g)
-        again.step()
-    for a, b in zip(params, resumed):
-        assert torch.equal(a, b)
-    assert torch.equal(opt.state[params[0]]["master_param"],
-                       again.state[resumed[0]]["master_param"])
-
-
-def test_loads_an_apex_fused_lamb_checkpoint(device):
-    """apex keeps the step count as an int in each param group and moments in the param's
-    dtype; loading it continues with fp32 moments and the right bias correction."""
-    params = make_params([(30,), (4, 5)], torch.float32, device)
-    resumed = clone_params(params)
-    grads = [step_grads(params, s) for s in range(4)]
-    run_fused(params, [[0, 1]], grads, lr=1e-2)
-    first = run_fused(resumed, [[0, 1]], grads[:2], lr=1e-2)
-    ours = first.state_dict()
-    apex_style = {
-        "state": {i: {"exp_avg": s["exp_avg"].half(), "exp_avg_sq": s["exp_avg_sq"].clone()}
-                  for i, s in ours["state"].items()},
-        "param_groups": [dict({k: v for k, v in g.items() if k != "step"}, step=2)
-                         for g in ours["param_groups"]],
-    }
-    again = FusedLAMB(resumed, lr=1e-2)
-    again.load_state_dict(apex_style)
-    assert float(again.state[resumed[0]]["step"]) == 2.0
-    assert "step" not in again.param_groups[0]
-    assert again.state[resumed[0]]["exp_avg"].dtype == torch.float32
-    for g in grads[2:]:
-        set_grads(resumed, g)
-        again.step()
-    for a, b in zip(params, resumed):
-        assert_parity(b, a, "resumed from an apex checkpoint", rtol=1e-3)
-
-
-def _train_tiny_mlp(opt_level=None, steps=30):
-    """Losses of a small regression trained by FusedLAMB, plain fp32 or under amp (bf16)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    opt = FusedLAMB(model.parameters(), lr=5e-2)
-    if opt_level is not None:
-        model, opt = ampfuse.amp.initialize(model, opt, opt_level=opt_level,
-                                            dtype=torch.bfloat16, verbosity=0)
-    x, y = torch.randn(64, 16), torch.randn(64, 4)
-    losses = []
-    for _ in range(steps):
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        if opt_level is None:
-            loss.backward()
-        else:
-            with ampfuse.amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, opt, losses
-
-
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_amp_trains_like_fp32(opt_level):
-    _, _, fp32 = _train_tiny_mlp()
-    model, opt, losses = _train_tiny_mlp(opt_level)
-    assert fp32[-1] < 0.8 * fp32[0], fp32
-    assert abs(losses[-1] - fp32[-1]) < 0.05 * fp32[-1], (losses[-1], fp32[-1])
-    if opt_level == "O2":
-        p = model[0].weight
-        assert p.dtype == torch.bfloat16
-        assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
-
-
-def test_apex_alias_gives_fused_lamb_with_apex_positional_order():
-    from ampfuse.apex_compat.apex import optimizers as apex_optimizers
-
-    params = make_params([(8,)], torch.float32, "cpu")
-    opt = apex_optimizers.FusedLAMB(params, 1e-3, True, (0.8, 0.9), 1e-5, 0.1, False, False,
-                                    True, False, 2.0, True)
-    group = opt.param_groups[0]
-    assert isinstance(opt, FusedLAMB)
-    assert (group["bias_correction"], group["betas"], group["eps"], group["weight_decay"]) == (
-        True, (0.8, 0.9), 1e-5, 0.1)
-    assert (group["adam_w_mode"], group["grad_averaging"], group["max_grad_norm"],
-            group["use_nvlamb"]) == (False, True, 2.0, True)
-    assert opt.set_grad_none is False
-
-
-BAD_OPTIONS = {
-    "amsgrad": ({"amsgrad": True}, ["amsgrad"]),
-    "negative_clip": ({"max_grad_norm": -1.0}, ["max_grad_norm", ">= 0"]),
-    "bool_clip": ({"max_grad_norm": True}, ["max_grad_norm"]),
-    "kahan": ({"master_weights": "kahan"}, ["master_weights", "FusedAdam"]),
-    "beta": ({"betas": (0.9, 1.0)}, ["betas", r"\[0, 1\)"]),
-    "flag": ({"use_nvlamb": 1}, ["use_nvlamb", "True or False"]),
-    "foreign_key": ({"momentum": 0.9}, None),
-}
-
-
-@pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
-def test_bad_options_are_refused_by_name(case):
-    options, patterns = case
-    params = make_params([(4,)], torch.float32, "cpu")
-    if patterns is None:  # a key of another optimizer in a param group
-        with raises_naming("momentum", "does not have"):
-            FusedLAMB([{"params": params, **options}])
-        return
-    with raises_naming(*patterns):
-        FusedLAMB(params, **options)
-
-
-def test_dtensor_params_step_like_plain_ones(one_rank):
-    """On one rank a DTensor step runs both halves of the op with the sums all-reduced between
-    them (a no-op here): the same bits as plain tensors. Two ranks: test_fsdp2.py."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (1,))
-    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
-    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
-               for p in plain]
-    opts = [FusedLAMB(ps, lr=1e-2) for ps in (plain, sharded)]
-    for s in range(3):
-        grads = step_grads(plain, s, scale=4.0)
-        set_grads(plain, grads)
-        for p, g in zip(sharded, grads):
-            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        for opt in opts:
-            opt.step()
-    for p, q in zip(plain, sharded):
-        assert torch.equal(p.detach(), q.detach().full_tensor())
-    with raises_naming("part and tensor_sums", "part='both'"):
-        ampfuse._ops.fused_lamb_([sharded[1].data], [sharded[1].grad], [sharded[1].data],
-                                 [sharded[1].data], [], torch.zeros(()), 1e-3, 0.9, 0.999, 1e-6,
-                                 0.0, tensor_sums=torch.zeros(1, 2, dtype=torch.float64),
-                                 part="moments")
-
-
 def test_option_sets_cover_each_switch_both_ways():
     switches = ("adam_w_mode", "grad_averaging", "bias_correction", "use_nvlamb")
     seen = {(k, v) for options in OPTION_SETS.values() for k, v in options.items()}
@@ -409,24 +228,3 @@ def test_option_sets_cover_each_switch_both_ways():
                 "use_nvlamb": False}
     for switch, value in itertools.product(switches, (True, False)):
         assert (switch, value) in seen or defaults[switch] == value, (switch, value)
-
-
-def test_the_benchmarks_torch_lamb_computes_the_same_step():
-    """bench_lamb.py times ForeachLamb, written with torch's _foreach ops, as torch's side of
-    the comparison: it must be the same LAMB, or the ratio compares different work."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-    try:
-        from bench_lamb import ForeachLamb
-    finally:
-        sys.path.pop(0)
-    params = make_params(SHAPES, torch.float32, "cpu")
-    ours = clone_params(params)
-    torch_opt, fused = ForeachLamb(params), FusedLAMB(ours, lr=1e-3)
-    for s in range(5):
-        grads = step_grads(params, s, scale=4.0)
-        set_grads(params, grads)
-        set_grads(ours, grads)
-        torch_opt.step()
-        fused.step()
-    for a, b in zip(ours, params):
-        assert_parity(a, b, "FusedLAMB against bench_lamb.ForeachLamb")
