@@ -88,6 +88,10 @@ def _worker(rank, world_size, threads, port, runs, options, out_dir):
                                   **options) for name, level in runs]
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
+        # No rank tears its process group down while another still works: gloo's threads may
+        # hold work that a rank's exit then frees during interpreter shutdown (a rare SIGABRT,
+        # "terminate called without an active exception", seen in CI-like runs).
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 

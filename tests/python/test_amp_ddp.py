@@ -75,6 +75,7 @@ def _worker(rank, port, out_dir, train):
     try:
         results = {name: train(rank, name) for name in OPTIMIZERS}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
     finally:
         dist.destroy_process_group()
 
@@ -200,6 +201,7 @@ def _no_sync_worker(rank, port, out_dir):
         results["refusal"] = {level: _unsynced_unscale_rank(rank, level)
                               for level in ("O1", "O2")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
     finally:
         dist.destroy_process_group()
 

@@ -194,6 +194,7 @@ def _worker(rank, port, out_dir, scenario, args):
     try:
         result = globals()[scenario](*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
     finally:
         dist.destroy_process_group()
 

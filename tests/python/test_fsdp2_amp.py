@@ -97,6 +97,7 @@ def _worker(rank, port, out_dir):
     )
     try:
         torch.save(_scenarios(), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
     finally:
         dist.destroy_process_group()
 

@@ -163,6 +163,7 @@ def _worker(rank, port, checkpoint_root, out_dir):
     try:
         result = _save_and_resume(checkpoint_root)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
     finally:
         dist.destroy_process_group()
 
