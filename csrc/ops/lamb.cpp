@@ -84,8 +84,9 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
   a.part = parse_part(part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // The second half forms no clip: it needs no norm.
-  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply, "ampfuse.", kLamb, ": max_grad_norm=",
-              max_grad_norm, " clips by the global grad norm; pass it as grad_norm (a "
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply,
+              "ampfuse.", kLamb, ": max_grad_norm=", max_grad_norm,
+              " clips by the global grad norm; pass it as grad_norm (a "
               "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
               "the step), or max_grad_norm=0 for no clipping.");
   const c10::optional<at::Device> device = list_device(kLamb, params, "params");
