@@ -32,11 +32,7 @@ AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kAdam, ": beta1 must be in [0, 1), got ",
-              beta1, ".");
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kAdam, ": beta2 must be in [0, 1), got ",
-              beta2, ".");
-  TORCH_CHECK(eps >= 0.0, "ampfuse.", kAdam, ": eps must be >= 0, got ", eps, ".");
+  check_moment_hyperparameters(kAdam, beta1, beta2, eps);
   TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), "ampfuse.", kAdam,
               ": max_exp_avg_sqs must be empty when amsgrad is False.");
   AdamArgs a;

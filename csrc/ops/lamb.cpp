@@ -70,11 +70,7 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", kLamb, ": beta1 must be in [0, 1), got ",
-              beta1, ".");
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", kLamb, ": beta2 must be in [0, 1), got ",
-              beta2, ".");
-  TORCH_CHECK(eps >= 0.0, "ampfuse.", kLamb, ": eps must be >= 0, got ", eps, ".");
+  check_moment_hyperparameters(kLamb, beta1, beta2, eps);
   TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kLamb, ": weight_decay must be >= 0, got ",
               weight_decay, ".");
   TORCH_CHECK(max_grad_norm >= 0.0 && std::isfinite(max_grad_norm), "ampfuse.", kLamb,
@@ -199,8 +195,10 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
   // Scratch from torch's caching allocator: no host sync, and graph capture takes it from the
-  // graph's pool.
-  const std::int64_t chunks = kernels::cuda::lamb_scratch_chunks(a.params);
+  // graph's pool. The second half alone reads no chunk sums (its sums are tensor_sums).
+  const std::int64_t chunks = a.part == kernels::LambPart::kApply
+                                  ? 0
+                                  : kernels::cuda::lamb_scratch_chunks(a.params);
   const auto scratch = at::TensorOptions().device(step.device());
   at::Tensor chunk_sums = at::empty({2 * chunks}, scratch.dtype(at::kFloat));
   at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));

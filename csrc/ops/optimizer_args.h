@@ -1,5 +1,5 @@
-// Argument handling shared by fused_adam_ and fused_sgd_: the device-side step
-// scalars, their checks, and grads that are written back unscaled.
+// Argument handling shared by the optimizer ops (fused_adam_, fused_sgd_, fused_lamb_): the
+// device-side step scalars, their checks, and grads that are written back unscaled.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,6 +30,16 @@ inline kernels::StepScalars step_scalars(const char* op, const at::Tensor& step,
   };
   return {step.data_ptr<float>(), lr.data_ptr<float>(), optional_ptr(grad_scale, "grad_scale"),
           optional_ptr(found_inf, "found_inf")};
+}
+
+// The hyperparameters of Adam's moments, which fused_adam_ and fused_lamb_ share.
+inline void check_moment_hyperparameters(const char* op, double beta1, double beta2,
+                                         double eps) {
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", op, ": beta1 must be in [0, 1), got ",
+              beta1, ".");
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", op, ": beta2 must be in [0, 1), got ",
+              beta2, ".");
+  TORCH_CHECK(eps >= 0.0, "ampfuse.", op, ": eps must be >= 0, got ", eps, ".");
 }
 
 // The grads are written back only when asked and when there is a scale to divide out.
