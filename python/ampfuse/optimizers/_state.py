@@ -23,7 +23,7 @@ import numbers
 import torch
 
 from ampfuse.optimizers._groups import param_name
-from ampfuse.optimizers._precision import import_extras, param_mode
+from ampfuse.optimizers._precision import export_extra, import_extras, param_mode
 from ampfuse.optimizers._skip import SkipRecord
 
 
@@ -231,7 +231,45 @@ class OptimizerStateMixin:
 
     def _import_group(self, saved, current, new):
         """Adjusts a loaded group `new` (saved keys minus torch-only ones) before the current
-        group's missing keys are filled in."""
+        group's missing keys are filled in. Betas saved as a list (JSON, some checkpoint tools)
+        come back as the tuple they were."""
+        if isinstance(new.get("betas"), list):
+            new["betas"] = tuple(new["betas"])
+
+    # The state of the optimizers with Adam's moments (FusedAdam, FusedLAMB): a 'step', fp32
+    # 'exp_avg' and 'exp_avg_sq', the family's optional moments, and the precision extras.
+
+    def _export_moments(self, state, step_value, optional=()):
+        """_export_state of a moments optimizer; `optional` keys are saved where present."""
+        if step_value is None:
+            # Only a master made by master_params() before any step: torch.optim.Adam would read
+            # a state without 'step' as corrupt, and the next step remakes the same master.
+            return {}
+        out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        for key in optional:
+            if key in state:
+                out[key] = state[key]
+        export_extra(state, out)
+        return out
+
+    def _import_moments(self, group, p, saved, where, needs, optional=()):
+        """_import_state of a moments optimizer; `needs` is the sentence a state without 'step',
+        'exp_avg' or 'exp_avg_sq' is refused with."""
+        if not saved:
+            return {}, None
+        if "step" not in saved or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state of {where} has keys "
+                f"{sorted(saved)}; {needs}"
+            )
+        imported = {}
+        for key in ("exp_avg", "exp_avg_sq", *optional):
+            if saved.get(key) is not None:
+                self._check_saved_shape(where, key, saved[key], p)
+                imported[key] = fp32_copy(saved[key], p)
+        self._import_master(group, p, saved, imported, where)
+        step = saved["step"]
+        return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
 
     def _import_master(self, group, p, saved, imported, where):
         """Takes over a saved fp32 master, kahan compensation or split low half, to be

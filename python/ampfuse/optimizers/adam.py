@@ -3,13 +3,10 @@ optional fp32 master weights for fp16/bf16 params, on top of torch.ops.ampfuse.f
 
 from __future__ import annotations
 
-import torch
 
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
-from ampfuse.optimizers._precision import export_extra
-from ampfuse.optimizers._state import fp32_copy
 
 
 class FusedAdam(FusedOptimizer):
@@ -162,39 +159,19 @@ class FusedAdam(FusedOptimizer):
         )
 
     def _export_state(self, group, state, step_value):
-        if step_value is None:
-            # Only a master made by master_params() before any step: torch.optim.Adam would read
-            # a state without 'step' as corrupt, and the next step remakes the same master.
-            return {}
-        out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        if "max_exp_avg_sq" in state:
-            out["max_exp_avg_sq"] = state["max_exp_avg_sq"]
-        export_extra(state, out)
-        return out
+        return self._export_moments(state, step_value, optional=("max_exp_avg_sq",))
 
     def _import_state(self, group, p, saved, where):
-        if not saved:
-            return {}, None
-        if "step" not in saved or "exp_avg" not in saved or "exp_avg_sq" not in saved:
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: state of {where} has keys "
-                f"{sorted(saved)}; an Adam state needs 'step', 'exp_avg' and 'exp_avg_sq'."
-            )
-        imported = {}
-        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if saved.get(key) is not None:
-                self._check_saved_shape(where, key, saved[key], p)
-                imported[key] = fp32_copy(saved[key], p)
-        self._import_master(group, p, saved, imported, where)
-        step = saved["step"]
-        return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
+        return self._import_moments(
+            group, p, saved, where, "an Adam state needs 'step', 'exp_avg' and 'exp_avg_sq'.",
+            optional=("max_exp_avg_sq",),
+        )
 
     def _import_group(self, saved, current, new):
         # A torch.optim checkpoint says Adam or AdamW through decoupled_weight_decay.
         if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
             new["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
-        if isinstance(new.get("betas"), list):
-            new["betas"] = tuple(new["betas"])
+        super()._import_group(saved, current, new)
 
 
 class FusedAdamW(FusedAdam):

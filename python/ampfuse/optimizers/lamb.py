@@ -9,8 +9,6 @@ import torch
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
-from ampfuse.optimizers._precision import export_extra
-from ampfuse.optimizers._state import fp32_copy
 
 
 class FusedLAMB(FusedOptimizer):
@@ -209,32 +207,13 @@ class FusedLAMB(FusedOptimizer):
         super().load_state_dict(state_dict)
 
     def _export_state(self, group, state, step_value):
-        if step_value is None:
-            return {}  # only a master made by master_params() before any step
-        out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        export_extra(state, out)
-        return out
+        return self._export_moments(state, step_value)
 
     def _import_state(self, group, p, saved, where):
-        if not saved:
-            return {}, None
-        if "step" not in saved or "exp_avg" not in saved or "exp_avg_sq" not in saved:
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: state of {where} has keys "
-                f"{sorted(saved)}; a LAMB state needs 'exp_avg' and 'exp_avg_sq', and a "
-                "'step' of its own or in its param group."
-            )
-        imported = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            self._check_saved_shape(where, key, saved[key], p)
-            imported[key] = fp32_copy(saved[key], p)
-        self._import_master(group, p, saved, imported, where)
-        step = saved["step"]
-        return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
-
-    def _import_group(self, saved, current, new):
-        if isinstance(new.get("betas"), list):
-            new["betas"] = tuple(new["betas"])
+        return self._import_moments(
+            group, p, saved, where, "a LAMB state needs 'exp_avg' and 'exp_avg_sq', and a 'step' "
+            "of its own or in its param group.",
+        )
 
 
 def _clip_value(group):
