@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
@@ -99,146 +100,21 @@ struct LambSlot {
   }
 };
 
-}  // namespace
+// Clipped AdamW-style with bias correction; and unclipped, L2 decay, no bias correction, no
+// grad averaging (grad_norm null: read only when clipping).
+const LambConfig kConfigs[] = {{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false},
+                               {0.9, 0.99, 1e-8, 0.01, 0.0, false, false, false, true}};
 
-TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
-  // Clipped AdamW-style with bias correction; and unclipped, L2 decay, no bias correction, no
-  // grad averaging (grad_norm null: read only when clipping).
-  const LambConfig configs[] = {{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false},
-                                {0.9, 0.99, 1e-8, 0.01, 0.0, false, false, false, true}};
-  for (const LambConfig& config : configs) {
-    for (bool with_masters : {false, true}) {
-      for (bool write_grads : {false, true}) {
-        std::vector<std::unique_ptr<LambSlot>> slots;
-        // Sizes over 64K and not multiples of 4 (packs and a scalar tail, a tensor over several
-        // chunks), a tiny one, and an unaligned one.
-        slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat16, 3 * 65536 + 5, 0, 10));
-        slots.emplace_back(new LambSlot(DType::kFloat16, DType::kFloat16, 70001, 0, 20));
-        slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 7, 0, 30));
-        slots.emplace_back(new LambSlot(DType::kBFloat16, DType::kFloat32, 65536 + 3, 1, 40));
-        std::vector<TensorRef> P, G, M, V, W;
-        for (auto& s : slots) {
-          P.push_back(s->at(s->param));
-          G.push_back(s->at(s->grad));
-          M.push_back(s->at(s->m));
-          V.push_back(s->at(s->v));
-          if (with_masters) W.push_back(s->at(s->master));
-        }
-        const std::int64_t chunks = cuda::lamb_scratch_chunks(P);
-        REQUIRE(chunks == 4 + 2 + 1 + 2);
-        LambBuffer<float> chunk_sums(2 * chunks), ratios(static_cast<std::int64_t>(P.size()));
-        LambBuffer<std::int32_t> chunk_owner(chunks);
-        DeviceScalar<LambStep> constants(LambStep{});
-        // The global norm of the grads as passed (scaled): 512 * 300 clips to max_grad_norm 1.
-        DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f),
-            grad_norm(512.0f * 300.0f);
-        const StepScalars scalars{step.device, lr.device, scale.device, found.device};
-        const float* norm = config.max_grad_norm > 0.0 ? grad_norm.device : nullptr;
-
-        cuda::lamb(P, G, M, V, W, config, scalars, norm, write_grads, constants.device,
-                   chunk_sums.device, chunk_owner.device, ratios.device, nullptr);
-        check(cudaDeviceSynchronize());
-        REQUIRE(step.get() == 4.0f);
-
-        // The CPU reference runs with the constants the GPU used (each side's double pow may
-        // differ in the last bit; compared to within one ulp here).
-        const LambStep used = constants.get();
-        const LambStep host = make_lamb_constants(config, 3.0f, 1e-3f, 512.0f,
-                                                  config.max_grad_norm > 0.0 ? 512.0f * 300.0f
-                                                                             : 0.0f);
-        REQUIRE(floats_within_ulps(used.bias_correction1, host.bias_correction1, 1));
-        REQUIRE(floats_within_ulps(used.bias_correction2, host.bias_correction2, 1));
-        REQUIRE(used.clip_divisor == host.clip_divisor);
-        REQUIRE(used.clipped == (config.max_grad_norm > 0.0));
-        REQUIRE(used.grad_scale == 512.0f);
-        REQUIRE(used.steps_taken == 3.0f);
-
-        std::vector<float> device_ratios(P.size());
-        check(cudaMemcpy(device_ratios.data(), ratios.device, sizeof(float) * P.size(),
-                         cudaMemcpyDeviceToHost));
-        for (std::size_t t = 0; t < slots.size(); ++t) {
-          LambSlot& s = *slots[t];
-          std::vector<unsigned char> p = s.param.host, g = s.grad.host, mm = s.m.host,
-                                     vv = s.v.host, ww = s.master.host;
-          float* master = with_masters
-                              ? reinterpret_cast<float*>(s.host_at(ww, DType::kFloat32))
-                              : nullptr;
-          double param_sq = 0.0, update_sq = 0.0;
-          cpu::lamb_moments_span(s.host_at(p, s.param_dtype), s.param_dtype,
-                                 s.host_at(g, s.grad_dtype), s.grad_dtype, write_grads,
-                                 reinterpret_cast<float*>(s.host_at(mm, DType::kFloat32)),
-                                 reinterpret_cast<float*>(s.host_at(vv, DType::kFloat32)), master,
-                                 s.n, used, &param_sq, &update_sq);
-          const float ratio = lamb_ratio(static_cast<float>(std::sqrt(param_sq)),
-                                         static_cast<float>(std::sqrt(update_sq)), used);
-          INFO("tensor " << t << ", masters " << with_masters << ", write_grads " << write_grads
-                         << ", ratio " << ratio << " (GPU " << device_ratios[t] << ")");
-          REQUIRE(floats_within_ulps(device_ratios[t], ratio, 2));
-          cpu::lamb_apply_span(s.host_at(p, s.param_dtype), s.param_dtype,
-                               reinterpret_cast<float*>(s.host_at(mm, DType::kFloat32)),
-                               reinterpret_cast<float*>(s.host_at(vv, DType::kFloat32)), master,
-                               s.n, used, ratio);
-          REQUIRE(s.m.download() == mm);
-          REQUIRE(s.v.download() == vv);
-          REQUIRE(s.grad.download() == g);
-          // fp32 within 2 ulps; a 16-bit param is the fp32 result rounded, so a last-bit
-          // difference there may move it by one ulp of its own type.
-          REQUIRE(max_ulps(s.param.download(), p, s.param_dtype) <=
-                  (s.param_dtype == DType::kFloat32 ? 2 : 1));
-          REQUIRE(max_ulps(s.master.download(), ww, DType::kFloat32) <= 2);
-          REQUIRE(s.param.download() != s.param.host);  // the step did move the params
-        }
-
-        // A skipped step writes nothing but scratch: params, grads, moments, masters and the
-        // step count stay as they are.
-        std::vector<std::vector<unsigned char>> before;
-        for (auto& s : slots) {
-          for (DeviceTensor* t : {&s->param, &s->grad, &s->m, &s->v, &s->master}) {
-            before.push_back(t->download());
-          }
-        }
-        found.set(1.0f);
-        cuda::lamb(P, G, M, V, W, config, scalars, norm, true, constants.device,
-                   chunk_sums.device, chunk_owner.device, ratios.device, nullptr);
-        check(cudaDeviceSynchronize());
-        REQUIRE(step.get() == 4.0f);
-        std::size_t k = 0;
-        for (auto& s : slots) {
-          for (DeviceTensor* t : {&s->param, &s->grad, &s->m, &s->v, &s->master}) {
-            REQUIRE(t->download() == before[k++]);
-          }
-        }
-      }
-    }
-  }
-}
-
-TEST_CASE("CUDA LAMB over an empty list only advances the step count") {
-  DeviceScalar<float> step(7.0f), lr(1e-3f), found(0.0f);
-  DeviceScalar<LambStep> constants(LambStep{});
-  const StepScalars scalars{step.device, lr.device, nullptr, found.device};
-  const std::vector<TensorRef> none;
-  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 0.0, true, true, true, false};
-  REQUIRE(cuda::lamb_scratch_chunks(none) == 0);
-  cuda::lamb(none, none, none, none, none, config, scalars, nullptr, false, constants.device,
-             nullptr, nullptr, nullptr, nullptr);
-  REQUIRE(step.get() == 8.0f);
-  found.set(1.0f);
-  cuda::lamb(none, none, none, none, none, config, scalars, nullptr, false, constants.device,
-             nullptr, nullptr, nullptr, nullptr);
-  REQUIRE(step.get() == 8.0f);
-}
-
-namespace {
-
-// The first case's tensors and an empty one (no chunk: sums 0, ratio the plain lr; viewed one
-// element into a one-element allocation, so every copy of it moves a byte), from the same seeds
-// on every call: two calls start from the same bits.
-std::vector<std::unique_ptr<LambSlot>> sharded_lamb_slots() {
+// Sizes over 64K and not multiples of 4 (packs and a scalar tail, a tensor over several
+// chunks), a tiny one, and an unaligned one; with `empty_shard`, also a tensor without elements
+// (no chunk: sums 0, ratio the plain lr; viewed one element into a one-element allocation, so
+// every copy of it moves a byte). The same seeds on every call: two calls start from the same
+// bits.
+std::vector<std::unique_ptr<LambSlot>> lamb_slots(bool empty_shard) {
   std::vector<std::unique_ptr<LambSlot>> slots;
   slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat16, 3 * 65536 + 5, 0, 10));
   slots.emplace_back(new LambSlot(DType::kFloat16, DType::kFloat16, 70001, 0, 20));
-  slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 0, 1, 25));
+  if (empty_shard) slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 0, 1, 25));
   slots.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 7, 0, 30));
   slots.emplace_back(new LambSlot(DType::kBFloat16, DType::kFloat32, 65536 + 3, 1, 40));
   return slots;
@@ -276,12 +152,129 @@ std::vector<T> download_array(const T* device, std::size_t n) {
   return out;
 }
 
+// Host copies of one slot's tensors, stepped by the CPU spans the way the CPU op steps them.
+struct HostStep {
+  LambSlot& slot;
+  std::vector<unsigned char> p, g, m, v, w;
+  float* master;
+
+  HostStep(LambSlot& s, bool with_masters)
+      : slot(s), p(s.param.host), g(s.grad.host), m(s.m.host), v(s.v.host), w(s.master.host),
+        master(with_masters ? reinterpret_cast<float*>(s.host_at(w, DType::kFloat32))
+                            : nullptr) {}
+
+  float* moment(std::vector<unsigned char>& h) {
+    return reinterpret_cast<float*>(slot.host_at(h, DType::kFloat32));
+  }
+  // The first pass; returns the sums of squares of the param and of the update.
+  std::pair<double, double> moments(bool write_grads, const LambStep& step) {
+    double param_sq = 0.0, update_sq = 0.0;
+    cpu::lamb_moments_span(slot.host_at(p, slot.param_dtype), slot.param_dtype,
+                           slot.host_at(g, slot.grad_dtype), slot.grad_dtype, write_grads,
+                           moment(m), moment(v), master, slot.n, step, &param_sq, &update_sq);
+    return {param_sq, update_sq};
+  }
+  void apply(const LambStep& step, float ratio) {
+    cpu::lamb_apply_span(slot.host_at(p, slot.param_dtype), slot.param_dtype, moment(m),
+                         moment(v), master, slot.n, step, ratio);
+  }
+};
+
 }  // namespace
 
+TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
+  for (const LambConfig& config : kConfigs) {
+    for (bool with_masters : {false, true}) {
+      for (bool write_grads : {false, true}) {
+        const auto slots = lamb_slots(/*empty_shard=*/false);
+        const LambLists lists(slots, with_masters);
+        const std::int64_t chunks = cuda::lamb_scratch_chunks(lists.P);
+        REQUIRE(chunks == 4 + 2 + 1 + 2);
+        LambBuffer<float> chunk_sums(2 * chunks), ratios(static_cast<std::int64_t>(lists.P.size()));
+        LambBuffer<std::int32_t> chunk_owner(chunks);
+        DeviceScalar<LambStep> constants(LambStep{});
+        // The global norm of the grads as passed (scaled): 512 * 300 clips to max_grad_norm 1.
+        DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f),
+            grad_norm(512.0f * 300.0f);
+        const StepScalars scalars{step.device, lr.device, scale.device, found.device};
+        const float* norm = config.max_grad_norm > 0.0 ? grad_norm.device : nullptr;
+
+        cuda::lamb(lists.P, lists.G, lists.M, lists.V, lists.W, config, scalars, norm, write_grads,
+                   constants.device, chunk_sums.device, chunk_owner.device, ratios.device,
+                   nullptr);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step.get() == 4.0f);
+
+        // The CPU reference runs with the constants the GPU used (each side's double pow may
+        // differ in the last bit; compared to within one ulp here).
+        const LambStep used = constants.get();
+        const LambStep host = make_lamb_constants(config, 3.0f, 1e-3f, 512.0f,
+                                                  config.max_grad_norm > 0.0 ? 512.0f * 300.0f
+                                                                             : 0.0f);
+        REQUIRE(floats_within_ulps(used.bias_correction1, host.bias_correction1, 1));
+        REQUIRE(floats_within_ulps(used.bias_correction2, host.bias_correction2, 1));
+        REQUIRE(used.clip_divisor == host.clip_divisor);
+        REQUIRE(used.clipped == (config.max_grad_norm > 0.0));
+        REQUIRE(used.grad_scale == 512.0f);
+        REQUIRE(used.steps_taken == 3.0f);
+
+        std::vector<float> device_ratios(lists.P.size());
+        check(cudaMemcpy(device_ratios.data(), ratios.device, sizeof(float) * lists.P.size(),
+                         cudaMemcpyDeviceToHost));
+        for (std::size_t t = 0; t < slots.size(); ++t) {
+          LambSlot& s = *slots[t];
+          HostStep host_step(s, with_masters);
+          const auto [param_sq, update_sq] = host_step.moments(write_grads, used);
+          const float ratio = lamb_ratio(static_cast<float>(std::sqrt(param_sq)),
+                                         static_cast<float>(std::sqrt(update_sq)), used);
+          INFO("tensor " << t << ", masters " << with_masters << ", write_grads " << write_grads
+                         << ", ratio " << ratio << " (GPU " << device_ratios[t] << ")");
+          REQUIRE(floats_within_ulps(device_ratios[t], ratio, 2));
+          host_step.apply(used, ratio);
+          REQUIRE(s.m.download() == host_step.m);
+          REQUIRE(s.v.download() == host_step.v);
+          REQUIRE(s.grad.download() == host_step.g);
+          // fp32 within 2 ulps; a 16-bit param is the fp32 result rounded, so a last-bit
+          // difference there may move it by one ulp of its own type.
+          REQUIRE(max_ulps(s.param.download(), host_step.p, s.param_dtype) <=
+                  (s.param_dtype == DType::kFloat32 ? 2 : 1));
+          REQUIRE(max_ulps(s.master.download(), host_step.w, DType::kFloat32) <= 2);
+          REQUIRE(s.param.download() != s.param.host);  // the step did move the params
+        }
+
+        // A skipped step writes nothing but scratch: params, grads, moments, masters and the
+        // step count stay as they are.
+        const std::vector<std::vector<unsigned char>> before = download_slots(slots);
+        found.set(1.0f);
+        cuda::lamb(lists.P, lists.G, lists.M, lists.V, lists.W, config, scalars, norm, true,
+                   constants.device, chunk_sums.device, chunk_owner.device, ratios.device,
+                   nullptr);
+        check(cudaDeviceSynchronize());
+        REQUIRE(step.get() == 4.0f);
+        REQUIRE(download_slots(slots) == before);
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA LAMB over an empty list only advances the step count") {
+  DeviceScalar<float> step(7.0f), lr(1e-3f), found(0.0f);
+  DeviceScalar<LambStep> constants(LambStep{});
+  const StepScalars scalars{step.device, lr.device, nullptr, found.device};
+  const std::vector<TensorRef> none;
+  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 0.0, true, true, true, false};
+  REQUIRE(cuda::lamb_scratch_chunks(none) == 0);
+  cuda::lamb(none, none, none, none, none, config, scalars, nullptr, false, constants.device,
+             nullptr, nullptr, nullptr, nullptr);
+  REQUIRE(step.get() == 8.0f);
+  found.set(1.0f);
+  cuda::lamb(none, none, none, none, none, config, scalars, nullptr, false, constants.device,
+             nullptr, nullptr, nullptr, nullptr);
+  REQUIRE(step.get() == 8.0f);
+}
+
 TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bit for bit") {
-  const LambConfig configs[] = {{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false},
-                                {0.9, 0.99, 1e-8, 0.01, 0.0, false, false, false, true}};
-  for (const LambConfig& config : configs) {
+  for (const LambConfig& config : kConfigs) {
     for (bool with_masters : {false, true}) {
       for (bool write_grads : {false, true}) {
         INFO("max_grad_norm " << config.max_grad_norm << ", masters " << with_masters
@@ -289,8 +282,8 @@ TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bi
         // One set of tensors steps in one call (kBoth, asked for its tensor sums too), the other
         // in two (the sums passed from the first half to the second unchanged: one device, so
         // nothing to add over shards).
-        const auto one = sharded_lamb_slots();
-        const auto two = sharded_lamb_slots();
+        const auto one = lamb_slots(/*empty_shard=*/true);
+        const auto two = lamb_slots(/*empty_shard=*/true);
         const LambLists a(one, with_masters), b(two, with_masters);
         const std::size_t n = one.size();
         const std::int64_t chunks = cuda::lamb_scratch_chunks(a.P);
@@ -350,17 +343,7 @@ TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bi
         // within a chunk: not bit for bit).
         for (std::size_t t = 0; t < n; ++t) {
           LambSlot& s = *one[t];
-          std::vector<unsigned char> p = s.param.host, g = s.grad.host, mm = s.m.host,
-                                     vv = s.v.host, ww = s.master.host;
-          const float* master =
-              with_masters ? reinterpret_cast<const float*>(s.host_at(ww, DType::kFloat32))
-                           : nullptr;
-          double param_sq = 0.0, update_sq = 0.0;
-          cpu::lamb_moments_span(s.host_at(p, s.param_dtype), s.param_dtype,
-                                 s.host_at(g, s.grad_dtype), s.grad_dtype, write_grads,
-                                 reinterpret_cast<float*>(s.host_at(mm, DType::kFloat32)),
-                                 reinterpret_cast<float*>(s.host_at(vv, DType::kFloat32)), master,
-                                 s.n, used, &param_sq, &update_sq);
+          const auto [param_sq, update_sq] = HostStep(s, with_masters).moments(write_grads, used);
           INFO("tensor " << t << ": GPU sums " << host_sums_a[2 * t] << ", "
                          << host_sums_a[2 * t + 1] << "; CPU " << param_sq << ", " << update_sq);
           REQUIRE(std::abs(host_sums_a[2 * t] - param_sq) <= 1e-6 * param_sq);
