@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 
 import torch
@@ -88,12 +89,18 @@ def _worker(rank, world_size, threads, port, runs, options, out_dir):
                                   **options) for name, level in runs]
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
-        # No rank tears its process group down while another still works: gloo's threads may
-        # hold work that a rank's exit then frees during interpreter shutdown (a rare SIGABRT,
-        # "terminate called without an active exception", seen in CI-like runs).
-        torch.distributed.barrier()
-    finally:
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
+    # Every rank meets at a barrier, tears the gloo group down and exits without the
+    # interpreter's finalization: gloo's threads may still hold work whose release during
+    # finalization aborts the process ("terminate called without an active exception"), a rare
+    # failure seen in CI runs. The results are saved; the parent reads them.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train_sharded(runs, world_size: int, **options) -> list[dict]:

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from amp_models import TinyMLP, assert_same_snapshot, make_model, make_optimizer, snapshot
 from ampfuse import amp
 from helpers import raises_naming
-from ranks import free_port, spawn_ranks
+from ranks import free_port, leave_group, spawn_ranks
 
 WORLD_SIZE = 2
 STEPS = 12
@@ -75,9 +75,10 @@ def _worker(rank, port, out_dir, train):
     try:
         results = {name: train(rank, name) for name in OPTIMIZERS}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 def _run_ranks(train, tmp_path):
@@ -201,9 +202,10 @@ def _no_sync_worker(rank, port, out_dir):
         results["refusal"] = {level: _unsynced_unscale_rank(rank, level)
                               for level in ("O1", "O2")}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 def test_no_sync_accumulation_with_an_overflow_on_one_rank_keeps_ranks_identical(tmp_path):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ampfuse import amp
 from helpers import raises_naming
-from ranks import free_port, spawn_ranks
+from ranks import free_port, leave_group, spawn_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -97,9 +97,10 @@ def _worker(rank, port, out_dir):
     )
     try:
         torch.save(_scenarios(), os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 @pytest.fixture(scope="module")

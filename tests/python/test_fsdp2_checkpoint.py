@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import free_port, spawn_ranks
+from ranks import free_port, leave_group, spawn_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -163,9 +163,10 @@ def _worker(rank, port, checkpoint_root, out_dir):
     try:
         result = _save_and_resume(checkpoint_root)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears down while another works (see ampfuse/demo_fsdp2.py)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 @pytest.fixture(scope="module")
