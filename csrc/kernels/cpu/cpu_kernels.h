@@ -8,6 +8,7 @@
 #include "../dtype.h"
 #include "../lamb_math.h"
 #include "../nonfinite_kind.h"
+#include "../novograd_math.h"
 #include "../optimizer_math.h"
 
 namespace ampfuse::kernels::cpu {
@@ -57,6 +58,19 @@ void lamb_moments_span(const void* param, DType param_dtype, void* grad, DType g
 // a master the master is updated and the param receives it rounded.
 void lamb_apply_span(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
                      float* master, std::int64_t n, const LambStep& step, float ratio);
+
+// NovoGrad's first pass over a span of grads (novograd_math.h): the reduction of the grads
+// divided by grad_scale, their sum of squares (max_norm false) or their largest |g| (true; a
+// NaN grad makes it NaN). The grads are only read.
+double novograd_norm_span(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
+                          bool max_norm);
+
+// NovoGrad's second pass: the first moment and the param (the master when there is one,
+// which the param then receives rounded), `denom` the tensor's novograd_denominator. The grad
+// is divided by step.grad_scale and, with write_grad, stored back so.
+void novograd_apply_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                         bool write_grad, float* exp_avg, float* master, std::int64_t n,
+                         const NovoGradStep& step, float denom);
 
 // bf16 params without an fp32 master (master_weights="stochastic", "kahan", "split"):
 // `extra` holds the kahan compensations or the split low halves (bf16 bits; null for
