@@ -10,6 +10,7 @@
 #include "bf16_modes.h"
 #include "dtype.h"
 #include "lamb_math.h"
+#include "novograd_math.h"
 #include "optimizer_math.h"
 
 namespace ampfuse::kernels::cuda {
@@ -91,5 +92,30 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
           const StepScalars& scalars, const float* grad_norm, bool write_grads,
           LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
           StreamHandle stream, LambPart part = LambPart::kBoth, double* tensor_sums = nullptr);
+
+// Scratch the novograd launcher needs: novograd_scratch_chunks(params) 64K-element chunks, each
+// with one float of chunk_partials (its grads' sum of squares, or max |g|) and one int32 of
+// chunk_owner.
+std::int64_t novograd_scratch_chunks(const std::vector<TensorRef>& params);
+
+// NovoGrad (novograd_math.h) over lists of equal length: params (any float dtype), grads (any),
+// exp_avgs (fp32, shaped as the params), norm_avgs (fp32, ONE element per tensor: its running
+// grad norm), masters (fp32) optional (empty vector when absent). A one-thread prologue fills
+// `constants` (device memory for one NovoGradStep) and advances the step count unless
+// *scalars.found_inf != 0 (not in kNorms, which leaves that to kApply); the first pass reduces
+// each chunk's unscaled grads into chunk_partials/chunk_owner; a finishing kernel adds (or
+// maxes) each tensor's partials in a fixed order into tensor_reductions[t] (a double per tensor,
+// always required: scratch for kBoth) and blends it into norm_avgs[t]; the second pass updates
+// exp_avgs, the masters and the params, and with write_grads stores the unscaled grads. On
+// overflow nothing but the scratch is written. Deterministic: no atomics.
+// kNorms runs the first pass and the finishing kernel without the blend (tensor_reductions
+// then hold this shard's reductions); kApply takes tensor_reductions as given (combined over the
+// shards by the caller), blends and runs the second pass.
+void novograd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+              const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& norm_avgs,
+              const std::vector<TensorRef>& masters, const NovoGradConfig& config,
+              const StepScalars& scalars, bool write_grads, NovoGradStep* constants,
+              float* chunk_partials, std::int32_t* chunk_owner, double* tensor_reductions,
+              StreamHandle stream, NovoGradPart part = NovoGradPart::kBoth);
 
 }  // namespace ampfuse::kernels::cuda
