@@ -50,6 +50,15 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part);
+void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList norm_avgs, at::TensorList master_params,
+                        const at::Tensor& step, const at::Tensor& lr, double beta1,
+                        double beta2, double eps, double weight_decay, bool bias_correction,
+                        bool grad_averaging, bool reg_inside_moment, int64_t norm_type,
+                        bool init_zero, const c10::optional<at::Tensor>& grad_scale,
+                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                        const c10::optional<at::Tensor>& tensor_reductions,
+                        c10::string_view part);
 
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cpu(const at::Tensor& input, const at::Tensor& scale,
@@ -108,6 +117,15 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      const c10::optional<at::Tensor>& grad_scale,
                      const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                      const c10::optional<at::Tensor>& tensor_sums, c10::string_view part);
+void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList norm_avgs, at::TensorList master_params,
+                         const at::Tensor& step, const at::Tensor& lr, double beta1,
+                         double beta2, double eps, double weight_decay, bool bias_correction,
+                         bool grad_averaging, bool reg_inside_moment, int64_t norm_type,
+                         bool init_zero, const c10::optional<at::Tensor>& grad_scale,
+                         const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                         const c10::optional<at::Tensor>& tensor_reductions,
+                         c10::string_view part);
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cuda(const at::Tensor& input, const at::Tensor& scale,
                               const at::Tensor& amax, at::ScalarType dtype);

@@ -69,6 +69,22 @@ TORCH_LIBRARY(ampfuse, m) {
       "bool bias_correction, bool grad_averaging, bool use_nvlamb, float max_grad_norm, "
       "Tensor? grad_norm, Tensor? grad_scale, Tensor? found_inf, "
       "bool write_unscaled_grads=False, Tensor(h!)? tensor_sums=None, str part=\"both\") -> ()");
+  // NovoGrad step (apex.optimizers.FusedNovoGrad's math): each param keeps one running norm
+  // of its grads in norm_avgs (a one-element float32 tensor: L2 norms blend as
+  // sqrt(beta2 * avg^2 + (1 - beta2) * ||g||^2), max norms (norm_type=0) linearly), starting
+  // from the first step's norm unless init_zero; the first moment takes the grad divided by
+  // the bias-corrected running norm (reg_inside_moment) or the step divides by it after.
+  // fp32 moments and optional fp32 masters; grads, step, found_inf and write_unscaled_grads
+  // as for Adam. part="norms" leaves each tensor's reduction of its grads (sum of squares or
+  // max |g|) in tensor_reductions (float64 [n]) and stops; part="apply" takes them from there
+  // and runs the rest; a sharded (FSDP2) step combines them over the shards in between.
+  m.def(
+      "fused_novograd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] norm_avgs, Tensor(e!)[] master_params, Tensor(f!) step, Tensor lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
+      "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
+      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False, "
+      "Tensor(h!)? tensor_reductions=None, str part=\"both\") -> ()");
   // FP8 (delayed scaling). input * scale saturated to dtype's range (e4m3fn or e5m2) and
   // cast; amax = max(amax, max |input|), nan propagating, in the same pass.
   m.def("fp8_cast_amax(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> Tensor");
@@ -98,6 +114,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cpu);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cpu);
   m.impl("fused_lamb_", &ampfuse::ops::fused_lamb_cpu);
+  m.impl("fused_novograd_", &ampfuse::ops::fused_novograd_cpu);
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cpu);
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cpu);
   m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cpu);
@@ -114,6 +131,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cuda);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cuda);
   m.impl("fused_lamb_", &ampfuse::ops::fused_lamb_cuda);
+  m.impl("fused_novograd_", &ampfuse::ops::fused_novograd_cuda);
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cuda);
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_cuda);
   m.impl("fp8_gemm", &ampfuse::ops::fp8_gemm_cuda);
@@ -137,6 +155,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   m.impl("fused_adam_", refuse());
   m.impl("fused_sgd_", refuse());
   m.impl("fused_lamb_", refuse());
+  m.impl("fused_novograd_", refuse());
   m.impl("fp8_cast_amax", refuse());
   m.impl("fp8_update_scales_", &ampfuse::ops::fp8_update_scales_fallback);
   m.impl("fp8_gemm", refuse());
@@ -150,7 +169,8 @@ TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
   };
   for (const char* op : {"multi_tensor_unscale_", "multi_tensor_nonfinite_check_",
                          "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_",
-                         "fused_adam_", "fused_sgd_", "fused_lamb_", "fp8_cast_amax",
+                         "fused_adam_", "fused_sgd_", "fused_lamb_", "fused_novograd_",
+                         "fp8_cast_amax",
                          "fp8_update_scales_", "fp8_gemm", "fp8_transpose"}) {
     m.impl(op, refuse());
   }

@@ -30,6 +30,7 @@ _OPS = (
     "fused_adam_",
     "fused_sgd_",
     "fused_lamb_",
+    "fused_novograd_",
     "fp8_cast_amax",
     "fp8_update_scales_",
     "fp8_gemm",
@@ -399,5 +400,7 @@ from ampfuse._fp8_ops import (  # noqa: E402,F401
     fp8_transpose,
     fp8_update_scales_,
 )
-# fused_lamb_'s wrapper and fake kernel live in _lamb_ops, for the same reason.
+# fused_lamb_'s and fused_novograd_'s wrappers and fake kernels live in _lamb_ops and
+# _novograd_ops, for the same reason.
 from ampfuse._lamb_ops import fused_lamb_  # noqa: E402,F401
+from ampfuse._novograd_ops import fused_novograd_  # noqa: E402,F401

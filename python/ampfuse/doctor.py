@@ -26,6 +26,7 @@ import torch
 
 from ampfuse._doctor_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
 from ampfuse._doctor_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
+from ampfuse._doctor_novograd import SMOKE_TESTS as NOVOGRAD_SMOKE_TESTS
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -479,6 +480,7 @@ SMOKE_TESTS = {
     "fused_adam_": _smoke_adam,
     "fused_sgd_": _smoke_sgd,
     **LAMB_SMOKE_TESTS,
+    **NOVOGRAD_SMOKE_TESTS,
     **FP8_SMOKE_TESTS,
 }
 

@@ -1,0 +1,87 @@
+"""Typed wrapper and fake (meta) kernel of fused_novograd_ (schema in csrc/registration.cpp).
+
+Kept beside ``_ops.py``, which imports this module, so the op loads with the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse._ops import (
+    _check_companions,
+    _check_list,
+    _check_scalar,
+    _check_step_scalars,
+    _dtensor_rules,
+    _lr_tensor,
+)
+
+NOVOGRAD_PARTS = ("both", "norms", "apply")
+NORM_TYPES = (2, 0)  # apex's: 2 is the L2 norm, 0 the max (infinity) norm
+
+
+def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
+                    eps, weight_decay, bias_correction=True, grad_averaging=True,
+                    reg_inside_moment=False, norm_type=2, init_zero=False, grad_scale=None,
+                    found_inf=None, write_unscaled_grads=False, tensor_reductions=None,
+                    part="both") -> None:
+    """One NovoGrad step over lists, in apex.optimizers.FusedNovoGrad's math.
+
+    norm_avgs holds each param's running grad norm (a one-element float32 tensor, 0 before the
+    first step); norm_type is 2 (L2) or 0 (max). lr, grad_scale, found_inf and
+    write_unscaled_grads as for fused_adam_. part="norms" reduces each tensor's unscaled grads
+    alone (sum of squares, or max |g|) into tensor_reductions (torch.float64, shape
+    (len(params),)); part="apply" blends the running norms from them, updates the params and
+    advances step. For DTensor params (FSDP2) ampfuse.distributed runs the two halves with the
+    reductions combined over the shards in between."""
+    lr = _lr_tensor(lr, step)
+    _dtensor_rules()
+    torch.ops.ampfuse.fused_novograd_(
+        list(params), list(grads), list(exp_avgs), list(norm_avgs), list(master_params), step,
+        lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
+        norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads, tensor_reductions,
+        part,
+    )
+
+
+@torch.library.register_fake("ampfuse::fused_novograd_")
+def _novograd_fake(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
+                   eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
+                   norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads=False,
+                   tensor_reductions=None, part="both"):
+    op = "fused_novograd_"
+    if part not in NOVOGRAD_PARTS:
+        raise RuntimeError(f"ampfuse.{op}: part={part!r} is not one of 'both', 'norms', 'apply'.")
+    if norm_type not in NORM_TYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: norm_type={norm_type} is not supported; use 2 (the L2 norm) or 0 "
+            "(the max norm), as apex.optimizers.FusedNovoGrad."
+        )
+    device = _check_list(op, "params", params)
+    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
+    _check_companions(op, params, "master_params", master_params, fp32_only=True, optional=True)
+    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+    if len(norm_avgs) != len(params):
+        raise RuntimeError(
+            f"ampfuse.{op}: norm_avgs has {len(norm_avgs)} tensors but params has {len(params)}; "
+            "pass one running grad norm (a one-element float32 tensor) per param."
+        )
+    for i, t in enumerate(norm_avgs):
+        _check_scalar(op, f"norm_avgs[{i}]", t, torch.float32, device, "params")
+    home = device or step.device
+    if tensor_reductions is None and part != "both":
+        raise RuntimeError(
+            f"ampfuse.{op}: part='norms' and part='apply' pass each tensor's grad reduction "
+            f"through tensor_reductions; give a torch.float64 tensor of shape ({len(params)},)."
+        )
+    if tensor_reductions is not None and (
+        tensor_reductions.dtype != torch.float64
+        or tuple(tensor_reductions.shape) != (len(params),)
+        or tensor_reductions.device != home
+    ):
+        raise RuntimeError(
+            f"ampfuse.{op}: tensor_reductions must be a contiguous torch.float64 tensor of shape "
+            f"({len(params)},) on {home}, got {tensor_reductions.dtype} of shape "
+            f"{tuple(tensor_reductions.shape)} on {tensor_reductions.device}."
+        )
