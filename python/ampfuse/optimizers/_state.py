@@ -287,3 +287,40 @@ class OptimizerStateMixin:
                 f"{tuple(value.shape)} but the param has shape {tuple(p.shape)}; the state dict "
                 "belongs to another model."
             )
+
+
+# apex's FusedLAMB and FusedNovoGrad count steps per param group (an int in the group); ours
+# count per param, as torch.optim does. state_dict() of both writes the group's count too and
+# load_state_dict() reads it, so checkpoints move both ways.
+
+def add_group_steps(state_dict):
+    """Writes apex's per-group 'step' (an int) into each saved group whose params all took the
+    same number of steps."""
+    for group in state_dict["param_groups"]:
+        steps = {
+            float(state_dict["state"][i]["step"])
+            for i in group["params"]
+            if "step" in state_dict["state"].get(i, {})
+        }
+        if len(steps) == 1:
+            group["step"] = int(steps.pop())
+    return state_dict
+
+
+def spread_group_steps(state_dict):
+    """A copy of `state_dict` whose groups hold no 'step', each saved param state without one
+    of its own taking its group's."""
+    state_dict = dict(state_dict)
+    saved_state = dict(state_dict["state"])
+    groups = []
+    for group in state_dict["param_groups"]:
+        group = dict(group)
+        group_step = group.pop("step", None)
+        if group_step is not None:
+            for i in group["params"]:
+                if i in saved_state and "step" not in saved_state[i]:
+                    saved_state[i] = dict(saved_state[i], step=float(group_step))
+        groups.append(group)
+    state_dict["state"] = saved_state
+    state_dict["param_groups"] = groups
+    return state_dict

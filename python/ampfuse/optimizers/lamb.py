@@ -9,6 +9,7 @@ import torch
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._state import add_group_steps, spread_group_steps
 
 
 class FusedLAMB(FusedOptimizer):
@@ -178,33 +179,11 @@ class FusedLAMB(FusedOptimizer):
         """torch.optim's layout with each param's 'step', plus apex's per-group 'step' (an
         int) where every param of the group has taken the same number of steps, so apex's
         FusedLAMB resumes from it too."""
-        state_dict = super().state_dict()
-        for group in state_dict["param_groups"]:
-            steps = {
-                float(state_dict["state"][i]["step"])
-                for i in group["params"]
-                if "step" in state_dict["state"].get(i, {})
-            }
-            if len(steps) == 1:
-                group["step"] = int(steps.pop())
-        return state_dict
+        return add_group_steps(super().state_dict())
 
     def load_state_dict(self, state_dict):
         """Loads ours, or apex FusedLAMB's (whose step count is one int per group)."""
-        state_dict = dict(state_dict)
-        saved_state = dict(state_dict["state"])
-        groups = []
-        for group in state_dict["param_groups"]:
-            group = dict(group)
-            group_step = group.pop("step", None)
-            if group_step is not None:
-                for i in group["params"]:
-                    if i in saved_state and "step" not in saved_state[i]:
-                        saved_state[i] = dict(saved_state[i], step=float(group_step))
-            groups.append(group)
-        state_dict["state"] = saved_state
-        state_dict["param_groups"] = groups
-        super().load_state_dict(state_dict)
+        super().load_state_dict(spread_group_steps(state_dict))
 
     def _export_state(self, group, state, step_value):
         return self._export_moments(state, step_value)
