@@ -1,18 +1,19 @@
 """The ampfuse ops on DTensors (FSDP2's sharded params, grads and optimizer state).
 
-Every list op of ampfuse but fused_lamb_ is element-wise: element j of tensor i of each list
-meets only element j of tensor i of the other lists. When tensor i of every list is sharded
-alike (the same device mesh, placements and global shape), each rank therefore runs the op on
-its local shards and gets exactly its shard of the unsharded result, with no communication.
-That is what torch's own sharding strategy for its fused Adam (list_pointwise_strategy)
-concludes for FSDP2 too; here it is a torch_dispatch rule for DTensor
+Every list op of ampfuse but fused_lamb_ and fused_novograd_ is element-wise: element j of
+tensor i of each list meets only element j of tensor i of the other lists. When tensor i of
+every list is sharded alike (the same device mesh, placements and global shape), each rank
+therefore runs the op on its local shards and gets exactly its shard of the unsharded result,
+with no communication. That is what torch's own sharding strategy for its fused Adam
+(list_pointwise_strategy) concludes for FSDP2 too; here it is a torch_dispatch rule for DTensor
 (torch.library.register_torch_dispatch, public API), see docs/DESIGN-NOTES.md for why not a
 sharding strategy.
 
 multi_tensor_l2norm is the one reduction: the local sums of squares become a DTensor whose
 sharded mesh dimensions are Partial("sum"), and DTensor's own redistribution to Replicate
 all-reduces them, so every rank gets the global norms. fused_lamb_ needs the same for each
-param's trust ratio: it runs in two halves with the per-tensor sums all-reduced between them.
+param's trust ratio, and fused_novograd_ for each param's grad norm: each runs in two halves
+with the per-tensor sums (or maxima) all-reduced between them.
 multi_tensor_nonfinite_check_ checks the local shards and all-reduces its flag (MAX) over the
 tensors' meshes, so every rank gets the same verdict; the per-tensor overflow flags
 (tensor_flags) of the three flagging ops are OR-ed in the same collective, so every rank names
@@ -210,44 +211,63 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
     )
 
 
-def _lamb_rule(cls, func, types, args=(), kwargs=None):
-    """fused_lamb_ on DTensors. LAMB is element-wise except for each param's trust ratio, which
-    needs the norms of the whole param and of its whole update: the first pass runs on the
-    local shards and leaves each tensor's local sums of squares (part="moments"), those are
-    summed over the ranks that hold different shards (DTensor's Partial -> Replicate, as for
-    multi_tensor_l2norm), and the second pass runs on the local shards from the global sums
-    (part="apply"). Every rank so forms the ratio a single process would."""
-    op = "fused_lamb_"
-    bound = dict(zip(_LAMB_ARGS, args))
-    bound.update(kwargs or {})
-    if bound.get("part", "both") != "both" or bound.get("tensor_sums") is not None:
-        raise RuntimeError(
-            f"ampfuse.{op}: part and tensor_sums are how the DTensor rule splits a sharded step; "
-            "call it on DTensors with part='both' and no tensor_sums."
-        )
-    params = list(bound["params"])
-    list_names = [n for n in _LAMB_ARGS if _is_tensor_list(bound.get(n))]
-    local = _local_lists(op, list_names, [bound[n] for n in list_names])
-    bound.update(zip(list_names, local))
-    for name, value in bound.items():
-        if isinstance(value, torch.Tensor):
-            bound[name] = _local_scalar(op, name, value)
-    sums = torch.zeros((len(params), 2), dtype=torch.float64, device=bound["step"].device)
-    func(**dict(bound, tensor_sums=sums, part="moments"))
-    groups = {}  # (mesh, placements) -> indices of the params sharded that way
-    for i, t in enumerate(params):
-        if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
-            groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
-    for (mesh, placements), indices in groups.items():
-        index = torch.tensor(indices, device=sums.device)
-        sums[index] = _reduced_over_shards(sums[index], mesh, placements, "sum")
-    func(**dict(bound, tensor_sums=sums, part="apply"))
+def _two_pass_rule(op, buffer, first_part, columns, reduce_op, per_param_scalars=()):
+    """The DTensor rule of an optimizer op that is element-wise except for a reduction of each
+    whole param (fused_lamb_'s trust ratios, fused_novograd_'s grad norms). The first pass
+    (part=first_part) runs on the local shards and leaves each tensor's local reduction in
+    `buffer` (float64, `columns` per tensor, or one when None); those are combined over the
+    ranks that hold different shards (DTensor's Partial -> Replicate, as for
+    multi_tensor_l2norm) by reduce_op(bound args), "sum" or "max"; and the second pass
+    (part="apply") runs on the local shards from the combined values. Every rank so gets what
+    a single process would. `per_param_scalars` name lists of one element per param (running
+    norms), which every rank holds whole: plain tensors or Replicate() DTensors."""
+    arg_names = [a.name for a in getattr(torch.ops.ampfuse, op).default._schema.arguments]
+
+    def rule(cls, func, types, args=(), kwargs=None):
+        bound = dict(zip(arg_names, args))
+        bound.update(kwargs or {})
+        if bound.get("part", "both") != "both" or bound.get(buffer) is not None:
+            raise RuntimeError(
+                f"ampfuse.{op}: part and {buffer} are how the DTensor rule splits a sharded "
+                f"step; call it on DTensors with part='both' and no {buffer}."
+            )
+        params = list(bound["params"])
+        list_names = [n for n in arg_names
+                      if n not in per_param_scalars and _is_tensor_list(bound.get(n))]
+        local = _local_lists(op, list_names, [bound[n] for n in list_names])
+        bound.update(zip(list_names, local))
+        for name in per_param_scalars:
+            bound[name] = [_local_scalar(op, f"{name}[{i}]", t)
+                           for i, t in enumerate(bound[name])]
+        for name, value in bound.items():
+            if isinstance(value, torch.Tensor):
+                bound[name] = _local_scalar(op, name, value)
+        shape = (len(params),) if columns is None else (len(params), columns)
+        values = torch.zeros(shape, dtype=torch.float64, device=bound["step"].device)
+        func(**dict(bound, **{buffer: values, "part": first_part}))
+        groups = {}  # (mesh, placements) -> indices of the params sharded that way
+        for i, t in enumerate(params):
+            if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
+                groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
+        for (mesh, placements), indices in groups.items():
+            index = torch.tensor(indices, device=values.device)
+            values[index] = _reduced_over_shards(values[index], mesh, placements,
+                                                 reduce_op(bound))
+        func(**dict(bound, **{buffer: values, "part": "apply"}))
+
+    return rule
 
 
-_LAMB_ARGS = [a.name for a in torch.ops.ampfuse.fused_lamb_.default._schema.arguments]
+# LAMB: each param's sums of squares of itself and of its update, added over the shards.
+_lamb_rule = _two_pass_rule("fused_lamb_", "tensor_sums", "moments", 2, lambda bound: "sum")
+# NovoGrad: each param's sum of squares (L2) or max |g| (norm_type 0) of its grads.
+_novograd_rule = _two_pass_rule(
+    "fused_novograd_", "tensor_reductions", "norms", None,
+    lambda bound: "max" if bound["norm_type"] == 0 else "sum", per_param_scalars=("norm_avgs",))
 
 
 for _op in POINTWISE_OPS:
     torch.library.register_torch_dispatch(f"ampfuse::{_op}", DTensor, _pointwise_rule(_op))
 torch.library.register_torch_dispatch("ampfuse::multi_tensor_l2norm", DTensor, _l2norm_rule)
 torch.library.register_torch_dispatch("ampfuse::fused_lamb_", DTensor, _lamb_rule)
+torch.library.register_torch_dispatch("ampfuse::fused_novograd_", DTensor, _novograd_rule)

@@ -78,6 +78,15 @@ OPTIMIZERS = {
     "FusedLAMB": lambda params: ampfuse.optimizers.FusedLAMB(
         params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, master_weights=True
     ),
+    # Not element-wise either: each param's grad norm (L2: sums of squares added over the
+    # shards; max norm: maxima over the shards) blends into its running norm.
+    "FusedNovoGrad": lambda params: ampfuse.optimizers.FusedNovoGrad(
+        params, lr=1e-2, weight_decay=0.1, master_weights=True
+    ),
+    "FusedNovoGrad (max norm)": lambda params: ampfuse.optimizers.FusedNovoGrad(
+        params, lr=1e-2, weight_decay=0.1, norm_type=0, reg_inside_moment=True,
+        master_weights=True
+    ),
 }
 
 
@@ -103,7 +112,11 @@ def _train(optimizer_name, sharded):
     if sharded:
         for p, state in zip(params, states):
             for key, value in state.items():
-                if key != "step":
+                # The step count and NovoGrad's running norm are one value per param, the same
+                # on every rank: plain tensors, as torch.optim keeps 'step' under FSDP2.
+                if key in ("step", "norm_avg"):
+                    assert type(value) is torch.Tensor and value.numel() == 1, key
+                else:
                     assert type(value) is type(p) and value.placements == p.placements, key
     return {
         "params": [_full(p.detach()) for p in params],

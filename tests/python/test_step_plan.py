@@ -10,7 +10,7 @@ fp32 scenarios are also checked against torch.optim."""
 import pytest
 import torch
 
-from ampfuse.optimizers import FusedAdamW, FusedLAMB, FusedSGD
+from ampfuse.optimizers import FusedAdamW, FusedLAMB, FusedNovoGrad, FusedSGD
 from ampfuse.optimizers import _base, _plan
 
 SHAPES = [(4, 8), (8,), (3, 5, 2), (16,)]
@@ -135,10 +135,13 @@ OPTIMIZERS = {
     "adamw": lambda master: (
         lambda params: FusedAdamW(params, lr=0.01, weight_decay=0.1, master_weights=master)
     ),
-    # The bf16 master-free modes are not LAMB's: the precisions below skip them for it.
+    # The bf16 master-free modes are not LAMB's or NovoGrad's: the precisions below skip them.
     "lamb": lambda master: (
         lambda params: FusedLAMB(params, lr=0.01, weight_decay=0.1, max_grad_norm=0.5,
                                  master_weights=master)
+    ),
+    "novograd": lambda master: (
+        lambda params: FusedNovoGrad(params, lr=0.01, weight_decay=0.1, master_weights=master)
     ),
 }
 
@@ -155,9 +158,11 @@ PRECISIONS = {
 }
 
 
-# Every optimizer with every precision it takes: FusedLAMB has no master-free bf16 modes.
+# Every optimizer with every precision it takes: FusedLAMB and FusedNovoGrad have no
+# master-free bf16 modes.
 OPTIMIZER_PRECISIONS = [(name, precision) for name in OPTIMIZERS for precision in PRECISIONS
-                        if not (name == "lamb" and isinstance(PRECISIONS[precision][1], str))]
+                        if not (name in ("lamb", "novograd")
+                                and isinstance(PRECISIONS[precision][1], str))]
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

@@ -80,8 +80,8 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
             if fullname == prefix.rstrip(".") or fullname.startswith(prefix.rstrip(".") + "."):
                 break
         else:
-            advice = ("ampfuse provides apex.amp, apex.optimizers (FusedAdam, FusedSGD), "
-                      "apex.parallel and apex.normalization")
+            advice = ("ampfuse provides apex.amp, apex.optimizers (FusedAdam, FusedSGD, "
+                      "FusedLAMB, FusedNovoGrad), apex.parallel and apex.normalization")
         raise ModuleNotFoundError(
             f"No module named {fullname!r}: apex here is ampfuse's compatibility alias, which "
             f"does not provide it; {advice}.", name=fullname)

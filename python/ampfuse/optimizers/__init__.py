@@ -1,6 +1,6 @@
 """Fused torch.optim optimizers with fp32 master weights and device-side loss-scale handling.
 
-    from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
+    from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedLAMB, FusedNovoGrad, FusedSGD
 
 Each is a torch.optim.Optimizer: param groups, add_param_group, LR schedulers, zero_grad and
 state_dict in torch.optim's layout all work as with torch's own optimizers, and
@@ -9,6 +9,7 @@ torch.amp.GradScaler drives them without a separate unscale pass.
 
 from ampfuse.optimizers.adam import FusedAdam, FusedAdamW
 from ampfuse.optimizers.lamb import FusedLAMB
+from ampfuse.optimizers.novograd import FusedNovoGrad
 from ampfuse.optimizers.sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedLAMB", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedAdamW", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]

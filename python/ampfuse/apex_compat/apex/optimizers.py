@@ -1,11 +1,11 @@
-"""apex.optimizers on ampfuse: FusedAdam, FusedSGD and FusedLAMB with apex's constructors (apex's
-argument order and defaults) over ampfuse.optimizers' fused optimizers, so amp takes its fused,
-sync-free path with them.
+"""apex.optimizers on ampfuse: FusedAdam, FusedSGD, FusedLAMB and FusedNovoGrad with apex's
+constructors (apex's argument order and defaults) over ampfuse.optimizers' fused optimizers, so
+amp takes its fused, sync-free path with them.
 
 Importing an apex optimizer that ampfuse does not have raises ImportError naming the
 replacement. An ImportError (rather than a name that fails when used) keeps every script that
-runs without apex running with the alias: ``try: from apex.optimizers import FusedNovoGrad`` /
-``except ImportError:`` falls back to the script's own LAMB exactly as it does with no apex.
+runs without apex running with the alias: ``try: from apex.optimizers import FusedAdagrad`` /
+``except ImportError:`` falls back to the script's own optimizer exactly as it does with no apex.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.optim.optimizer import required
 
 from ampfuse import optimizers as _fused
 
-__all__ = ["FusedAdam", "FusedLAMB", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]
 
 
 class FusedAdam(_fused.FusedAdam):
@@ -71,11 +71,16 @@ class FusedLAMB(_fused.FusedLAMB):
     fp32 moments, p.grad left as it was, per-param step counts)."""
 
 
+class FusedNovoGrad(_fused.FusedNovoGrad):
+    """apex.optimizers.FusedNovoGrad on ampfuse.optimizers.FusedNovoGrad, which already takes
+    apex's arguments in apex's order with apex's defaults (see its docstring for the
+    differences: fp32 moments, bf16 params, per-param step counts and running norms)."""
+
+
 # apex optimizers without an ampfuse version, and what to use instead.
 _MISSING = {
     "FusedMixedPrecisionLamb": "use timm.optim.Lamb with amp.initialize(..., opt_level='O2') "
     "for fp32 masters, or the real apex",
-    "FusedNovoGrad": "use timm.optim.NvNovoGrad, or the real apex",
     "FusedAdagrad": "use torch.optim.Adagrad(params, lr, weight_decay=..., eps=..., fused=True) "
     "(apex's adagrad_w_mode=False math), or the real apex",
 }

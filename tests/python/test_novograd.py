@@ -1,0 +1,345 @@
+"""ampfuse.optimizers.FusedNovoGrad against NovoGrad in float64 as apex.optimizers.FusedNovoGrad
+computes it (novograd_reference.py), and in use: fp32 masters, params without grads, loss
+scales (GradScaler, amp O1/O2), skip_nonfinite, checkpoints (its own and apex's), the apex
+alias (including the import line of timm-derived training scripts), torch.compile, refused
+options and DTensor params on one rank (two ranks: test_fsdp2.py). The op's own contract is
+test_novograd_op.py's.
+
+Parity: 20 steps, params within 1e-5 of the largest magnitude of the reference (test_adam's
+assert_parity). With master_weights the fp32 masters follow the reference fed the upcast
+low-precision grads, and the params are the masters rounded, bit for bit.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import ampfuse
+from ampfuse.optimizers import FusedNovoGrad
+from helpers import dtype_id, raises_naming
+from novograd_reference import NovoGradConfig, reference_step
+from test_adam import assert_parity, clone_params, make_params, set_grads, step_grads
+
+STEPS = 20
+SHAPES = [(64, 33), (1000,), (7,), (3, 5, 2), (0,), (129, 2)]
+
+
+def reference_novograd(params, grads_per_step, config):
+    """float64 NovoGrad, each param counting its own steps: grads_per_step[s][i] is param i's
+    grad at step s (None: no grad, the param does not step). Returns the params."""
+    p64 = [p.detach().double().clone() for p in params]
+    moments = [torch.zeros_like(p) for p in p64]
+    norms = [0.0] * len(p64)
+    steps = [0] * len(p64)
+    for grads in grads_per_step:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            steps[i] += 1
+            p64[i], moments[i], norms[i] = reference_step(p64[i], g.double(), moments[i],
+                                                          norms[i], steps[i], config)
+    return p64
+
+
+def _options(config):
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in ("beta1", "beta2")}
+
+
+def run_fused(params, grads_per_step, config, **options):
+    opt = FusedNovoGrad(params, betas=(config.beta1, config.beta2), **_options(config), **options)
+    for grads in grads_per_step:
+        set_grads(params, grads)
+        opt.step()
+    return opt
+
+
+CONFIGS = {
+    "apex_defaults": NovoGradConfig(lr=1e-3, beta1=0.9, beta2=0.999),
+    "decay": NovoGradConfig(weight_decay=0.01),
+    "reg_inside_moment": NovoGradConfig(weight_decay=0.01, reg_inside_moment=True),
+    "max_norm": NovoGradConfig(norm_type=0, weight_decay=0.01),
+    "init_zero": NovoGradConfig(init_zero=True),
+    "no_averaging_no_bias": NovoGradConfig(grad_averaging=False, bias_correction=False),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_fp32_matches_the_float64_reference(device, config):
+    params = make_params(SHAPES, torch.float32, device)
+    ref_params = clone_params(params)
+    grads = [step_grads(params, s) for s in range(STEPS)]
+    run_fused(params, grads, config)
+    for p, e in zip(params, reference_novograd(ref_params, grads, config)):
+        assert_parity(p, e, "param")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_fp32_masters_follow_the_reference_and_params_are_them_rounded(device, dtype):
+    params = make_params(SHAPES, dtype, device)
+    masters = clone_params(params, torch.float32)
+    grads = [step_grads(params, s) for s in range(STEPS)]
+    config = CONFIGS["decay"]
+    opt = run_fused(params, grads, config, master_weights=True)
+    expected = reference_novograd(masters, grads, config)
+    for p, e in zip(params, expected):
+        master = opt.state[p]["master_param"]
+        assert_parity(master, e, "master")
+        assert torch.equal(p.detach(), master.to(dtype))
+
+
+def test_params_without_grads_keep_their_state_and_count(device):
+    """A param without a grad neither steps nor counts the step (apex asserted instead); its
+    running norm is seeded from its own first grad, whenever that comes."""
+    params = make_params([(10,), (20,)], torch.float32, device)
+    ref_params = clone_params(params)
+    grads = [step_grads(params, s) for s in range(4)]
+    grads[0][1] = None
+    grads[2][1] = None
+    config = CONFIGS["decay"]
+    opt = run_fused(params, grads, config)
+    assert float(opt.state[params[0]]["step"]) == 4.0
+    assert float(opt.state[params[1]]["step"]) == 2.0
+    for p, e in zip(params, reference_novograd(ref_params, grads, config)):
+        assert_parity(p, e, "param")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_scaled_grads_give_the_unscaled_result_bit_for_bit(device, dtype):
+    params = make_params(SHAPES, dtype, device)
+    scaled = clone_params(params)
+    opt = FusedNovoGrad(params, lr=1e-2, master_weights=True)
+    opt_scaled = FusedNovoGrad(scaled, lr=1e-2, master_weights=True)
+    scale = torch.full((1,), 1024.0, device=device)
+    for s in range(5):
+        grads = step_grads(params, s)
+        set_grads(params, grads)
+        opt.step()
+        set_grads(scaled, [g * 1024 for g in grads])
+        opt_scaled.step(grad_scale=scale)
+        for p, q in zip(params, scaled):
+            assert torch.equal(q.grad, p.grad), "the unscaled grads are written back"
+    for a, b in zip(params, scaled):
+        assert torch.equal(a, b)
+
+
+def test_a_torch_grad_scaler_drives_it(device):
+    params = make_params(SHAPES, torch.float32, device)
+    plain = clone_params(params)
+    opt, opt_plain = FusedNovoGrad(params, lr=1e-2), FusedNovoGrad(plain, lr=1e-2)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12)
+    for s in range(3):
+        grads = step_grads(params, s)
+        loss = sum((p * g).sum() for p, g in zip(params, grads))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        opt.zero_grad()
+        scaler.update()
+        set_grads(plain, grads)
+        opt_plain.step()
+    for a, b in zip(params, plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_skip_nonfinite_leaves_everything_as_it_was(device, bad, position):
+    params = make_params([(100,), (65537,), (9,)], torch.float16, device)
+    opt = FusedNovoGrad(params, lr=1e-2, master_weights=True, skip_nonfinite=True)
+    set_grads(params, step_grads(params, 0))
+    opt.step()
+    keys = ("exp_avg", "norm_avg", "master_param", "step")
+    before = {k: [opt.state[p][k].clone() for p in params] for k in keys}
+    values = [p.detach().clone() for p in params]
+    grads = step_grads(params, 1)
+    index = {"first": 0, "middle": grads[1].numel() // 2, "last": grads[1].numel() - 1}[position]
+    grads[1][index] = bad
+    set_grads(params, grads)
+    opt.step()
+    assert bool(opt.last_step_skipped)
+    for p, value in zip(params, values):
+        assert torch.equal(p.detach(), value)
+    for key, tensors in before.items():
+        for p, t in zip(params, tensors):
+            assert torch.equal(opt.state[p][key], t), key
+
+
+def test_state_dict_resume_is_bit_for_bit(device):
+    params = make_params(SHAPES, torch.bfloat16, device)
+    resumed = clone_params(params)
+    grads = [step_grads(params, s) for s in range(6)]
+    config = CONFIGS["decay"]
+    run_fused(params, grads, config, master_weights=True)
+    first = run_fused(resumed, grads[:3], config, master_weights=True)
+    saved = first.state_dict()
+    assert saved["param_groups"][0]["step"] == 3, "apex's per-group step"
+    again = FusedNovoGrad(resumed, betas=(config.beta1, config.beta2), **_options(config),
+                          master_weights=True)
+    again.load_state_dict(saved)
+    for g in grads[3:]:
+        set_grads(resumed, g)
+        again.step()
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
+
+
+def test_loads_and_writes_apex_fused_novograd_checkpoints(device):
+    """apex keeps the step count and, per group, the running norms of its fp16 params and of its
+    fp32 params (in param order) as 'exp_avg_sq'; only 'exp_avg' per param. Both directions."""
+    params = make_params([(30,), (4, 5), (6,)], [torch.float32, torch.float16], device)
+    resumed = clone_params(params)
+    grads = [step_grads(params, s) for s in range(4)]
+    config = CONFIGS["decay"]
+    run_fused(params, grads, config, master_weights=True)
+    first = run_fused(resumed, grads[:2], config, master_weights=True)
+    ours = first.state_dict()
+    fp16_norms, fp32_norms = ours["param_groups"][0]["exp_avg_sq"]
+    norms = [first.state[p]["norm_avg"] for p in resumed]
+    assert torch.equal(fp32_norms, torch.stack([norms[0], norms[2]]))
+    assert torch.equal(fp16_norms, norms[1].reshape(1))
+    apex_style = {
+        "state": {i: {"exp_avg": s["exp_avg"].to(params[i].dtype)}
+                  for i, s in ours["state"].items()},
+        "param_groups": [dict(g) for g in ours["param_groups"]],
+    }
+    again = FusedNovoGrad(resumed, betas=(config.beta1, config.beta2), **_options(config),
+                          master_weights=True)
+    again.load_state_dict(apex_style)
+    assert float(again.state[resumed[1]]["step"]) == 2.0
+    assert torch.equal(again.state[resumed[1]]["norm_avg"], norms[1])
+    assert "exp_avg_sq" not in again.param_groups[0] and "step" not in again.param_groups[0]
+    for g in grads[2:]:
+        set_grads(resumed, g)
+        again.step()
+    for a, b in zip(params, resumed):
+        assert_parity(b, a, "resumed from an apex checkpoint", rtol=1e-3)
+    wrong = dict(apex_style, param_groups=[dict(apex_style["param_groups"][0],
+                                                exp_avg_sq=[fp16_norms, fp32_norms[:1]])])
+    with raises_naming("1 saved torch.float32 norms", "2 torch.float32 params"):
+        FusedNovoGrad(clone_params(params)).load_state_dict(wrong)
+
+
+def _train_tiny_mlp(opt_level=None, steps=80):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = FusedNovoGrad(model.parameters(), lr=0.1, weight_decay=1e-3)
+    if opt_level is not None:
+        model, opt = ampfuse.amp.initialize(model, opt, opt_level=opt_level,
+                                            dtype=torch.bfloat16, verbosity=0)
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if opt_level is None:
+            loss.backward()
+        else:
+            with ampfuse.amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_amp_trains_like_fp32(opt_level):
+    _, _, fp32 = _train_tiny_mlp()
+    model, opt, losses = _train_tiny_mlp(opt_level)
+    assert fp32[-1] < 0.8 * fp32[0], fp32
+    assert abs(losses[-1] - fp32[-1]) < 0.05 * fp32[-1], (losses[-1], fp32[-1])
+    if opt_level == "O2":
+        p = model[0].weight
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
+
+
+def test_compiled_step_matches_eager():
+    params = make_params(SHAPES, torch.bfloat16, "cpu")
+    eager = clone_params(params)
+    opts = [FusedNovoGrad(p, lr=1e-2, master_weights=True) for p in (params, eager)]
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def compiled_step():
+        opts[0].step()
+
+    for s in range(4):
+        grads = step_grads(params, s, scale=5.0)
+        set_grads(params, grads)
+        set_grads(eager, grads)
+        compiled_step()
+        opts[1].step()
+    for a, b in zip(params, eager):
+        assert torch.equal(a, b)
+
+
+def test_apex_alias_takes_apex_positional_order_and_the_timm_import_line():
+    """timm before 1.0 and the training scripts derived from its optim_factory (DeiT, Swin,
+    ConvNeXt, BEiT...) import four apex optimizers in one statement; with NovoGrad missing the
+    whole import failed and every fused optimizer looked absent."""
+    namespace = {}
+    exec("from ampfuse.apex_compat.apex.optimizers import FusedNovoGrad, FusedAdam, FusedLAMB, "
+         "FusedSGD", namespace)
+    params = make_params([(8,)], torch.float32, "cpu")
+    opt = namespace["FusedNovoGrad"](params, 1e-3, False, (0.8, 0.9), 1e-5, 0.1, False, True,
+                                     False, 0, True, False)
+    group = opt.param_groups[0]
+    assert isinstance(opt, FusedNovoGrad)
+    assert (group["bias_correction"], group["betas"], group["eps"], group["weight_decay"]) == (
+        False, (0.8, 0.9), 1e-5, 0.1)
+    assert (group["reg_inside_moment"], group["grad_averaging"], group["norm_type"],
+            group["init_zero"]) == (True, False, 0, True)
+    assert opt.set_grad_none is False
+
+
+BAD_OPTIONS = {
+    "amsgrad": ({"amsgrad": True}, ["amsgrad"]),
+    "norm_type": ({"norm_type": 1}, ["norm_type=1", "2 .the L2 norm. or 0"]),
+    "norm_type_inf": ({"norm_type": float("inf")}, ["norm_type=inf"]),
+    "bool_norm_type": ({"norm_type": True}, ["norm_type=True"]),
+    "kahan": ({"master_weights": "kahan"}, ["master_weights", "FusedAdam"]),
+    "beta": ({"betas": (0.9, 1.0)}, ["betas", r"\[0, 1\)"]),
+    "flag": ({"init_zero": 1}, ["init_zero", "True or False"]),
+    "negative_decay": ({"weight_decay": -1.0}, ["weight_decay", ">= 0"]),
+    "foreign_key": ({"momentum": 0.9}, None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_options_are_refused_by_name(case):
+    options, patterns = case
+    params = make_params([(4,)], torch.float32, "cpu")
+    if patterns is None:  # a key of another optimizer in a param group
+        with raises_naming("momentum", "does not have"):
+            FusedNovoGrad([{"params": params, **options}])
+        return
+    with raises_naming(*patterns):
+        FusedNovoGrad(params, **options)
+
+
+@pytest.mark.parametrize("norm_type", [2, 0], ids=["l2", "max"])
+def test_dtensor_params_step_like_plain_ones(one_rank, norm_type):
+    """On one rank a DTensor step runs both halves of the op with the reductions combined
+    between them (a no-op here): the same bits as plain tensors. Two ranks: test_fsdp2.py."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
+    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
+               for p in plain]
+    opts = [FusedNovoGrad(ps, lr=1e-2, norm_type=norm_type) for ps in (plain, sharded)]
+    for s in range(3):
+        grads = step_grads(plain, s, scale=4.0)
+        set_grads(plain, grads)
+        for p, g in zip(sharded, grads):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        for opt in opts:
+            opt.step()
+    for p, q in zip(plain, sharded):
+        assert torch.equal(p.detach(), q.detach().full_tensor())
+        assert torch.equal(opts[0].state[p]["norm_avg"], opts[1].state[q]["norm_avg"])
+    with raises_naming("part and tensor_reductions", "part='both'"):
+        ampfuse._ops.fused_novograd_(
+            [sharded[1].data], [sharded[1].grad], [sharded[1].data], [torch.zeros(())], [],
+            torch.zeros(()), 1e-3, 0.9, 0.999, 1e-8, 0.0,
+            tensor_reductions=torch.zeros(1, dtype=torch.float64), part="norms")
