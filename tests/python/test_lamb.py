@@ -17,6 +17,11 @@ import torch
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 from ampfuse.optimizers import FusedLAMB
+from fused_optimizer_usage import (
+    check_a_torch_grad_scaler_drives_it,
+    check_scaled_grads_give_the_unscaled_result,
+    check_skip_nonfinite_leaves_everything_as_it_was,
+)
 from helpers import dtype_id
 from test_adam import assert_parity, clone_params, make_params, set_grads, step_grads
 
@@ -162,63 +167,22 @@ def test_the_grad_norm_spans_every_group(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
 def test_scaled_grads_give_the_unscaled_result_bit_for_bit(device, dtype):
     """A power-of-two loss scale divides out exactly: the norm and every grad."""
-    params = make_params(SHAPES, dtype, device)
-    scaled = clone_params(params)
-    opt = FusedLAMB(params, lr=1e-2, master_weights=True)
-    opt_scaled = FusedLAMB(scaled, lr=1e-2, master_weights=True)
-    scale = torch.full((1,), 1024.0, device=device)
-    for s in range(5):
-        grads = step_grads(params, s)
-        set_grads(params, grads)
-        opt.step()
-        set_grads(scaled, [g * 1024 for g in grads])
-        opt_scaled.step(grad_scale=scale)
-        for p, q in zip(params, scaled):
-            assert torch.equal(q.grad, p.grad), "the unscaled grads are written back"
-    for a, b in zip(params, scaled):
-        assert torch.equal(a, b)
+    check_scaled_grads_give_the_unscaled_result(make_lamb, SHAPES, dtype, device)
 
 
 def test_a_torch_grad_scaler_drives_it(device):
-    params = make_params(SHAPES, torch.float32, device)
-    plain = clone_params(params)
-    opt, opt_plain = FusedLAMB(params, lr=1e-2), FusedLAMB(plain, lr=1e-2)
-    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12)
-    for s in range(3):
-        grads = step_grads(params, s)
-        # d/dp of sum(p * g) is g: backward of the scaled loss leaves g * scale in p.grad.
-        loss = sum((p * g).sum() for p, g in zip(params, grads))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        opt.zero_grad()
-        scaler.update()
-        set_grads(plain, grads)
-        opt_plain.step()
-    for a, b in zip(params, plain):
-        assert torch.equal(a, b)
+    check_a_torch_grad_scaler_drives_it(make_lamb, SHAPES, device)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
 def test_skip_nonfinite_leaves_everything_as_it_was(device, bad, position):
-    params = make_params([(100,), (65537,), (9,)], torch.float16, device)
-    opt = FusedLAMB(params, lr=1e-2, master_weights=True, skip_nonfinite=True)
-    set_grads(params, step_grads(params, 0))
-    opt.step()
-    before = {k: [opt.state[p][k].clone() for p in params]
-              for k in ("exp_avg", "exp_avg_sq", "master_param", "step")}
-    values = [p.detach().clone() for p in params]
-    grads = step_grads(params, 1)
-    index = {"first": 0, "middle": grads[1].numel() // 2, "last": grads[1].numel() - 1}[position]
-    grads[1][index] = bad
-    set_grads(params, grads)
-    opt.step()
-    assert bool(opt.last_step_skipped)
-    for p, value in zip(params, values):
-        assert torch.equal(p.detach(), value)
-    for key, tensors in before.items():
-        for p, t in zip(params, tensors):
-            assert torch.equal(opt.state[p][key], t), key
+    check_skip_nonfinite_leaves_everything_as_it_was(make_lamb, ("exp_avg", "exp_avg_sq"),
+                                                     device, bad, position)
+
+
+def make_lamb(params, **options):
+    return FusedLAMB(params, lr=1e-2, **options)
 
 
 def test_option_sets_cover_each_switch_both_ways():

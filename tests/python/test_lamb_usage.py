@@ -11,40 +11,20 @@ import torch
 
 import ampfuse
 from ampfuse.optimizers import FusedLAMB
+from fused_optimizer_usage import check_amp_trains_like_fp32, check_compiled_steps_match_eager
 from helpers import raises_naming
 from test_adam import assert_parity, clone_params, make_params, set_grads, step_grads
-from test_lamb import SHAPES, run_fused
-
-
-def compiled_steps_match_eager(device, backend):
-    """A torch.compile(fullgraph=True) FusedLAMB step (grad norm included) gives the eager
-    step's bits, masters and bf16 params alike."""
-    params = make_params(SHAPES, torch.bfloat16, device)
-    eager = clone_params(params)
-    opts = [FusedLAMB(p, lr=1e-2, master_weights=True) for p in (params, eager)]
-
-    @torch.compile(backend=backend, fullgraph=True)
-    def compiled_step():
-        opts[0].step()
-
-    for s in range(4):
-        grads = step_grads(params, s, scale=5.0)
-        set_grads(params, grads)
-        set_grads(eager, grads)
-        compiled_step()
-        opts[1].step()
-    for a, b in zip(params, eager):
-        assert torch.equal(a, b)
+from test_lamb import SHAPES, make_lamb, run_fused
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_step_matches_eager_cpu(backend):
-    compiled_steps_match_eager("cpu", backend)
+    check_compiled_steps_match_eager(make_lamb, SHAPES, "cpu", backend)
 
 
 @pytest.mark.cuda
 def test_compiled_step_matches_eager_cuda():
-    compiled_steps_match_eager("cuda", "inductor")
+    check_compiled_steps_match_eager(make_lamb, SHAPES, "cuda", "inductor")
 
 
 def test_state_dict_resume_is_bit_for_bit(device):
@@ -95,39 +75,9 @@ def test_loads_an_apex_fused_lamb_checkpoint(device):
         assert_parity(b, a, "resumed from an apex checkpoint", rtol=1e-3)
 
 
-def _train_tiny_mlp(opt_level=None, steps=30):
-    """Losses of a small regression trained by FusedLAMB, plain fp32 or under amp (bf16)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    opt = FusedLAMB(model.parameters(), lr=5e-2)
-    if opt_level is not None:
-        model, opt = ampfuse.amp.initialize(model, opt, opt_level=opt_level,
-                                            dtype=torch.bfloat16, verbosity=0)
-    x, y = torch.randn(64, 16), torch.randn(64, 4)
-    losses = []
-    for _ in range(steps):
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        if opt_level is None:
-            loss.backward()
-        else:
-            with ampfuse.amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, opt, losses
-
-
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_amp_trains_like_fp32(opt_level):
-    _, _, fp32 = _train_tiny_mlp()
-    model, opt, losses = _train_tiny_mlp(opt_level)
-    assert fp32[-1] < 0.8 * fp32[0], fp32
-    assert abs(losses[-1] - fp32[-1]) < 0.05 * fp32[-1], (losses[-1], fp32[-1])
-    if opt_level == "O2":
-        p = model[0].weight
-        assert p.dtype == torch.bfloat16
-        assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
+    check_amp_trains_like_fp32(lambda params: FusedLAMB(params, lr=5e-2), opt_level)
 
 
 def test_apex_alias_gives_fused_lamb_with_apex_positional_order():

@@ -85,7 +85,7 @@ class ParamGroupsMixin:
             )
 
     def _check_betas(self, index, group):
-        """Adam's and LAMB's betas: a pair, each in [0, 1)."""
+        """Adam's, LAMB's and NovoGrad's betas: a pair, each in [0, 1)."""
         name = type(self).__name__
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -99,6 +99,17 @@ class ParamGroupsMixin:
                     f"{name}: param_groups[{index}] has betas[{i}]={float(beta)}; each beta "
                     "must be in [0, 1)."
                 )
+
+    def _check_fp32_masters_only(self, index, group):
+        """master_weights of the optimizers without the bf16 master-free modes (FusedLAMB,
+        FusedNovoGrad): True (fp32 masters) or False."""
+        if not (group["master_weights"] is True or group["master_weights"] is False):
+            raise ValueError(
+                f"{type(self).__name__}: param_groups[{index}] has "
+                f"master_weights={group['master_weights']!r}; {type(self).__name__} takes True "
+                "(fp32 masters) or False. The bf16 modes ('stochastic', 'kahan', 'split') are "
+                "FusedAdam's and FusedSGD's."
+            )
 
     def _check_nonnegative(self, index, group, key):
         if not group[key] >= 0.0:

@@ -112,12 +112,7 @@ class FusedLAMB(FusedOptimizer):
                 f"{name}: param_groups[{index}] has max_grad_norm={clip!r}; it must be a finite "
                 "number >= 0, or None (0 and None turn the global grad-norm clipping off)."
             )
-        if not (group["master_weights"] is True or group["master_weights"] is False):
-            raise ValueError(
-                f"{name}: param_groups[{index}] has master_weights={group['master_weights']!r}; "
-                "FusedLAMB takes True (fp32 masters) or False. The bf16 modes ('stochastic', "
-                "'kahan', 'split') are FusedAdam's and FusedSGD's."
-            )
+        self._check_fp32_masters_only(index, group)
 
     def _state_keys(self, group):
         return ("exp_avg", "exp_avg_sq")

@@ -121,12 +121,7 @@ class FusedNovoGrad(FusedOptimizer):
                 f"{name}: param_groups[{index}] has norm_type={norm_type!r}; use 2 (the L2 "
                 "norm) or 0 (the max norm), as apex.optimizers.FusedNovoGrad."
             )
-        if not (group["master_weights"] is True or group["master_weights"] is False):
-            raise ValueError(
-                f"{name}: param_groups[{index}] has master_weights={group['master_weights']!r}; "
-                "FusedNovoGrad takes True (fp32 masters) or False. The bf16 modes "
-                "('stochastic', 'kahan', 'split') are FusedAdam's and FusedSGD's."
-            )
+        self._check_fp32_masters_only(index, group)
 
     def _state_keys(self, group):
         return ("exp_avg", "norm_avg")

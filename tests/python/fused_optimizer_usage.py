@@ -1,0 +1,130 @@
+"""Checks that every fused optimizer of apex's family (FusedLAMB, FusedNovoGrad) must pass in the
+same way: loss scales divided out bit for bit, a torch GradScaler driving it, skip_nonfinite
+leaving everything as it was, torch.compile giving the eager bits, and amp O1/O2 training like
+fp32. Each takes `make`, a function from a list of params (and options) to the optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+import ampfuse
+from test_adam import clone_params, make_params, set_grads, step_grads
+
+
+def check_scaled_grads_give_the_unscaled_result(make, shapes, dtype, device):
+    """A power-of-two loss scale divides out exactly: every grad (written back unscaled) and
+    every norm the optimizer takes of them."""
+    params = make_params(shapes, dtype, device)
+    scaled = clone_params(params)
+    opt, opt_scaled = make(params, master_weights=True), make(scaled, master_weights=True)
+    scale = torch.full((1,), 1024.0, device=device)
+    for s in range(5):
+        grads = step_grads(params, s)
+        set_grads(params, grads)
+        opt.step()
+        set_grads(scaled, [g * 1024 for g in grads])
+        opt_scaled.step(grad_scale=scale)
+        for p, q in zip(params, scaled):
+            assert torch.equal(q.grad, p.grad), "the unscaled grads are written back"
+    for a, b in zip(params, scaled):
+        assert torch.equal(a, b)
+
+
+def check_a_torch_grad_scaler_drives_it(make, shapes, device):
+    params = make_params(shapes, torch.float32, device)
+    plain = clone_params(params)
+    opt, opt_plain = make(params), make(plain)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12)
+    for s in range(3):
+        grads = step_grads(params, s)
+        # d/dp of sum(p * g) is g: backward of the scaled loss leaves g * scale in p.grad.
+        loss = sum((p * g).sum() for p, g in zip(params, grads))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        opt.zero_grad()
+        scaler.update()
+        set_grads(plain, grads)
+        opt_plain.step()
+    for a, b in zip(params, plain):
+        assert torch.equal(a, b)
+
+
+def check_skip_nonfinite_leaves_everything_as_it_was(make, state_keys, device, bad, position):
+    """A step whose grads hold `bad` at the first, a middle or the last element of a
+    three-chunk tensor writes no param and no state (`state_keys` of each param's state)."""
+    params = make_params([(100,), (65537,), (9,)], torch.float16, device)
+    opt = make(params, master_weights=True, skip_nonfinite=True)
+    set_grads(params, step_grads(params, 0))
+    opt.step()
+    keys = (*state_keys, "master_param", "step")
+    before = {k: [opt.state[p][k].clone() for p in params] for k in keys}
+    values = [p.detach().clone() for p in params]
+    grads = step_grads(params, 1)
+    index = {"first": 0, "middle": grads[1].numel() // 2, "last": grads[1].numel() - 1}[position]
+    grads[1][index] = bad
+    set_grads(params, grads)
+    opt.step()
+    assert bool(opt.last_step_skipped)
+    for p, value in zip(params, values):
+        assert torch.equal(p.detach(), value)
+    for key, tensors in before.items():
+        for p, t in zip(params, tensors):
+            assert torch.equal(opt.state[p][key], t), key
+
+
+def check_compiled_steps_match_eager(make, shapes, device, backend):
+    """A torch.compile(fullgraph=True) step gives the eager step's bits, masters and bf16 params
+    alike."""
+    params = make_params(shapes, torch.bfloat16, device)
+    eager = clone_params(params)
+    opts = [make(p, master_weights=True) for p in (params, eager)]
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def compiled_step():
+        opts[0].step()
+
+    for s in range(4):
+        grads = step_grads(params, s, scale=5.0)
+        set_grads(params, grads)
+        set_grads(eager, grads)
+        compiled_step()
+        opts[1].step()
+    for a, b in zip(params, eager):
+        assert torch.equal(a, b)
+
+
+def train_tiny_mlp(make, opt_level=None, steps=30):
+    """The model, optimizer and losses of a small regression trained plain in fp32 or under amp
+    (bf16)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = make(model.parameters())
+    if opt_level is not None:
+        model, opt = ampfuse.amp.initialize(model, opt, opt_level=opt_level,
+                                            dtype=torch.bfloat16, verbosity=0)
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if opt_level is None:
+            loss.backward()
+        else:
+            with ampfuse.amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+def check_amp_trains_like_fp32(make, opt_level, steps=30):
+    """The loss falls by a fifth in fp32, amp's run ends within 5% of it, and at O2 the bf16
+    params are their fp32 masters rounded."""
+    _, _, fp32 = train_tiny_mlp(make, steps=steps)
+    model, opt, losses = train_tiny_mlp(make, opt_level, steps)
+    assert fp32[-1] < 0.8 * fp32[0], fp32
+    assert abs(losses[-1] - fp32[-1]) < 0.05 * fp32[-1], (losses[-1], fp32[-1])
+    if opt_level == "O2":
+        p = model[0].weight
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
