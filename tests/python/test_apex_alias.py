@@ -85,6 +85,22 @@ def test_every_apex_import_form_resolves_to_ampfuse(no_apex):
     assert importlib.util.find_spec("apex") is not None
 
 
+def test_apex_optimizer_submodules_resolve_to_the_alias(no_apex):
+    """fairseq's and DeepSpeed's old apex paths import from apex's submodules."""
+    install_apex_alias()
+    from apex.optimizers.fused_adam import FusedAdam
+    from apex.optimizers.fused_lamb import FusedLAMB
+    from apex.optimizers.fused_mixed_precision_lamb import FusedMixedPrecisionLamb
+    from apex.optimizers.fused_novograd import FusedNovoGrad
+    from apex.optimizers.fused_sgd import FusedSGD
+
+    import apex.optimizers
+    for cls in (FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad, FusedSGD):
+        assert getattr(apex.optimizers, cls.__name__) is cls
+    assert uninstall_apex_alias() is True
+    assert "apex.optimizers.fused_adam" not in sys.modules
+
+
 def test_install_is_idempotent(no_apex):
     first = install_apex_alias()
     meta_path = list(sys.meta_path)

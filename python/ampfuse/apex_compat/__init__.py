@@ -38,6 +38,11 @@ _MODULES = {
     "apex.amp": "ampfuse.amp",
     "apex.amp._amp_state": "ampfuse.apex_compat.apex.amp_state",
     "apex.optimizers": "ampfuse.apex_compat.apex.optimizers",
+    # apex's optimizer submodules, which some code imports from (fairseq, DeepSpeed's old apex
+    # path): all are the one alias module.
+    **{f"apex.optimizers.{sub}": "ampfuse.apex_compat.apex.optimizers"
+       for sub in ("fused_adam", "fused_sgd", "fused_lamb", "fused_novograd",
+                   "fused_mixed_precision_lamb")},
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",
     "apex.normalization": "ampfuse.apex_compat.apex.normalization",
@@ -81,7 +86,8 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
                 break
         else:
             advice = ("ampfuse provides apex.amp, apex.optimizers (FusedAdam, FusedSGD, "
-                      "FusedLAMB, FusedNovoGrad), apex.parallel and apex.normalization")
+                      "FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb), apex.parallel and "
+                      "apex.normalization")
         raise ModuleNotFoundError(
             f"No module named {fullname!r}: apex here is ampfuse's compatibility alias, which "
             f"does not provide it; {advice}.", name=fullname)

@@ -103,6 +103,9 @@ class FusedOptimizer(
     _step_supports_amp_scaling = True
     # Set by ampfuse.amp for one step after it unscaled grads onto the fp32 masters.
     _step_on_master_grads = False
+    # The count a param's step starts from when its state is made (apex's
+    # FusedMixedPrecisionLamb takes it as an argument, to resume a schedule without a checkpoint).
+    _first_step_count = 0.0
     # Keys that torch.optim's counterpart keeps in its param groups but that mean nothing here:
     # written into state_dict() (so torch can load it) and dropped by load_state_dict().
     _TORCH_GROUP_KEYS: dict = {}
@@ -302,7 +305,8 @@ class FusedOptimizer(
                 self._check_not_capturing(index, i)
                 key = (p.device, mode)
                 if key not in new_steps:
-                    new_steps[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    new_steps[key] = torch.full((), self._first_step_count, dtype=torch.float32,
+                                                device=p.device)
                 state["step"] = new_steps[key]
             if not prepared:
                 self._prepare_state(group, p, state)

@@ -1,6 +1,7 @@
-"""apex.optimizers on ampfuse: FusedAdam, FusedSGD, FusedLAMB and FusedNovoGrad with apex's
-constructors (apex's argument order and defaults) over ampfuse.optimizers' fused optimizers, so
-amp takes its fused, sync-free path with them.
+"""apex.optimizers on ampfuse: FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad and
+FusedMixedPrecisionLamb with apex's constructors (apex's argument order and defaults) over
+ampfuse.optimizers' fused optimizers, so amp takes its fused, sync-free path with them. apex's
+submodules (``apex.optimizers.fused_adam`` and the like) are this module too.
 
 Importing an apex optimizer that ampfuse does not have raises ImportError naming the
 replacement. An ImportError (rather than a name that fails when used) keeps every script that
@@ -11,12 +12,15 @@ runs without apex running with the alias: ``try: from apex.optimizers import Fus
 from __future__ import annotations
 
 import inspect
+import numbers
 
+import torch
+from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import required
 
 from ampfuse import optimizers as _fused
 
-__all__ = ["FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad", "FusedSGD"]
 
 
 class FusedAdam(_fused.FusedAdam):
@@ -72,15 +76,101 @@ class FusedLAMB(_fused.FusedLAMB):
 
 
 class FusedNovoGrad(_fused.FusedNovoGrad):
-    """apex.optimizers.FusedNovoGrad on ampfuse.optimizers.FusedNovoGrad, which already takes
-    apex's arguments in apex's order with apex's defaults (see its docstring for the
-    differences: fp32 moments, bf16 params, per-param step counts and running norms)."""
+    """apex.optimizers.FusedNovoGrad's signature on ampfuse.optimizers.FusedNovoGrad (which
+    takes apex's arguments in apex's order, plus keyword-only options; see its docstring for
+    the differences: fp32 moments, bf16 params, per-param step counts and running norms)."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, reg_inside_moment=False, grad_averaging=True,
+                 norm_type=2, init_zero=False, set_grad_none=True):
+        super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
+                         reg_inside_moment, grad_averaging, norm_type, init_zero, set_grad_none)
+
+
+class FusedMixedPrecisionLamb(_fused.FusedLAMB):
+    """apex.optimizers.FusedMixedPrecisionLamb on ampfuse.optimizers.FusedLAMB: the same LAMB,
+    with apex's constructor and its ways of driving it.
+
+    - reduced_precision_dtype=torch.float16 or torch.bfloat16 keeps fp32 masters of the
+      low-precision params (FusedLAMB's master_weights=True; apex made them only for params of
+      exactly that dtype, here every fp16/bf16 param gets one); None or torch.float32 updates
+      params in place. Any other value is refused.
+    - step: the step count each param starts from (an int >= 0), as apex's group count did.
+    - Each param group's lr is a float32 tensor on the params' device, as in apex (schedulers
+      fill it in place); assigning a float works too.
+    - step(closure, grad_scaler): a torch.amp.GradScaler (or ampfuse.GradScaler) passes itself
+      here; its scale and inf check go to the fused step, which skips an overflowing step on
+      the device. After scaler.unscale_(optimizer) the grads are taken as unscaled (apex would
+      have divided them again).
+    - max_grad_norm: a param group may carry its own (apex used the constructor's for all).
+    """
+
+    def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999),
+                 eps=1e-6, weight_decay=0.01, amsgrad=False, adam_w_mode=True,
+                 grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
+                 reduced_precision_dtype=None):
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"FusedMixedPrecisionLamb: reduced_precision_dtype={reduced_precision_dtype!r}; "
+                "use torch.float16 or torch.bfloat16 (fp32 masters for those params) or None.")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"FusedMixedPrecisionLamb: step={step!r}; the step count to start "
+                             "from must be an int >= 0.")
+        self._first_step_count = float(step)
+        self.reduced_precision_dtype = reduced_precision_dtype
+        masters = reduced_precision_dtype in (torch.float16, torch.bfloat16)
+        super().__init__(params, float(lr), bias_correction, betas, eps, weight_decay, amsgrad,
+                         adam_w_mode, grad_averaging, True, max_grad_norm, use_nvlamb,
+                         master_weights=masters)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["first_step_count"] = self._first_step_count
+        state["reduced_precision_dtype"] = self.reduced_precision_dtype
+        return state
+
+    def __setstate__(self, state):
+        self._first_step_count = state.pop("first_step_count", 0.0)
+        self.reduced_precision_dtype = state.pop("reduced_precision_dtype", None)
+        super().__setstate__(state)
+
+    def add_param_group(self, param_group):
+        """As torch's, then the group's lr becomes a float32 tensor of its own on its params'
+        device (apex cloned its tensor defaults per group, so groups never share one)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        lr = group["lr"]
+        value = lr.detach().clone() if isinstance(lr, torch.Tensor) else torch.tensor(float(lr))
+        group["lr"] = value.to(device=device, dtype=torch.float32).reshape(())
+
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is None:
+            return super().step(closure)
+        grad_scale, found_inf = _scaler_arguments(grad_scaler, self)
+        return super().step(closure, grad_scale=grad_scale, found_inf=found_inf)
+
+
+def _scaler_arguments(scaler, optimizer):
+    """What a GradScaler that passes itself to step() means for the fused step: its scale (None
+    when scaler.unscale_(optimizer) already divided it out) and its overflow flag, summed over
+    the devices onto the first one (None when no param has a grad). Checking the grads here
+    records the flags, which scaler.update() reads, as apex's optimizer did."""
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.UNSCALED:
+        grad_scale, flags = None, state["found_inf_per_device"]
+    else:
+        flags = scaler._check_inf_per_device(optimizer)
+        grad_scale = scaler._get_scale_async()
+    if not flags:
+        return grad_scale, None
+    home = optimizer._first_device()
+    found_inf = sum(flag.to(home, non_blocking=True) for flag in flags.values())
+    return grad_scale, found_inf.reshape(1).float()
 
 
 # apex optimizers without an ampfuse version, and what to use instead.
 _MISSING = {
-    "FusedMixedPrecisionLamb": "use timm.optim.Lamb with amp.initialize(..., opt_level='O2') "
-    "for fp32 masters, or the real apex",
     "FusedAdagrad": "use torch.optim.Adagrad(params, lr, weight_decay=..., eps=..., fused=True) "
     "(apex's adagrad_w_mode=False math), or the real apex",
 }
