@@ -1,5 +1,7 @@
 // Device buffers for the CUDA kernel tests (host code: the CUDA runtime API only): a tensor of
-// raw element bits with its device copy, and a device scalar. Every CUDA call is a REQUIRE.
+// raw element bits with its device copy, an optimizer's param, grad and first moment viewed
+// part of the way into theirs, a device array and a device scalar; and comparisons, in units in
+// the last place, of what they download. Every CUDA call is a REQUIRE.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -7,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -57,6 +60,62 @@ struct DeviceTensor {
   TensorRef ref() { return {device, numel, dtype}; }
 };
 
+// One optimizer tensor's param, grad and fp32 first moment, `n` elements viewed `offset`
+// elements into their allocations (an offset of 1 breaks 16-byte alignment: the kernels' scalar
+// path); the optimizer's own state comes in a derived slot. The params are uniform in [-1, 1),
+// the grads in [-grad_bound, grad_bound) and the moments in [-0.1, 0.1), from seed, seed + 1
+// and seed + 2.
+struct OptimizerSlot {
+  std::int64_t n;
+  std::int64_t offset;
+  DeviceTensor param, grad, m;
+
+  OptimizerSlot(DType param_dtype, DType grad_dtype, std::int64_t size, std::int64_t off,
+                std::uint32_t seed, float grad_bound)
+      : n(size), offset(off),
+        param(param_dtype, size + off, seed, -1.0f, 1.0f),
+        grad(grad_dtype, size + off, seed + 1, -grad_bound, grad_bound),
+        m(DType::kFloat32, size + off, seed + 2, -0.1f, 0.1f) {}
+
+  // The view of one of the slot's tensors on the device, and in a host copy of its bits.
+  TensorRef at(DeviceTensor& t) const {
+    return {static_cast<char*>(t.device) + offset * element_size(t.dtype), n, t.dtype};
+  }
+  unsigned char* host_at(std::vector<unsigned char>& h, DType dtype) const {
+    return h.data() + offset * element_size(dtype);
+  }
+};
+
+// Every tensor's device bits, slot after slot, each slot's in the order of its tensors().
+template <typename Slot>
+std::vector<std::vector<unsigned char>> download_slots(
+    const std::vector<std::unique_ptr<Slot>>& slots) {
+  std::vector<std::vector<unsigned char>> out;
+  for (const auto& s : slots) {
+    for (const DeviceTensor* t : s->tensors()) out.push_back(t->download());
+  }
+  return out;
+}
+
+// Device scratch of n elements of T (at least one, so an empty list still gets a pointer),
+// left uninitialized.
+template <typename T>
+struct DeviceArray {
+  T* device = nullptr;
+  explicit DeviceArray(std::int64_t n) {
+    check(cudaMalloc(reinterpret_cast<void**>(&device), sizeof(T) * (n > 0 ? n : 1)));
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  ~DeviceArray() { cudaFree(device); }
+};
+
+template <typename T>
+std::vector<T> download_array(const T* device, std::size_t n) {
+  std::vector<T> out(n);
+  check(cudaMemcpy(out.data(), device, sizeof(T) * n, cudaMemcpyDeviceToHost));
+  return out;
+}
+
 template <typename T>
 struct DeviceScalar {
   T* device = nullptr;
@@ -73,5 +132,44 @@ struct DeviceScalar {
     return value;
   }
 };
+
+// Distance in units in the last place between two floats of `dtype` held as raw bits: the bit
+// patterns mapped onto one ordered integer line (so -0 and +0 are 0 apart).
+inline std::int64_t ulps_apart(const unsigned char* a, const unsigned char* b, DType dtype) {
+  const auto ordered = [&](const unsigned char* x) -> std::int64_t {
+    if (dtype == DType::kFloat32) {
+      std::uint32_t bits;
+      std::memcpy(&bits, x, 4);
+      const std::int64_t magnitude = bits & 0x7fffffffu;
+      return bits & 0x80000000u ? -magnitude : magnitude;
+    }
+    std::uint16_t bits;
+    std::memcpy(&bits, x, 2);
+    const std::int64_t magnitude = bits & 0x7fffu;
+    return bits & 0x8000u ? -magnitude : magnitude;
+  };
+  const std::int64_t d = ordered(a) - ordered(b);
+  return d < 0 ? -d : d;
+}
+
+// The largest distance in ulps between two element arrays of `dtype` (raw bits).
+inline std::int64_t max_ulps(const std::vector<unsigned char>& a,
+                             const std::vector<unsigned char>& b, DType dtype) {
+  REQUIRE(a.size() == b.size());
+  const std::size_t size = static_cast<std::size_t>(element_size(dtype));
+  std::int64_t worst = 0;
+  for (std::size_t i = 0; i < a.size(); i += size) {
+    const std::int64_t d = ulps_apart(&a[i], &b[i], dtype);
+    if (d > worst) worst = d;
+  }
+  return worst;
+}
+
+inline bool floats_within_ulps(float a, float b, std::int64_t ulps) {
+  unsigned char x[4], y[4];
+  std::memcpy(x, &a, 4);
+  std::memcpy(y, &b, 4);
+  return ulps_apart(x, y, DType::kFloat32) <= ulps;
+}
 
 }  // namespace ampfuse::kernels::test

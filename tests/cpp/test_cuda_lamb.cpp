@@ -8,14 +8,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
-#include <random>
 #include <utility>
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
-#include "cpu/half_convert.h"
 #include "cuda_kernels.h"
 #include "cuda_test_buffers.h"
 #include "lamb_math.h"
@@ -26,78 +23,17 @@ using namespace ampfuse::kernels::test;
 
 namespace {
 
-template <typename T>
-struct LambBuffer {
-  T* device = nullptr;
-  explicit LambBuffer(std::int64_t n) {
-    check(cudaMalloc(reinterpret_cast<void**>(&device), sizeof(T) * (n > 0 ? n : 1)));
-  }
-  LambBuffer(const LambBuffer&) = delete;
-  ~LambBuffer() { cudaFree(device); }
-};
-
-// Distance in units in the last place between two floats of `dtype` held as raw bits: the bit
-// patterns mapped onto one ordered integer line (so -0 and +0 are 0 apart).
-std::int64_t ulps_apart(const unsigned char* a, const unsigned char* b, DType dtype) {
-  const auto ordered = [&](const unsigned char* x) -> std::int64_t {
-    if (dtype == DType::kFloat32) {
-      std::uint32_t bits;
-      std::memcpy(&bits, x, 4);
-      const std::int64_t magnitude = bits & 0x7fffffffu;
-      return bits & 0x80000000u ? -magnitude : magnitude;
-    }
-    std::uint16_t bits;
-    std::memcpy(&bits, x, 2);
-    const std::int64_t magnitude = bits & 0x7fffu;
-    return bits & 0x8000u ? -magnitude : magnitude;
-  };
-  const std::int64_t d = ordered(a) - ordered(b);
-  return d < 0 ? -d : d;
-}
-
-// The largest distance in ulps between two element arrays of `dtype` (raw bits).
-std::int64_t max_ulps(const std::vector<unsigned char>& a, const std::vector<unsigned char>& b,
-                      DType dtype) {
-  REQUIRE(a.size() == b.size());
-  const std::size_t size = static_cast<std::size_t>(element_size(dtype));
-  std::int64_t worst = 0;
-  for (std::size_t i = 0; i < a.size(); i += size) {
-    const std::int64_t d = ulps_apart(&a[i], &b[i], dtype);
-    if (d > worst) worst = d;
-  }
-  return worst;
-}
-
-bool floats_within_ulps(float a, float b, std::int64_t ulps) {
-  unsigned char x[4], y[4];
-  std::memcpy(x, &a, 4);
-  std::memcpy(y, &b, 4);
-  return ulps_apart(x, y, DType::kFloat32) <= ulps;
-}
-
-// One tensor's param, grad, moments and master, `offset` elements into their allocations (an
-// offset of 1 breaks 16-byte alignment: the scalar path).
-struct LambSlot {
-  DType param_dtype;
-  DType grad_dtype;
-  std::int64_t n;
-  std::int64_t offset;
-  DeviceTensor param, grad, m, v, master;
+// One tensor's param, grad, moments and master.
+struct LambSlot : OptimizerSlot {
+  DeviceTensor v, master;
 
   LambSlot(DType p, DType g, std::int64_t size, std::int64_t off, std::uint32_t seed)
-      : param_dtype(p), grad_dtype(g), n(size), offset(off),
-        param(p, size + off, seed, -1.0f, 1.0f),
-        grad(g, size + off, seed + 1, -1.0f, 1.0f),
-        m(DType::kFloat32, size + off, seed + 2, -0.1f, 0.1f),
+      : OptimizerSlot(p, g, size, off, seed, /*grad_bound=*/1.0f),
         v(DType::kFloat32, size + off, seed + 3, 0.0f, 0.01f),
         master(DType::kFloat32, size + off, seed + 4, -1.0f, 1.0f) {}
 
-  TensorRef at(DeviceTensor& t) const {
-    return {static_cast<char*>(t.device) + offset * element_size(t.dtype), n, t.dtype};
-  }
-  unsigned char* host_at(std::vector<unsigned char>& h, DType dtype) const {
-    return h.data() + offset * element_size(dtype);
-  }
+  // The order of download_slots.
+  std::vector<const DeviceTensor*> tensors() const { return {&param, &grad, &m, &v, &master}; }
 };
 
 // Clipped AdamW-style with bias correction; and unclipped, L2 decay, no bias correction, no
@@ -133,25 +69,6 @@ struct LambLists {
   }
 };
 
-// Every tensor's device bits (param, grad, m, v, master of each slot in turn).
-std::vector<std::vector<unsigned char>> download_slots(
-    const std::vector<std::unique_ptr<LambSlot>>& slots) {
-  std::vector<std::vector<unsigned char>> out;
-  for (const auto& s : slots) {
-    for (const DeviceTensor* t : {&s->param, &s->grad, &s->m, &s->v, &s->master}) {
-      out.push_back(t->download());
-    }
-  }
-  return out;
-}
-
-template <typename T>
-std::vector<T> download_array(const T* device, std::size_t n) {
-  std::vector<T> out(n);
-  check(cudaMemcpy(out.data(), device, sizeof(T) * n, cudaMemcpyDeviceToHost));
-  return out;
-}
-
 // Host copies of one slot's tensors, stepped by the CPU spans the way the CPU op steps them.
 struct HostStep {
   LambSlot& slot;
@@ -169,13 +86,13 @@ struct HostStep {
   // The first pass; returns the sums of squares of the param and of the update.
   std::pair<double, double> moments(bool write_grads, const LambStep& step) {
     double param_sq = 0.0, update_sq = 0.0;
-    cpu::lamb_moments_span(slot.host_at(p, slot.param_dtype), slot.param_dtype,
-                           slot.host_at(g, slot.grad_dtype), slot.grad_dtype, write_grads,
+    cpu::lamb_moments_span(slot.host_at(p, slot.param.dtype), slot.param.dtype,
+                           slot.host_at(g, slot.grad.dtype), slot.grad.dtype, write_grads,
                            moment(m), moment(v), master, slot.n, step, &param_sq, &update_sq);
     return {param_sq, update_sq};
   }
   void apply(const LambStep& step, float ratio) {
-    cpu::lamb_apply_span(slot.host_at(p, slot.param_dtype), slot.param_dtype, moment(m),
+    cpu::lamb_apply_span(slot.host_at(p, slot.param.dtype), slot.param.dtype, moment(m),
                          moment(v), master, slot.n, step, ratio);
   }
 };
@@ -190,8 +107,9 @@ TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
         const LambLists lists(slots, with_masters);
         const std::int64_t chunks = cuda::lamb_scratch_chunks(lists.P);
         REQUIRE(chunks == 4 + 2 + 1 + 2);
-        LambBuffer<float> chunk_sums(2 * chunks), ratios(static_cast<std::int64_t>(lists.P.size()));
-        LambBuffer<std::int32_t> chunk_owner(chunks);
+        DeviceArray<float> chunk_sums(2 * chunks),
+            ratios(static_cast<std::int64_t>(lists.P.size()));
+        DeviceArray<std::int32_t> chunk_owner(chunks);
         DeviceScalar<LambStep> constants(LambStep{});
         // The global norm of the grads as passed (scaled): 512 * 300 clips to max_grad_norm 1.
         DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f),
@@ -218,9 +136,7 @@ TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
         REQUIRE(used.grad_scale == 512.0f);
         REQUIRE(used.steps_taken == 3.0f);
 
-        std::vector<float> device_ratios(lists.P.size());
-        check(cudaMemcpy(device_ratios.data(), ratios.device, sizeof(float) * lists.P.size(),
-                         cudaMemcpyDeviceToHost));
+        const std::vector<float> device_ratios = download_array(ratios.device, lists.P.size());
         for (std::size_t t = 0; t < slots.size(); ++t) {
           LambSlot& s = *slots[t];
           HostStep host_step(s, with_masters);
@@ -236,8 +152,8 @@ TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
           REQUIRE(s.grad.download() == host_step.g);
           // fp32 within 2 ulps; a 16-bit param is the fp32 result rounded, so a last-bit
           // difference there may move it by one ulp of its own type.
-          REQUIRE(max_ulps(s.param.download(), host_step.p, s.param_dtype) <=
-                  (s.param_dtype == DType::kFloat32 ? 2 : 1));
+          REQUIRE(max_ulps(s.param.download(), host_step.p, s.param.dtype) <=
+                  (s.param.dtype == DType::kFloat32 ? 2 : 1));
           REQUIRE(max_ulps(s.master.download(), host_step.w, DType::kFloat32) <= 2);
           REQUIRE(s.param.download() != s.param.host);  // the step did move the params
         }
@@ -288,10 +204,10 @@ TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bi
         const std::size_t n = one.size();
         const std::int64_t chunks = cuda::lamb_scratch_chunks(a.P);
         REQUIRE(chunks == 4 + 2 + 1 + 2);
-        LambBuffer<float> chunk_sums(2 * chunks), ratios_a(static_cast<std::int64_t>(n)),
+        DeviceArray<float> chunk_sums(2 * chunks), ratios_a(static_cast<std::int64_t>(n)),
             ratios_b(static_cast<std::int64_t>(n));
-        LambBuffer<std::int32_t> chunk_owner(chunks);
-        LambBuffer<double> sums_a(2 * static_cast<std::int64_t>(n)),
+        DeviceArray<std::int32_t> chunk_owner(chunks);
+        DeviceArray<double> sums_a(2 * static_cast<std::int64_t>(n)),
             sums_b(2 * static_cast<std::int64_t>(n));
         DeviceScalar<LambStep> constants_a(LambStep{}), constants_b(LambStep{});
         DeviceScalar<float> step_a(3.0f), step_b(3.0f), lr(1e-3f), scale(512.0f),
@@ -381,8 +297,8 @@ TEST_CASE("CUDA LAMB's halves on a shard without elements: zero sums, and the co
   empty.emplace_back(new LambSlot(DType::kFloat32, DType::kFloat32, 0, 1, 25));
   const LambLists l(empty, true);
   REQUIRE(cuda::lamb_scratch_chunks(l.P) == 0);
-  LambBuffer<double> sums(2);
-  LambBuffer<float> ratio(1);
+  DeviceArray<double> sums(2);
+  DeviceArray<float> ratio(1);
   check(cudaMemset(sums.device, 0xff, 2 * sizeof(double)));  // NaN bits
   DeviceScalar<LambStep> constants(LambStep{});
   DeviceScalar<float> step(7.0f), lr(1e-3f), found(0.0f);

@@ -5,44 +5,18 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <cstring>
-#include <random>
+#include <cstdint>
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
 #include "cpu/half_convert.h"
+#include "span_test_values.h"
 
 using namespace ampfuse::kernels;
 using namespace ampfuse::kernels::cpu;
+using namespace ampfuse::kernels::test;
 
 namespace {
-
-std::vector<float> random_floats(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
-
-// Values stored in `Storage` and read back: what the kernels see of a low-precision tensor.
-template <typename Storage>
-std::vector<Storage> stored(const std::vector<float>& x) {
-  std::vector<Storage> out(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) out[i] = Element<Storage>::store(x[i]);
-  return out;
-}
-
-template <typename Storage>
-DType dtype_of();
-template <>
-DType dtype_of<float>() { return DType::kFloat32; }
-template <>
-DType dtype_of<Fp16Bits>() { return DType::kFloat16; }
-template <>
-DType dtype_of<Bf16Bits>() { return DType::kBFloat16; }
-
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 template <typename Param>
 void check_against_scalar_math(std::size_t n, bool with_master, bool write_grad) {
@@ -83,7 +57,7 @@ void check_against_scalar_math(std::size_t n, bool with_master, bool write_grad)
     REQUIRE(same_bits(m[i], mi));
     REQUIRE(same_bits(v[i], vi));
     const Param want_grad = write_grad ? Element<Param>::store(g) : grad0[i];
-    REQUIRE(std::memcmp(&grad[i], &want_grad, sizeof(Param)) == 0);
+    REQUIRE(same_bits(grad[i], want_grad));
     want_param_sq += double(p) * p;
     want_update_sq += double(u) * u;
   }
@@ -95,7 +69,7 @@ void check_against_scalar_math(std::size_t n, bool with_master, bool write_grad)
     lamb_apply(p, m[i], v[i], ratio, step);
     if (with_master) REQUIRE(same_bits(masters[i], p));
     const Param want = Element<Param>::store(p);
-    REQUIRE(std::memcmp(&param[i], &want, sizeof(Param)) == 0);
+    REQUIRE(same_bits(param[i], want));
   }
 }
 

@@ -1,12 +1,13 @@
 // The CPU NovoGrad span kernels (cpu_kernels.h): the two passes of novograd_math.h. The L2
 // reduction and the update run eight elements at a time on Lanes8 with the last n % 8 elements
 // in scalar loops, as the LAMB kernels do; fp16/bf16 reach the lanes through F16C where the
-// processor has it (f16c::) and through software conversions elsewhere (soft::, cloned for AVX2);
-// both give the same bits. The max reduction is a scalar loop: it has to let a NaN through,
-// which a vector max does not, and it is the rarely used norm.
+// processor has it (avx2::) and through software conversions elsewhere (portable::, cloned for
+// AVX2); both give the same bits (novograd_variants.h). The max reduction is a scalar loop: it
+// has to let a NaN through, which a vector max does not, and it is the rarely used norm.
 #include <algorithm>
 
 #include "cpu_kernels.h"
+#include "novograd_variants.h"
 #include "optimizer_variants.h"
 
 namespace ampfuse::kernels::cpu {
@@ -90,11 +91,15 @@ inline __attribute__((always_inline)) void novograd_apply_lanes(
                                            denom);
 }
 
-// The typed loops of one implementation, picked from runtime dtypes and flags.
+// The runtime-dtype entry points of one implementation, whose typed loops are the static
+// member templates Kernels::sum_of_squares<Grad>(grad, n, grad_scale) and
+// Kernels::apply<kMaster, kWriteGrad>(param, grad, exp_avg, master, n, step, denom).
 template <typename Kernels>
-double sum_of_squares_any(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale) {
+double novograd_norm_any(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
+                         bool max_norm) {
   return with_storage(grad_dtype, const_cast<void*>(grad), [&](auto* g) {
-    return Kernels::sum_of_squares(g, n, grad_scale);
+    return max_norm ? max_unscaled_abs(g, n, grad_scale)
+                    : Kernels::sum_of_squares(g, n, grad_scale);
   });
 }
 
@@ -109,7 +114,13 @@ void novograd_apply_any(void* param, DType param_dtype, void* grad, DType grad_d
                   });
 }
 
-namespace soft {
+}  // namespace
+
+namespace portable {
+namespace {
+
+// The 8-lane loops with software conversions, cloned for AVX2 (fp32 then runs on AVX registers)
+// and the baseline (fp16/bf16 on CPUs without F16C, and every dtype off x86).
 struct Kernels {
   template <typename Grad>
   AMPFUSE_CPU_CLONES static double sum_of_squares(const Grad* grad, std::int64_t n,
@@ -124,59 +135,90 @@ struct Kernels {
                                                             step, denom);
   }
 };
-}  // namespace soft
+
+}  // namespace
+
+double novograd_norm(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
+                     bool max_norm) {
+  return novograd_norm_any<Kernels>(grad, grad_dtype, n, grad_scale, max_norm);
+}
+
+void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                    bool write_grad, float* exp_avg, float* master, std::int64_t n,
+                    const NovoGradStep& step, float denom) {
+  novograd_apply_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master,
+                              n, step, denom);
+}
+
+}  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-namespace f16c {
+namespace avx2 {
+namespace {
+
 struct Kernels {
   template <typename Grad>
   AMPFUSE_AVX2 static double sum_of_squares(const Grad* grad, std::int64_t n, float grad_scale) {
-    return sum_of_unscaled_squares_lanes<avx2::F16cLanes>(grad, n, grad_scale);
+    return sum_of_unscaled_squares_lanes<F16cLanes>(grad, n, grad_scale);
   }
 
   template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
   AMPFUSE_AVX2 static void apply(Param* param, Grad* grad, float* exp_avg, float* master,
                                  std::int64_t n, const NovoGradStep& step, float denom) {
-    novograd_apply_lanes<avx2::F16cLanes, kMaster, kWriteGrad>(param, grad, exp_avg, master, n,
-                                                              step, denom);
+    novograd_apply_lanes<F16cLanes, kMaster, kWriteGrad>(param, grad, exp_avg, master, n, step,
+                                                        denom);
   }
 };
 
-// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them.
-bool use_f16c(DType a, DType b) {
-  return (a != DType::kFloat32 || b != DType::kFloat32) && cpu_has_avx2_f16c();
+}  // namespace
+
+double novograd_norm(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
+                     bool max_norm) {
+  return novograd_norm_any<Kernels>(grad, grad_dtype, n, grad_scale, max_norm);
 }
-}  // namespace f16c
-#endif
+
+void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                    bool write_grad, float* exp_avg, float* master, std::int64_t n,
+                    const NovoGradStep& step, float denom) {
+  novograd_apply_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master,
+                              n, step, denom);
+}
+
+}  // namespace avx2
+
+namespace {
+
+// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them. (The max
+// reduction is the same scalar loop either way.)
+bool use_avx2(DType param_dtype, DType grad_dtype) {
+  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
+}
 
 }  // namespace
+#endif
 
 double novograd_norm_span(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
                           bool max_norm) {
-  if (max_norm) {
-    return with_storage(grad_dtype, const_cast<void*>(grad),
-                        [&](auto* g) { return max_unscaled_abs(g, n, grad_scale); });
-  }
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-  if (f16c::use_f16c(grad_dtype, grad_dtype)) {
-    return sum_of_squares_any<f16c::Kernels>(grad, grad_dtype, n, grad_scale);
+  if (use_avx2(grad_dtype, grad_dtype)) {
+    return avx2::novograd_norm(grad, grad_dtype, n, grad_scale, max_norm);
   }
 #endif
-  return sum_of_squares_any<soft::Kernels>(grad, grad_dtype, n, grad_scale);
+  return portable::novograd_norm(grad, grad_dtype, n, grad_scale, max_norm);
 }
 
 void novograd_apply_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
                          bool write_grad, float* exp_avg, float* master, std::int64_t n,
                          const NovoGradStep& step, float denom) {
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-  if (f16c::use_f16c(param_dtype, grad_dtype)) {
-    novograd_apply_any<f16c::Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
-                                      master, n, step, denom);
+  if (use_avx2(param_dtype, grad_dtype)) {
+    avx2::novograd_apply(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master, n,
+                         step, denom);
     return;
   }
 #endif
-  novograd_apply_any<soft::Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
-                                    master, n, step, denom);
+  portable::novograd_apply(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master, n,
+                           step, denom);
 }
 
 }  // namespace ampfuse::kernels::cpu
