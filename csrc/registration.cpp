@@ -53,6 +53,15 @@ TORCH_LIBRARY(ampfuse, m) {
       "float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
       "Tensor? found_inf, bool write_unscaled_grads=False, bool wd_after_momentum=False, "
       "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
+  // Adagrad step (torch.optim.Adagrad's math; decoupled_weight_decay is apex FusedAdagrad's
+  // adagrad_w_mode): state_sums += g * g, param -= clr * g / (sqrt(state_sums) + eps) with
+  // clr = lr / (1 + step * lr_decay). fp32 sums and optional fp32 masters; grads, step,
+  // found_inf and write_unscaled_grads as for Adam.
+  m.def(
+      "fused_adagrad_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state_sums, "
+      "Tensor(d!)[] master_params, Tensor(e!) step, Tensor lr, float lr_decay, "
+      "float weight_decay, float eps, bool decoupled_weight_decay, bool maximize, "
+      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False) -> ()");
   // LAMB step (apex.optimizers.FusedLAMB's math): Adam moments of the grads divided by
   // grad_scale and by the clip max(1, ||grads|| / grad_scale / max_grad_norm), where grad_norm is
   // the global norm of the step's grads as passed (max_grad_norm=0: no clipping, grad_norm
@@ -113,6 +122,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CPU, m) {
   m.impl("update_scale_", &ampfuse::ops::update_scale_cpu);
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cpu);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cpu);
+  m.impl("fused_adagrad_", &ampfuse::ops::fused_adagrad_cpu);
   m.impl("fused_lamb_", &ampfuse::ops::fused_lamb_cpu);
   m.impl("fused_novograd_", &ampfuse::ops::fused_novograd_cpu);
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cpu);
@@ -130,6 +140,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CUDA, m) {
   m.impl("update_scale_", &ampfuse::ops::update_scale_cuda);
   m.impl("fused_adam_", &ampfuse::ops::fused_adam_cuda);
   m.impl("fused_sgd_", &ampfuse::ops::fused_sgd_cuda);
+  m.impl("fused_adagrad_", &ampfuse::ops::fused_adagrad_cuda);
   m.impl("fused_lamb_", &ampfuse::ops::fused_lamb_cuda);
   m.impl("fused_novograd_", &ampfuse::ops::fused_novograd_cuda);
   m.impl("fp8_cast_amax", &ampfuse::ops::fp8_cast_amax_cuda);
@@ -154,6 +165,7 @@ TORCH_LIBRARY_IMPL(ampfuse, CompositeExplicitAutograd, m) {
   m.impl("update_scale_", refuse());
   m.impl("fused_adam_", refuse());
   m.impl("fused_sgd_", refuse());
+  m.impl("fused_adagrad_", refuse());
   m.impl("fused_lamb_", refuse());
   m.impl("fused_novograd_", refuse());
   m.impl("fp8_cast_amax", refuse());
@@ -169,7 +181,8 @@ TORCH_LIBRARY_IMPL(ampfuse, AutogradNestedTensor, m) {
   };
   for (const char* op : {"multi_tensor_unscale_", "multi_tensor_nonfinite_check_",
                          "multi_tensor_scale_", "multi_tensor_l2norm", "update_scale_",
-                         "fused_adam_", "fused_sgd_", "fused_lamb_", "fused_novograd_",
+                         "fused_adam_", "fused_sgd_", "fused_adagrad_", "fused_lamb_",
+                         "fused_novograd_",
                          "fp8_cast_amax",
                          "fp8_update_scales_", "fp8_gemm", "fp8_transpose"}) {
     m.impl(op, refuse());

@@ -1,5 +1,6 @@
-// Argument handling shared by the optimizer ops (fused_adam_, fused_sgd_, fused_lamb_): the
-// device-side step scalars, their checks, and grads that are written back unscaled.
+// Argument handling shared by the optimizer ops (fused_adam_, fused_sgd_, fused_adagrad_,
+// fused_lamb_, fused_novograd_): the device-side step scalars, their checks, and grads that are
+// written back unscaled.
 #pragma once
 
 #include <ATen/core/Tensor.h>

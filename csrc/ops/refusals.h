@@ -25,8 +25,8 @@ inline bool works_on_values(const std::string& op) {
 }
 
 inline std::string sparse_fix(const std::string& op, bool compressed) {
-  if (op == "fused_adam_" || op == "fused_sgd_" || op == "fused_lamb_" ||
-      op == "fused_novograd_") {
+  if (op == "fused_adam_" || op == "fused_sgd_" || op == "fused_adagrad_" ||
+      op == "fused_lamb_" || op == "fused_novograd_") {
     return "Fused optimizers update dense params from dense grads: use torch.optim.SparseAdam "
            "or torch.optim.SGD for params with sparse grads (e.g. nn.Embedding(sparse=True)), "
            "or pass grad.to_dense().";

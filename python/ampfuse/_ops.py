@@ -29,6 +29,7 @@ _OPS = (
     "update_scale_",
     "fused_adam_",
     "fused_sgd_",
+    "fused_adagrad_",
     "fused_lamb_",
     "fused_novograd_",
     "fp8_cast_amax",
@@ -400,7 +401,8 @@ from ampfuse._fp8_ops import (  # noqa: E402,F401
     fp8_transpose,
     fp8_update_scales_,
 )
-# fused_lamb_'s and fused_novograd_'s wrappers and fake kernels live in _lamb_ops and
-# _novograd_ops, for the same reason.
+# fused_adagrad_'s, fused_lamb_'s and fused_novograd_'s wrappers and fake kernels live in
+# _adagrad_ops, _lamb_ops and _novograd_ops, for the same reason.
+from ampfuse._adagrad_ops import fused_adagrad_  # noqa: E402,F401
 from ampfuse._lamb_ops import fused_lamb_  # noqa: E402,F401
 from ampfuse._novograd_ops import fused_novograd_  # noqa: E402,F401

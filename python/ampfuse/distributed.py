@@ -34,7 +34,7 @@ from ampfuse._ops import HELD_INF, HELD_NAN
 
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
 POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_nonfinite_check_",
-                 "fused_adam_", "fused_sgd_")
+                 "fused_adam_", "fused_sgd_", "fused_adagrad_")
 
 # The ops that raise an overflow flag from what they read, and the list they read it from. A
 # rank sees only its shards, so the flag is MAX-reduced over the mesh afterwards: every rank then

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ampfuse._doctor_adagrad import SMOKE_TESTS as ADAGRAD_SMOKE_TESTS
 from ampfuse._doctor_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
 from ampfuse._doctor_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
 from ampfuse._doctor_novograd import SMOKE_TESTS as NOVOGRAD_SMOKE_TESTS
@@ -479,6 +480,7 @@ SMOKE_TESTS = {
     "update_scale_": _smoke_update_scale,
     "fused_adam_": _smoke_adam,
     "fused_sgd_": _smoke_sgd,
+    **ADAGRAD_SMOKE_TESTS,
     **LAMB_SMOKE_TESTS,
     **NOVOGRAD_SMOKE_TESTS,
     **FP8_SMOKE_TESTS,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../adagrad_math.h"
 #include "../bf16_modes.h"
 #include "../dtype.h"
 #include "../lamb_math.h"
@@ -45,6 +46,11 @@ void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, boo
 // adam_span.
 void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
               float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
+
+// One Adagrad step over a span (adagrad_math.h): `sum` (fp32) holds the running sum of squared
+// grads; master and the grad as in adam_span.
+void adagrad_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                  float* sum, float* master, std::int64_t n, const AdagradStep& step);
 
 // LAMB's first pass over a span (lamb_math.h): divides the grad by step.grad_scale (stored back
 // so with write_grad), updates the fp32 moments, and adds the squares of the fp32 param (the

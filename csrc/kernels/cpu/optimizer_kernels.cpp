@@ -1,4 +1,4 @@
-// CPU Adam/AdamW and SGD span kernels: one pass reads the gradient, updates the
+// CPU Adam/AdamW, SGD and Adagrad span kernels: one pass reads the gradient, updates the
 // fp32 state and writes the parameter (and its master) back. This file holds the
 // portable loops and the choice between them and the AVX2+F16C loops of
 // optimizer_kernels_avx2.cpp, made at run time from what the processor supports.
@@ -26,6 +26,12 @@ struct Kernels {
     sgd_lanes<PortableLanes, kMaster, kWriteGrad, kMomentum>(param, grad, momentum_buffer, master,
                                                             n, step);
   }
+
+  template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
+  AMPFUSE_CPU_CLONES static void adagrad(Param* param, Grad* grad, float* sum, float* master,
+                                         std::int64_t n, const AdagradStep& step) {
+    adagrad_lanes<PortableLanes, kMaster, kWriteGrad>(param, grad, sum, master, n, step);
+  }
 };
 
 }  // namespace
@@ -41,6 +47,11 @@ void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool writ
          float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step) {
   sgd_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, momentum_buffer, master, n,
                    step);
+}
+
+void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+             float* sum, float* master, std::int64_t n, const AdagradStep& step) {
+  adagrad_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, sum, master, n, step);
 }
 
 }  // namespace portable
@@ -79,6 +90,17 @@ void sgd_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool
   }
 #endif
   portable::sgd(param, param_dtype, grad, grad_dtype, write_grad, momentum_buffer, master, n, step);
+}
+
+void adagrad_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                  float* sum, float* master, std::int64_t n, const AdagradStep& step) {
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+  if (use_avx2(param_dtype, grad_dtype)) {
+    avx2::adagrad(param, param_dtype, grad, grad_dtype, write_grad, sum, master, n, step);
+    return;
+  }
+#endif
+  portable::adagrad(param, param_dtype, grad, grad_dtype, write_grad, sum, master, n, step);
 }
 
 }  // namespace ampfuse::kernels::cpu

@@ -1,5 +1,5 @@
-// The AVX2+F16C Adam and SGD span kernels (see optimizer_variants.h). Eight elements at a time:
-// fp16 and bf16 are widened to fp32 with the vector conversions of vec_avx2.h, the shared
+// The AVX2+F16C Adam, SGD and Adagrad span kernels (see optimizer_variants.h). Eight elements at
+// a time: fp16 and bf16 are widened to fp32 with the vector conversions of vec_avx2.h, the shared
 // element update (optimizer_math.h) runs on eight lanes at once (lanes8.h), and the results are
 // narrowed back, in one pass over the arrays. The vector conversions give the same bits as
 // half_convert.h's and each lane rounds as the scalar update does, so results match portable::
@@ -30,6 +30,12 @@ struct Kernels {
     sgd_lanes<F16cLanes, kMaster, kWriteGrad, kMomentum>(param, grad, momentum_buffer, master, n,
                                                         step);
   }
+
+  template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
+  AMPFUSE_AVX2 static void adagrad(Param* param, Grad* grad, float* sum, float* master,
+                                   std::int64_t n, const AdagradStep& step) {
+    adagrad_lanes<F16cLanes, kMaster, kWriteGrad>(param, grad, sum, master, n, step);
+  }
 };
 
 }  // namespace
@@ -45,6 +51,11 @@ void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool writ
          float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step) {
   sgd_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, momentum_buffer, master, n,
                    step);
+}
+
+void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+             float* sum, float* master, std::int64_t n, const AdagradStep& step) {
+  adagrad_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, sum, master, n, step);
 }
 
 }  // namespace ampfuse::kernels::cpu::avx2

@@ -1,4 +1,5 @@
-// The implementations behind adam_span and sgd_span: 8-lane loops (adam_lanes, sgd_lanes) that
+// The implementations behind adam_span, sgd_span and adagrad_span: 8-lane loops (adam_lanes,
+// sgd_lanes, adagrad_lanes) that
 // convert fp16/bf16 in software (portable::, optimizer_kernels.cpp) or with F16C (avx2::,
 // optimizer_kernels_avx2.cpp). optimizer_kernels.cpp picks one per call; the tests run both and
 // require the same bits.
@@ -12,6 +13,7 @@
 #include <type_traits>
 
 #include "../dtype.h"
+#include "../adagrad_math.h"
 #include "../optimizer_math.h"
 #include "half_convert.h"
 #include "lanes8.h"
@@ -57,6 +59,18 @@ inline void sgd_loop(Param* __restrict param, Grad* __restrict grad,
     float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
     float unused = 0.0f;
     sgd_update<kMomentum>(p, g, kMomentum ? momentum_buffer[i] : unused, step);
+    if (kMaster) master[i] = p;
+    param[i] = Element<Param>::store(p);
+  }
+}
+
+template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
+inline void adagrad_loop(Param* __restrict param, Grad* __restrict grad, float* __restrict sum,
+                         float* __restrict master, std::int64_t n, const AdagradStep& step) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    float g;
+    float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
+    adagrad_update(p, g, sum[i], step);
     if (kMaster) master[i] = p;
     param[i] = Element<Param>::store(p);
   }
@@ -118,6 +132,27 @@ inline __attribute__((always_inline)) void sgd_lanes(Param* param, Grad* grad,
                                            kMaster ? master + whole : nullptr, n - whole, step);
 }
 
+template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, typename Param,
+          typename Grad>
+inline __attribute__((always_inline)) void adagrad_lanes(Param* param, Grad* grad, float* sum,
+                                                         float* master, std::int64_t n,
+                                                         const AdagradStep& step_in) {
+  const AdagradStep step = step_in;  // a copy, as in adam_lanes
+  const std::int64_t whole = n - n % 8;
+  for (std::int64_t i = 0; i < whole; i += 8) {
+    Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
+    if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
+    Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
+    Lanes8 h = Lanes<float>::load(sum + i);
+    adagrad_update(p, g, h, step);
+    Lanes<float>::store(sum + i, h);
+    if (kMaster) Lanes<float>::store(master + i, p);
+    Lanes<Param>::store(param + i, p);
+  }
+  adagrad_loop<kMaster, kWriteGrad>(param + whole, grad + whole, sum + whole,
+                                    kMaster ? master + whole : nullptr, n - whole, step);
+}
+
 // Calls f with std::integral_constant<bool, flag>, turning a runtime flag into a template one.
 template <typename F>
 void with_flag(bool flag, F&& f) {
@@ -170,13 +205,24 @@ void sgd_any(void* param, DType param_dtype, void* grad, DType grad_dtype, bool 
                   });
 }
 
-// Same signatures as adam_span and sgd_span (cpu_kernels.h).
+template <typename Kernels>
+void adagrad_any(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                 float* sum, float* master, std::int64_t n, const AdagradStep& step) {
+  with_span_types(param, param_dtype, grad, grad_dtype, master != nullptr, write_grad,
+                  [&](auto* p, auto* g, auto has_master, auto write) {
+                    Kernels::template adagrad<has_master, write>(p, g, sum, master, n, step);
+                  });
+}
+
+// Same signatures as adam_span, sgd_span and adagrad_span (cpu_kernels.h).
 namespace portable {
 void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
           float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
           std::int64_t n, const AdamStep& step);
 void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
          float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
+void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+             float* sum, float* master, std::int64_t n, const AdagradStep& step);
 }  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
@@ -195,6 +241,8 @@ void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool wri
           std::int64_t n, const AdamStep& step);
 void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
          float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
+void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+             float* sum, float* master, std::int64_t n, const AdagradStep& step);
 }  // namespace avx2
 #endif
 

@@ -1,0 +1,102 @@
+// fused_adagrad_: validation, then the CPU span kernel or the CUDA launcher
+// (csrc/kernels/adagrad.cu).
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+#include "optimizer_args.h"
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kAdagrad = "fused_adagrad_";
+
+struct AdagradArgs {
+  std::vector<kernels::TensorRef> params, grads, state_sums, masters;
+  kernels::AdagradConfig config;
+  kernels::StepScalars scalars;
+  bool write_grads;
+  std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;
+};
+
+AdagradArgs check_adagrad(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                          at::TensorList master_params, const at::Tensor& step,
+                          const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
+                          bool decoupled_weight_decay, bool maximize,
+                          const c10::optional<at::Tensor>& grad_scale,
+                          const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+  TORCH_CHECK(lr_decay >= 0.0, "ampfuse.", kAdagrad, ": lr_decay must be >= 0, got ", lr_decay,
+              ".");
+  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kAdagrad, ": weight_decay must be >= 0, got ",
+              weight_decay, ".");
+  TORCH_CHECK(eps >= 0.0, "ampfuse.", kAdagrad, ": eps must be >= 0, got ", eps, ".");
+  AdagradArgs a;
+  const c10::optional<at::Device> device = list_device(kAdagrad, params, "params");
+  a.params = tensor_refs(kAdagrad, params, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kAdagrad, step, lr, grad_scale, found_inf, device);
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kAdagrad, grads, params, a.write_grads, a.keep_alive, a.copy_back);
+  const auto state = [&](at::TensorList list, const char* name, bool optional) {
+    return companion_refs(kAdagrad, list, name, params, Access::kWrite, /*fp32_only=*/true,
+                          optional, a.keep_alive);
+  };
+  a.state_sums = state(state_sums, "state_sums", false);
+  a.masters = state(master_params, "master_params", /*optional=*/true);
+  a.config = {lr_decay, weight_decay, eps, decoupled_weight_decay, maximize};
+  return a;
+}
+
+}  // namespace
+
+void fused_adagrad_cpu(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                       at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                       double lr_decay, double weight_decay, double eps,
+                       bool decoupled_weight_decay, bool maximize,
+                       const c10::optional<at::Tensor>& grad_scale,
+                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+  const AdagradArgs a =
+      check_adagrad(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
+                    eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
+                    write_unscaled_grads);
+  if (cpu_step_skipped(a.scalars)) return;
+  const kernels::AdagradStep adagrad_step = cpu_step_constants(a.config, a.scalars);
+  const std::vector<Span> spans = split_into_spans(a.params);
+  for_each_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    const kernels::TensorRef& param = a.params[span.tensor];
+    const kernels::TensorRef& grad = a.grads[span.tensor];
+    kernels::cpu::adagrad_span(element_ptr(param, span.offset), param.dtype,
+                               element_ptr(grad, span.offset), grad.dtype, a.write_grads,
+                               optional_fp32_ptr(a.state_sums, span),
+                               optional_fp32_ptr(a.masters, span), span.size, adagrad_step);
+  });
+  finish_copy_back(a.copy_back);
+  *a.scalars.step += 1.0f;
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+void fused_adagrad_cuda(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                        at::TensorList master_params, const at::Tensor& step,
+                        const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
+                        bool decoupled_weight_decay, bool maximize,
+                        const c10::optional<at::Tensor>& grad_scale,
+                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+  const AdagradArgs a =
+      check_adagrad(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
+                    eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
+                    write_unscaled_grads);
+  check_cuda_step(kAdagrad, step);
+  // An empty list still advances the step count, as on the CPU (the prologue does it).
+  const c10::cuda::CUDAGuard guard(step.device());
+  const at::Tensor constants = step_constants_buffer<kernels::AdagradStep>(step.device());
+  kernels::cuda::adagrad(a.params, a.grads, a.state_sums, a.masters, a.config, a.scalars,
+                         a.write_grads, static_cast<kernels::AdagradStep*>(constants.data_ptr()),
+                         current_stream(step.device()));
+  finish_copy_back(a.copy_back);
+}
+#endif
+
+}  // namespace ampfuse::ops
