@@ -88,6 +88,7 @@ def test_every_apex_import_form_resolves_to_ampfuse(no_apex):
 def test_apex_optimizer_submodules_resolve_to_the_alias(no_apex):
     """fairseq's and DeepSpeed's old apex paths import from apex's submodules."""
     install_apex_alias()
+    from apex.optimizers.fused_adagrad import FusedAdagrad
     from apex.optimizers.fused_adam import FusedAdam
     from apex.optimizers.fused_lamb import FusedLAMB
     from apex.optimizers.fused_mixed_precision_lamb import FusedMixedPrecisionLamb
@@ -95,7 +96,8 @@ def test_apex_optimizer_submodules_resolve_to_the_alias(no_apex):
     from apex.optimizers.fused_sgd import FusedSGD
 
     import apex.optimizers
-    for cls in (FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad, FusedSGD):
+    for cls in (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad,
+                FusedSGD):
         assert getattr(apex.optimizers, cls.__name__) is cls
     assert uninstall_apex_alias() is True
     assert "apex.optimizers.fused_adam" not in sys.modules

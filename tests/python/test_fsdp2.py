@@ -80,6 +80,9 @@ OPTIMIZERS = {
     ),
     # Not element-wise either: each param's grad norm (L2: sums of squares added over the
     # shards; max norm: maxima over the shards) blends into its running norm.
+    "FusedAdagrad": lambda params: ampfuse.optimizers.FusedAdagrad(
+        params, lr=1e-2, lr_decay=0.01, weight_decay=0.1, master_weights=True
+    ),
     "FusedNovoGrad": lambda params: ampfuse.optimizers.FusedNovoGrad(
         params, lr=1e-2, weight_decay=0.1, master_weights=True
     ),

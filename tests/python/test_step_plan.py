@@ -10,7 +10,7 @@ fp32 scenarios are also checked against torch.optim."""
 import pytest
 import torch
 
-from ampfuse.optimizers import FusedAdamW, FusedLAMB, FusedNovoGrad, FusedSGD
+from ampfuse.optimizers import FusedAdagrad, FusedAdamW, FusedLAMB, FusedNovoGrad, FusedSGD
 from ampfuse.optimizers import _base, _plan
 
 SHAPES = [(4, 8), (8,), (3, 5, 2), (16,)]
@@ -70,8 +70,9 @@ def replace_state_dict(opt, params):
 
 
 def replace_momentum(opt, params):
+    """Replaces each param's first state tensor (momentum buffer, first moment, Adagrad sum)."""
     for p in params:
-        key = "momentum_buffer" if "momentum_buffer" in opt.state[p] else "exp_avg"
+        key = next(k for k in ("momentum_buffer", "exp_avg", "sum") if k in opt.state[p])
         opt.state[p][key] = torch.full_like(opt.state[p][key], 0.25)
 
 
@@ -135,10 +136,14 @@ OPTIMIZERS = {
     "adamw": lambda master: (
         lambda params: FusedAdamW(params, lr=0.01, weight_decay=0.1, master_weights=master)
     ),
-    # The bf16 master-free modes are not LAMB's or NovoGrad's: the precisions below skip them.
+    # The bf16 master-free modes are Adam's and SGD's only: the precisions below skip them for the
+# others.
     "lamb": lambda master: (
         lambda params: FusedLAMB(params, lr=0.01, weight_decay=0.1, max_grad_norm=0.5,
                                  master_weights=master)
+    ),
+    "adagrad": lambda master: (
+        lambda params: FusedAdagrad(params, lr=0.1, weight_decay=0.1, master_weights=master)
     ),
     "novograd": lambda master: (
         lambda params: FusedNovoGrad(params, lr=0.01, weight_decay=0.1, master_weights=master)
@@ -158,10 +163,10 @@ PRECISIONS = {
 }
 
 
-# Every optimizer with every precision it takes: FusedLAMB and FusedNovoGrad have no
-# master-free bf16 modes.
+# Every optimizer with every precision it takes: FusedAdagrad, FusedLAMB and FusedNovoGrad
+# have no master-free bf16 modes.
 OPTIMIZER_PRECISIONS = [(name, precision) for name in OPTIMIZERS for precision in PRECISIONS
-                        if not (name in ("lamb", "novograd")
+                        if not (name in ("adagrad", "lamb", "novograd")
                                 and isinstance(PRECISIONS[precision][1], str))]
 
 

@@ -41,7 +41,7 @@ _MODULES = {
     # apex's optimizer submodules, which some code imports from (fairseq, DeepSpeed's old apex
     # path): all are the one alias module.
     **{f"apex.optimizers.{sub}": "ampfuse.apex_compat.apex.optimizers"
-       for sub in ("fused_adam", "fused_sgd", "fused_lamb", "fused_novograd",
+       for sub in ("fused_adam", "fused_sgd", "fused_adagrad", "fused_lamb", "fused_novograd",
                    "fused_mixed_precision_lamb")},
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",
@@ -85,9 +85,8 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
             if fullname == prefix.rstrip(".") or fullname.startswith(prefix.rstrip(".") + "."):
                 break
         else:
-            advice = ("ampfuse provides apex.amp, apex.optimizers (FusedAdam, FusedSGD, "
-                      "FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb), apex.parallel and "
-                      "apex.normalization")
+            advice = ("ampfuse provides apex.amp, apex.optimizers (all of apex's fused "
+                      "optimizers), apex.parallel and apex.normalization")
         raise ModuleNotFoundError(
             f"No module named {fullname!r}: apex here is ampfuse's compatibility alias, which "
             f"does not provide it; {advice}.", name=fullname)

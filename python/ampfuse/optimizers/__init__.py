@@ -1,15 +1,17 @@
 """Fused torch.optim optimizers with fp32 master weights and device-side loss-scale handling.
 
-    from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedLAMB, FusedNovoGrad, FusedSGD
+    from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedSGD
+    from ampfuse.optimizers import FusedAdagrad, FusedLAMB, FusedNovoGrad
 
 Each is a torch.optim.Optimizer: param groups, add_param_group, LR schedulers, zero_grad and
 state_dict in torch.optim's layout all work as with torch's own optimizers, and
 torch.amp.GradScaler drives them without a separate unscale pass.
 """
 
+from ampfuse.optimizers.adagrad import FusedAdagrad
 from ampfuse.optimizers.adam import FusedAdam, FusedAdamW
 from ampfuse.optimizers.lamb import FusedLAMB
 from ampfuse.optimizers.novograd import FusedNovoGrad
 from ampfuse.optimizers.sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]

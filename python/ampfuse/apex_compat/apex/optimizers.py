@@ -1,12 +1,10 @@
-"""apex.optimizers on ampfuse: FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad and
+"""apex.optimizers on ampfuse: FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad and
 FusedMixedPrecisionLamb with apex's constructors (apex's argument order and defaults) over
 ampfuse.optimizers' fused optimizers, so amp takes its fused, sync-free path with them. apex's
 submodules (``apex.optimizers.fused_adam`` and the like) are this module too.
 
-Importing an apex optimizer that ampfuse does not have raises ImportError naming the
-replacement. An ImportError (rather than a name that fails when used) keeps every script that
-runs without apex running with the alias: ``try: from apex.optimizers import FusedAdagrad`` /
-``except ImportError:`` falls back to the script's own optimizer exactly as it does with no apex.
+Every optimizer of apex.optimizers is here; a name apex did not have raises AttributeError
+(ImportError for ``from apex.optimizers import ...``), as with apex.
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from torch.optim.optimizer import required
 
 from ampfuse import optimizers as _fused
 
-__all__ = ["FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad", "FusedSGD"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad",
+           "FusedSGD"]
 
 
 class FusedAdam(_fused.FusedAdam):
@@ -169,16 +168,13 @@ def _scaler_arguments(scaler, optimizer):
     return grad_scale, found_inf.reshape(1).float()
 
 
-# apex optimizers without an ampfuse version, and what to use instead.
-_MISSING = {
-    "FusedAdagrad": "use torch.optim.Adagrad(params, lr, weight_decay=..., eps=..., fused=True) "
-    "(apex's adagrad_w_mode=False math), or the real apex",
-}
+class FusedAdagrad(_fused.FusedAdagrad):
+    """apex.optimizers.FusedAdagrad's signature on ampfuse.optimizers.FusedAdagrad: apex's
+    defaults (lr=1e-2, eps=1e-10, no decay), adagrad_w_mode for the decoupled decay, and
+    zero_grad() dropping grads. Differences: the sums are fp32 for fp16 params too (apex kept
+    them in the param's dtype), and bf16 params work (apex refused them)."""
 
-
-def __getattr__(name):
-    if name in _MISSING:
-        raise ImportError(f"apex.optimizers.{name} has no ampfuse version (apex here is "
-                          f"ampfuse's compatibility alias); {_MISSING[name]}.",
-                          name="apex.optimizers")
-    raise AttributeError(f"module 'apex.optimizers' has no attribute {name!r}")
+    def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
+                 adagrad_w_mode=False):
+        super().__init__(params, lr, weight_decay=weight_decay, eps=eps,
+                         adagrad_w_mode=adagrad_w_mode, set_grad_none=set_grad_none)

@@ -1,0 +1,127 @@
+"""FusedAdagrad: torch.optim.Adagrad's update (and apex FusedAdagrad's decoupled mode) over whole
+param lists in one op call per device, with optional fp32 master weights, on top of
+torch.ops.ampfuse.fused_adagrad_."""
+
+from __future__ import annotations
+
+import torch
+
+from ampfuse import _ops
+from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._precision import export_extra
+from ampfuse.optimizers._state import fp32_copy
+
+
+class FusedAdagrad(FusedOptimizer):
+    """torch.optim.Adagrad's update in one fused op per param group and device.
+
+    Args:
+        params: params or param groups, as for any torch.optim optimizer.
+        lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as in
+            torch.optim.Adagrad, same order of operations (the decay is added to the grad,
+            sum += g * g, param -= clr * g / (sqrt(sum) + eps), clr = lr / (1 + (t - 1) *
+            lr_decay)).
+        adagrad_w_mode: apex FusedAdagrad's option: the decay moves out of the adaptive step,
+            param -= clr * (g / (sqrt(sum) + eps) + weight_decay * param), AdamW-style.
+        master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
+            masters), False updates params in place.
+        set_grad_none, write_unscaled_grads, skip_nonfinite: as in FusedAdam.
+
+    The sums are fp32 whatever the params' dtype, also in state_dict(), which has torch's
+    layout ('sum' and 'step' per param): torch.optim.Adagrad loads it and the other way round.
+    An apex FusedAdagrad checkpoint (a 'sum' per param, no step) loads too. GradScaler and
+    grad_scale/found_inf work as for FusedAdam; like torch.optim.Adagrad, step() may be captured
+    in a CUDA graph.
+    """
+
+    _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
+    _FOREIGN_GROUP_KEYS = ("betas", "momentum", "dampening", "nesterov", "amsgrad",
+                           "adam_w_mode", "bias_correction", "max_grad_norm", "norm_type")
+
+    def __init__(
+        self,
+        params,
+        lr=1e-2,
+        lr_decay=0.0,
+        weight_decay=0.0,
+        initial_accumulator_value=0.0,
+        eps=1e-10,
+        *,
+        maximize=False,
+        adagrad_w_mode=False,
+        master_weights=False,
+        set_grad_none=True,
+        write_unscaled_grads=True,
+        skip_nonfinite=False,
+    ):
+        defaults = {
+            "lr": lr,
+            "lr_decay": lr_decay,
+            "weight_decay": weight_decay,
+            "initial_accumulator_value": initial_accumulator_value,
+            "eps": eps,
+            "maximize": maximize,
+            "adagrad_w_mode": adagrad_w_mode,
+            "master_weights": master_weights,
+            "write_unscaled_grads": write_unscaled_grads,
+            "skip_nonfinite": skip_nonfinite,
+        }
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_hyperparameters(self, index, group):
+        self._check_lr(index, group["lr"])
+        for key in ("maximize", "adagrad_w_mode", "write_unscaled_grads"):
+            check_flag(self, index, group, key)
+        for key in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+            self._check_nonnegative(index, group, key)
+        self._check_fp32_masters_only(index, group)
+
+    def _state_keys(self, group):
+        return ("sum",)
+
+    def _prepare_state(self, group, p, state):
+        if "sum" not in state:
+            state["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
+                                           dtype=torch.float32,
+                                           memory_format=torch.preserve_format)
+
+    def _launch(self, group, call, lr, grad_scale, found_inf):
+        _ops.fused_adagrad_(
+            call.params,
+            call.grads,
+            [s["sum"] for s in call.states],
+            call.masters(),
+            call.step,
+            lr,
+            float(group["lr_decay"]),
+            float(group["weight_decay"]),
+            float(group["eps"]),
+            bool(group["adagrad_w_mode"]),
+            bool(group["maximize"]),
+            grad_scale,
+            found_inf,
+            write_unscaled_grads=bool(group["write_unscaled_grads"]),
+        )
+
+    def _export_state(self, group, state, step_value):
+        if step_value is None or "sum" not in state:
+            return {}
+        out = {"step": step_value, "sum": state["sum"]}
+        export_extra(state, out)
+        return out
+
+    def _import_state(self, group, p, saved, where):
+        if not saved:
+            return {}, None
+        if "sum" not in saved:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state of {where} has keys "
+                f"{sorted(saved)}; an Adagrad state needs 'sum' (and 'step', which apex's "
+                "FusedAdagrad did not keep: 0 is taken then)."
+            )
+        self._check_saved_shape(where, "sum", saved["sum"], p)
+        imported = {"sum": fp32_copy(saved["sum"], p)}
+        self._import_master(group, p, saved, imported, where)
+        step = saved.get("step", 0.0)
+        return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
