@@ -1,12 +1,13 @@
 """Runs every ampfuse benchmark for one device and writes one JSON file and one table.
 
     PYTHONPATH=python python benchmarks/run.py [--device cpu|cuda] [--out DIR]
-        [--benchmarks ops adam sgd train] [flags of the benchmarks]
+        [--benchmarks ops adam sgd adagrad train] [flags of the benchmarks]
 
 The benchmarks, each with its own section of the table:
   ops    bench_unscale, bench_scale, bench_l2norm: each op against its torch counterpart
   adam   bench_adam: one mixed-precision Adam step against torch's equivalents
   sgd    bench_sgd: the same for SGD with momentum
+  adagrad  bench_adagrad: the same for Adagrad
   train  bench_train: whole training steps of a GPT-2-style transformer and a ResNet-style CNN
          in fp32, torch's AMP, and ampfuse O1 and O2
   overhead  bench_amp_overhead: amp's per-step cost, O1 and O2 against torch autocast +
@@ -15,7 +16,7 @@ The benchmarks, each with its own section of the table:
          (False, "stochastic", "kahan", "split") against fp32 masters (True), interleaved
 
 Sizes and step counts not given on the command line are each benchmark's own defaults for the
-device (--total-elements applies to ops, adam and sgd; --warmup, --repeats and --seed to all;
+device (--total-elements applies to ops, adam, sgd and adagrad; --warmup, --repeats and --seed to all;
 the training benchmark's defaults are in its own --help).
 DIR defaults to $OUT, else benchmarks/out; it receives bench.json (one "results" list: every
 row carries "bench", the section it belongs to) and bench_table.txt. The table is also printed.
@@ -27,6 +28,7 @@ import os
 import sys
 import traceback
 
+import bench_adagrad
 import bench_adam
 import bench_amp_overhead
 import bench_l2norm
@@ -57,6 +59,7 @@ BENCHMARKS = {
     "ops": (_ops_run, format_table),
     "adam": (_optimizer_run(bench_adam), bench_adam.format_rows),
     "sgd": (_optimizer_run(bench_sgd), bench_adam.format_rows),
+    "adagrad": (_optimizer_run(bench_adagrad), bench_adam.format_rows),
     "train": (bench_train.run, bench_train.format_rows),
     "overhead": (bench_amp_overhead.run, bench_amp_overhead.format_rows),
     "master_modes": (bench_master_modes.run, bench_master_modes.format_rows),

@@ -1,0 +1,64 @@
+"""Times one mixed-precision Adagrad step of ampfuse against torch's best equivalents on
+transformer-shaped parameter sets, side by side in one run.
+
+    PYTHONPATH=python python benchmarks/bench_adagrad.py [--device cpu|cuda] [--dtype bf16 fp16]
+        [--total-elements 1.25e8 3.5e8] [--json PATH]
+
+Same sizes, rows and method as bench_adam.py (read its docstring); torch's side is
+torch.optim.Adagrad(fused=True). Adagrad moves as many bytes as SGD with momentum (one fp32
+state array, the sum of squared grads), so the byte floors are bench_sgd.py's, for a model
+dtype of h bytes: ampfuse FusedAdagrad 16 + 3h (grad read and written back unscaled, master
+and sum read and written, param written); with write_unscaled_grads=False 16 + 2h; with the
+unscale pass 16 + 4h; torch's masters pipeline (copy up, unscale, Adagrad(fused=True) on the
+masters, copy down) 36 + 2h; Adagrad(fused=True) on fp32 params 24 (it writes the grads back).
+"""
+
+import torch
+
+from ampfuse.optimizers import FusedAdagrad
+from bench_adam import (
+    ampfuse_pipeline,
+    compare_pipelines,
+    layers_for,
+    main_for,
+    model_like_shapes,
+    torch_fp32,
+    torch_masters,
+)
+from _timing import DTYPES
+
+LR = 1e-2
+WEIGHT_DECAY = 1e-4
+
+
+def ampfuse_adagrad(dtype, device, unscale_first, write_unscaled_grads=True):
+    def make_optimizer(params, write):
+        return FusedAdagrad(params, lr=LR, weight_decay=WEIGHT_DECAY, master_weights=True,
+                            write_unscaled_grads=write)
+
+    return ampfuse_pipeline("FusedAdagrad", make_optimizer, 16, dtype, device, unscale_first,
+                            write_unscaled_grads)
+
+
+def run(args):
+    rows = []
+    half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
+    adagrad = dict(cls=torch.optim.Adagrad, lr=LR, weight_decay=WEIGHT_DECAY)
+    for total in args.total_elements:
+        shapes = model_like_shapes(total, layers_for(total))
+        for name in half_names:
+            dtype = DTYPES[name]
+            full = ampfuse_adagrad(dtype, args.device, unscale_first=True)
+            alone = ampfuse_adagrad(dtype, args.device, unscale_first=False)
+            scaled = ampfuse_adagrad(dtype, args.device, unscale_first=False,
+                                     write_unscaled_grads=False)
+            masters_floor = 36 + 2 * dtype.itemsize
+            pipelines = [alone, scaled, full,
+                         torch_masters(dtype, args.device, full.label, masters_floor, **adagrad),
+                         torch_fp32(args.device, alone.label, 24, **adagrad)]
+            rows += compare_pipelines("adagrad", pipelines, shapes, name, args)
+    return rows
+
+
+if __name__ == "__main__":
+    main_for(run, __doc__.splitlines()[0])
