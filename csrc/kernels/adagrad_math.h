@@ -1,8 +1,10 @@
 // The per-element Adagrad update (Duchi et al., 2011), written once for the CPU and CUDA kernels:
 // torch.optim.Adagrad's arithmetic (the order of its foreach ops: an L2 decay added to the grad,
 // sum += g * g, param += (-clr * g) / (sqrt(sum) + eps) with clr = lr / (1 + (t - 1) * lr_decay)),
-// which apex.optimizers.FusedAdagrad's default mode shares, and apex's adagrad_w_mode, which
-// decays the param outside the adaptive step: param -= lr * (g / (sqrt(sum) + eps) + decay * p).
+// whose math apex.optimizers.FusedAdagrad's default mode shares (apex rounds p - lr * (g / d)
+// where torch rounds p + (-clr * g) / d: the last bit may differ), and apex's adagrad_w_mode,
+// which decays the param outside the adaptive step: p -= lr * (g / (sqrt(sum) + eps) + decay * p)
+// (without weight decay the two modes are one, torch's rounding).
 #pragma once
 
 #include <cmath>
@@ -37,8 +39,10 @@ AMPFUSE_HOST_DEVICE inline AdagradStep make_step_constants(const AdagradConfig& 
                                                            float steps_taken, float lr,
                                                            float grad_scale) {
   AdagradStep s;
+  // mul(): nvcc would fuse 1 + t * lr_decay into one FMA, rounding clr differently from the CPU
+  // (and torch) for some steps.
   s.clr = static_cast<float>(static_cast<double>(lr) /
-                             (1.0 + static_cast<double>(steps_taken) * c.lr_decay));
+                             (1.0 + mul(static_cast<double>(steps_taken), c.lr_decay)));
   s.decay = static_cast<float>(c.weight_decay);
   s.eps = static_cast<float>(c.eps);
   s.grad_scale = grad_scale;

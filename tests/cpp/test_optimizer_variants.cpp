@@ -1,5 +1,5 @@
-// The AVX2+F16C Adam and SGD span kernels against the portable ones, bit for bit, over every
-// (param, grad) dtype pair and every option that changes the arrays touched or the math.
+// The AVX2+F16C Adam, SGD and Adagrad span kernels against the portable ones, bit for bit, over
+// every (param, grad) dtype pair and every option that changes the arrays touched or the math.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -18,7 +18,8 @@ namespace {
 // One copy of everything a step touches; two of them, one per implementation, start equal.
 struct State {
   Array param, grad;
-  std::vector<float> first, second, third, master;  // moments or momentum, the AMSGrad max
+  // Adam's moments and AMSGrad max, SGD's momentum (first), Adagrad's sum (second: not negative)
+  std::vector<float> first, second, third, master;
 
   State(DType param_dtype, DType grad_dtype, std::int64_t n, bool nonfinite)
       : param(param_dtype, test_values(n, 1, false)),
@@ -76,6 +77,28 @@ TEST_CASE("AVX2+F16C sgd gives the portable kernel's bits") {
           auto* run = use_avx2 ? avx2::sgd : portable::sgd;
           run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write,
               momentum ? s.first.data() : nullptr, master ? s.master.data() : nullptr, n, step);
+        });
+      }
+    }
+  }
+}
+
+TEST_CASE("AVX2+F16C adagrad gives the portable kernel's bits") {
+  if (!cpu_runs_avx2_kernels()) return;
+  // No decay, the decay in the grad (torch) and in the step (apex's adagrad_w_mode).
+  for (double weight_decay : {0.0, 0.01}) {
+    for (bool decoupled : {false, true}) {
+      if (weight_decay == 0.0 && decoupled) continue;  // the same update as not decoupled
+      for (bool maximize : {false, true}) {
+        const AdagradConfig config{0.01, weight_decay, 1e-10, decoupled, maximize};
+        INFO("weight_decay " << weight_decay << " decoupled " << decoupled << " maximize "
+                             << maximize);
+        compare_variants<State>("adagrad", [&](bool use_avx2, State& s, bool master, bool write,
+                                                std::int64_t n, int t) {
+          const AdagradStep step = make_step_constants(config, float(t), 1e-2f, 1000.0f);
+          auto* run = use_avx2 ? avx2::adagrad : portable::adagrad;
+          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write,
+              s.second.data(), master ? s.master.data() : nullptr, n, step);
         });
       }
     }
