@@ -36,7 +36,9 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
     by_bench = {}
     for row in rows:
         by_bench.setdefault(row["bench"], []).append(row)
-    assert set(by_bench) == {"ops", "adam", "sgd", "train", "overhead", "master_modes"}
+    assert set(by_bench) == {"ops", "adam", "sgd", "adagrad", "train", "overhead", "master_modes"}
+    assert {r["impl"] for r in by_bench["adagrad"]} >= {"ampfuse FusedAdagrad",
+                                                        "torch masters pipeline"}
     assert [r["mode"] for r in by_bench["master_modes"]] == [
         "True", "False", "stochastic", "kahan", "split"]
     assert all(r["mode_min_ms"] > 0 for r in by_bench["master_modes"])
@@ -122,3 +124,18 @@ def test_profile_gpu_runs_on_the_cpu():
     for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
         assert sum(line.strip().startswith(impl) for line in lines) == 2, impl  # gpt and cnn
 
+
+def test_bench_novograd_runs_and_compares_with_torch(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_novograd.py"), "--total-elements",
+         "2e4", "--repeats", "2", "--dtype", "fp16", "--json", str(tmp_path / "novograd.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "novograd.json").read_text())["results"]
+    assert {r["op"] for r in rows} == {"novograd"}
+    ratios = {r["impl"]: r.get("torch_over_ampfuse") for r in rows}
+    assert ratios["torch foreach masters"] > 0 and ratios["torch foreach fp32"] > 0, rows
+    assert all(r["median_s"] > 0 for r in rows), rows
+    assert "torch foreach masters" in result.stdout
