@@ -103,6 +103,23 @@ def test_apex_optimizer_submodules_resolve_to_the_alias(no_apex):
     assert "apex.optimizers.fused_adam" not in sys.modules
 
 
+def test_the_imports_of_apexs_imagenet_example_succeed(no_apex):
+    install_apex_alias()
+    try:
+        namespace = {}
+        exec("import torch\n"
+             "from apex.parallel import DistributedDataParallel as DDP\n"
+             "from apex.fp16_utils import *\n"
+             "from apex import amp, optimizers\n"
+             "from apex.multi_tensor_apply import multi_tensor_applier\n"
+             "from apex.fp16_utils.fp16_optimizer import FP16_Optimizer\n", namespace)
+        assert namespace["to_python_float"](namespace["torch"].tensor([2.5])) == 2.5
+        assert namespace["FP16_Optimizer"].__name__ == "FP16_Optimizer"
+        assert namespace["multi_tensor_applier"].available is False
+    finally:
+        uninstall_apex_alias()
+
+
 def test_install_is_idempotent(no_apex):
     first = install_apex_alias()
     meta_path = list(sys.meta_path)
@@ -122,9 +139,9 @@ def test_uninstall_restores_the_process(no_apex):
 
 def test_missing_apex_modules_name_the_replacement(no_apex):
     install_apex_alias()
-    with pytest.raises(ModuleNotFoundError, match=r"apex\.fp16_utils.*opt_level='O2'") as info:
-        import apex.fp16_utils  # noqa: F401
-    assert info.value.name == "apex.fp16_utils"
+    with pytest.raises(ModuleNotFoundError, match=r"apex\.mlp.*Sequential of Linear") as info:
+        import apex.mlp  # noqa: F401
+    assert info.value.name == "apex.mlp"
     with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
         from apex.contrib.sparsity import ASP  # noqa: F401
     # Libraries that probe with try/except ImportError still fall back.

@@ -43,6 +43,11 @@ _MODULES = {
     **{f"apex.optimizers.{sub}": "ampfuse.apex_compat.apex.optimizers"
        for sub in ("fused_adam", "fused_sgd", "fused_adagrad", "fused_lamb", "fused_novograd",
                    "fused_mixed_precision_lamb")},
+    "apex.fp16_utils": "ampfuse.apex_compat.apex.fp16_utils",
+    **{f"apex.fp16_utils.{sub}": "ampfuse.apex_compat.apex.fp16_utils"
+       for sub in ("fp16util", "fp16_optimizer", "loss_scaler")},
+    "apex.multi_tensor_apply": "ampfuse.apex_compat.apex.multi_tensor_apply",
+    "apex.multi_tensor_apply.multi_tensor_apply": "ampfuse.apex_compat.apex.multi_tensor_apply",
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",
     "apex.normalization": "ampfuse.apex_compat.apex.normalization",
@@ -52,17 +57,12 @@ _MODULES = {
 
 # apex modules with no counterpart here, and what to use instead.
 _REPLACEMENTS = {
-    "apex.fp16_utils": "use amp.initialize(model, optimizer, opt_level='O2') (fp32 masters) or "
-    "ampfuse.optimizers.FusedAdam(..., master_weights=True) instead of FP16_Optimizer / "
-    "network_to_half",
     "apex.contrib": "apex.contrib's kernels (fused attention, group norm, sparsity, ...) have no "
     "ampfuse version; use the real apex, or the torch modules they accelerate",
     "apex.transformer": "apex.transformer (Megatron tensor parallelism) has no ampfuse version; "
     "use torch.distributed.tensor.parallel or the real apex",
     "apex.mlp": "use torch.nn.Sequential of Linear layers",
     "apex.fused_dense": "use torch.nn.Linear (torch.compile fuses the bias and activation)",
-    "apex.multi_tensor_apply": "use the fused ops in torch.ops.ampfuse "
-    "(ampfuse.multi_tensor_scale_, ampfuse.multi_tensor_l2norm, ...)",
     "apex.amp.": "ampfuse.amp has apex's public amp API (initialize, scale_loss, master_params, "
     "state_dict, register_*_function) but not apex's private amp submodules",
 }
@@ -86,7 +86,8 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
                 break
         else:
             advice = ("ampfuse provides apex.amp, apex.optimizers (all of apex's fused "
-                      "optimizers), apex.parallel and apex.normalization")
+                      "optimizers), apex.fp16_utils, apex.multi_tensor_apply, apex.parallel and "
+                      "apex.normalization")
         raise ModuleNotFoundError(
             f"No module named {fullname!r}: apex here is ampfuse's compatibility alias, which "
             f"does not provide it; {advice}.", name=fullname)
