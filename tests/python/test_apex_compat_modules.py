@@ -69,15 +69,25 @@ APEX_SIGNATURES = {
 }
 
 
+# apex 0.1's FusedAdam options that BERT fine-tuning scripts of that era still pass by keyword.
+APEX_LEGACY_KEYWORDS = {
+    apex_optimizers.FusedAdam: [("eps_inside_sqrt", False), ("max_grad_norm", 0.0)],
+}
+
+
 @pytest.mark.parametrize("target", list(APEX_SIGNATURES), ids=lambda t: t.__name__)
 def test_constructors_take_apex_arguments_in_apex_order(target):
     function = target.__init__ if inspect.isclass(target) else target
     parameters = list(inspect.signature(function).parameters.values())
     if inspect.isclass(target):
         parameters = parameters[1:]  # self
+    # Keyword-only extras are options of older apex releases (APEX_LEGACY_KEYWORDS).
+    legacy = [(p.name, p.default) for p in parameters if p.kind == p.KEYWORD_ONLY]
+    parameters = [p for p in parameters if p.kind != p.KEYWORD_ONLY]
     got = [(p.name, p.default) for p in parameters]
     assert got == APEX_SIGNATURES[target]
     assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters)
+    assert legacy == APEX_LEGACY_KEYWORDS.get(target, [])
 
 
 def _params(seed=0, shapes=((5, 3), (3,), (4, 5))):

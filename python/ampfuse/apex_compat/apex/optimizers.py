@@ -17,26 +17,47 @@ from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import required
 
 from ampfuse import optimizers as _fused
+from ampfuse.apex_compat.apex._grad_clip import GroupNormClipMixin, check_max_grad_norm
+# apex.optimizers.FP16_Optimizer (apex 0.1, imported by pytorch-pretrained-BERT's examples) was
+# the wrapper apex.fp16_utils.FP16_Optimizer later became; the alias gives that one.
+from ampfuse.apex_compat.apex._fp16_optimizer import FP16_Optimizer  # noqa: F401
 
-__all__ = ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad",
-           "FusedSGD"]
+__all__ = ["FP16_Optimizer", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb",
+           "FusedNovoGrad", "FusedSGD"]
 
 
-class FusedAdam(_fused.FusedAdam):
+class FusedAdam(GroupNormClipMixin, _fused.FusedAdam):
     """apex.optimizers.FusedAdam's signature on ampfuse.optimizers.FusedAdam.
 
     Same meaning as in apex: AdamW by default (adam_w_mode=False gives Adam's L2 decay), no
     weight decay by default, and zero_grad() sets grads to None. Differences: amsgrad=True works
     here (apex refused it), and master_weights=True needs no capturable=True.
+
+    Two keywords of apex 0.1's FusedAdam, which BERT fine-tuning scripts of that era still pass:
+    max_grad_norm > 0 clips each param group's grads by their L2 norm inside the step
+    (_grad_clip.py), and eps_inside_sqrt must be False (ampfuse adds eps after the square root,
+    as apex's later FusedAdam and torch do).
     """
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
-                 capturable=False, master_weights=False):
+                 capturable=False, master_weights=False, *, eps_inside_sqrt=False,
+                 max_grad_norm=0.0):
+        if eps_inside_sqrt:
+            raise ValueError(
+                "FusedAdam: eps_inside_sqrt=True (apex 0.1) divides by sqrt(v + eps); ampfuse's "
+                "FusedAdam divides by sqrt(v) + eps, as apex's later FusedAdam and torch do. "
+                "Leave it False.")
+        self._max_grad_norm = check_max_grad_norm(max_grad_norm)
         super().__init__(params, lr, betas, eps, weight_decay, adam_w_mode=adam_w_mode,
                          bias_correction=bias_correction, amsgrad=amsgrad,
                          master_weights=master_weights, capturable=capturable,
                          set_grad_none=set_grad_none)
+
+    def add_param_group(self, param_group):
+        param_group.setdefault("max_grad_norm", getattr(self, "_max_grad_norm", 0.0))
+        check_max_grad_norm(param_group["max_grad_norm"])
+        super().add_param_group(param_group)
 
 
 def _accepts(cls, name) -> bool:
