@@ -1,11 +1,12 @@
 // The CPU LAMB span kernels (cpu_kernels.h): the two passes of lamb_math.h, eight elements at a
 // time on Lanes8 with the last n % 8 elements in scalar loops, as the Adam and SGD kernels of
 // optimizer_variants.h run. fp16/bf16 reach the lanes through F16C where the processor has it
-// (f16c::) and through software conversions elsewhere (soft::, cloned for AVX2 so fp32 runs
-// on AVX registers everywhere); both give the same bits.
+// (avx2::) and through software conversions elsewhere (portable::, cloned for AVX2 so fp32 runs
+// on AVX registers everywhere); both give the same bits (lamb_variants.h).
 #include <algorithm>
 
 #include "cpu_kernels.h"
+#include "lamb_variants.h"
 #include "optimizer_variants.h"
 
 namespace ampfuse::kernels::cpu {
@@ -105,16 +106,23 @@ inline __attribute__((always_inline)) void lamb_apply_lanes(Param* param, const 
                            kMaster ? master + whole : nullptr, n - whole, step, ratio);
 }
 
-// The typed loops of one implementation, picked from runtime dtypes and flags.
+// The runtime-dtype entry points of one implementation, whose typed loops are the static
+// member templates Kernels::moments<kMaster, kWriteGrad>(param, grad, exp_avg, exp_avg_sq,
+// master, n, step, sums) and Kernels::apply<kMaster>(param, exp_avg, exp_avg_sq, master, n,
+// step, ratio). The span's sums are formed from zero and then added to *param_sq, *update_sq.
 template <typename Kernels>
 void lamb_moments_any(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                       bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
-                      std::int64_t n, const LambStep& step, SquareSums& sums) {
+                      std::int64_t n, const LambStep& step, double* param_sq,
+                      double* update_sq) {
+  SquareSums sums;
   with_span_types(const_cast<void*>(param), param_dtype, grad, grad_dtype, master != nullptr,
                   write_grad, [&](auto* p, auto* g, auto has_master, auto write) {
                     Kernels::template moments<has_master, write>(p, g, exp_avg, exp_avg_sq,
                                                                  master, n, step, sums);
                   });
+  *param_sq += sums.param;
+  *update_sq += sums.update;
 }
 
 template <typename Kernels>
@@ -128,7 +136,13 @@ void lamb_apply_any(void* param, DType param_dtype, const float* exp_avg,
   });
 }
 
-namespace soft {
+}  // namespace
+
+namespace portable {
+namespace {
+
+// The 8-lane loops with software conversions, cloned for AVX2 (fp32 then runs on AVX registers)
+// and the baseline (fp16/bf16 on CPUs without F16C, and every dtype off x86).
 struct Kernels {
   template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
   AMPFUSE_CPU_CLONES static void moments(const Param* param, Grad* grad, float* exp_avg,
@@ -145,67 +159,94 @@ struct Kernels {
     lamb_apply_lanes<PortableLanes, kMaster>(param, exp_avg, exp_avg_sq, master, n, step, ratio);
   }
 };
-}  // namespace soft
+
+}  // namespace
+
+void lamb_moments(const void* param, DType param_dtype, void* grad, DType grad_dtype,
+                  bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
+                  std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
+  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
+                            exp_avg_sq, master, n, step, param_sq, update_sq);
+}
+
+void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
+                float* master, std::int64_t n, const LambStep& step, float ratio) {
+  lamb_apply_any<Kernels>(param, param_dtype, exp_avg, exp_avg_sq, master, n, step, ratio);
+}
+
+}  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-namespace f16c {
+namespace avx2 {
+namespace {
+
 struct Kernels {
   template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
   AMPFUSE_AVX2 static void moments(const Param* param, Grad* grad, float* exp_avg,
                                    float* exp_avg_sq, const float* master, std::int64_t n,
                                    const LambStep& step, SquareSums& sums) {
-    lamb_moments_lanes<avx2::F16cLanes, kMaster, kWriteGrad>(param, grad, exp_avg, exp_avg_sq,
-                                                            master, n, step, sums);
+    lamb_moments_lanes<F16cLanes, kMaster, kWriteGrad>(param, grad, exp_avg, exp_avg_sq, master,
+                                                      n, step, sums);
   }
 
   template <bool kMaster, typename Param>
   AMPFUSE_AVX2 static void apply(Param* param, const float* exp_avg, const float* exp_avg_sq,
                                  float* master, std::int64_t n, const LambStep& step,
                                  float ratio) {
-    lamb_apply_lanes<avx2::F16cLanes, kMaster>(param, exp_avg, exp_avg_sq, master, n, step,
-                                               ratio);
+    lamb_apply_lanes<F16cLanes, kMaster>(param, exp_avg, exp_avg_sq, master, n, step, ratio);
   }
 };
 
-// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them.
-bool use_f16c(DType a, DType b) {
-  return (a != DType::kFloat32 || b != DType::kFloat32) && cpu_has_avx2_f16c();
+}  // namespace
+
+void lamb_moments(const void* param, DType param_dtype, void* grad, DType grad_dtype,
+                  bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
+                  std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
+  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
+                            exp_avg_sq, master, n, step, param_sq, update_sq);
 }
-}  // namespace f16c
-#endif
+
+void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
+                float* master, std::int64_t n, const LambStep& step, float ratio) {
+  lamb_apply_any<Kernels>(param, param_dtype, exp_avg, exp_avg_sq, master, n, step, ratio);
+}
+
+}  // namespace avx2
+
+namespace {
+
+// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them.
+bool use_avx2(DType param_dtype, DType grad_dtype) {
+  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
+}
 
 }  // namespace
+#endif
 
 void lamb_moments_span(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                        bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
                        std::int64_t n, const LambStep& step, double* param_sq,
                        double* update_sq) {
-  SquareSums sums;
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-  if (f16c::use_f16c(param_dtype, grad_dtype)) {
-    lamb_moments_any<f16c::Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
-                                    exp_avg_sq, master, n, step, sums);
-  } else
-#endif
-  {
-    lamb_moments_any<soft::Kernels>(param, param_dtype, grad, grad_dtype, write_grad,
-                                        exp_avg, exp_avg_sq, master, n, step, sums);
+  if (use_avx2(param_dtype, grad_dtype)) {
+    avx2::lamb_moments(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                       master, n, step, param_sq, update_sq);
+    return;
   }
-  *param_sq += sums.param;
-  *update_sq += sums.update;
+#endif
+  portable::lamb_moments(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                         master, n, step, param_sq, update_sq);
 }
 
 void lamb_apply_span(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
                      float* master, std::int64_t n, const LambStep& step, float ratio) {
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-  if (f16c::use_f16c(param_dtype, param_dtype)) {
-    lamb_apply_any<f16c::Kernels>(param, param_dtype, exp_avg, exp_avg_sq, master, n, step,
-                                  ratio);
+  if (use_avx2(param_dtype, param_dtype)) {
+    avx2::lamb_apply(param, param_dtype, exp_avg, exp_avg_sq, master, n, step, ratio);
     return;
   }
 #endif
-  lamb_apply_any<soft::Kernels>(param, param_dtype, exp_avg, exp_avg_sq, master, n, step,
-                                    ratio);
+  portable::lamb_apply(param, param_dtype, exp_avg, exp_avg_sq, master, n, step, ratio);
 }
 
 }  // namespace ampfuse::kernels::cpu
