@@ -48,6 +48,9 @@ _MODULES = {
        for sub in ("fp16util", "fp16_optimizer", "loss_scaler")},
     "apex.multi_tensor_apply": "ampfuse.apex_compat.apex.multi_tensor_apply",
     "apex.multi_tensor_apply.multi_tensor_apply": "ampfuse.apex_compat.apex.multi_tensor_apply",
+    "apex.contrib": "ampfuse.apex_compat.apex.contrib",
+    "apex.contrib.clip_grad": "ampfuse.apex_compat.apex.contrib.clip_grad",
+    "apex.contrib.clip_grad.clip_grad": "ampfuse.apex_compat.apex.contrib.clip_grad",
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",
     "apex.normalization": "ampfuse.apex_compat.apex.normalization",
@@ -57,8 +60,9 @@ _MODULES = {
 
 # apex modules with no counterpart here, and what to use instead.
 _REPLACEMENTS = {
-    "apex.contrib": "apex.contrib's kernels (fused attention, group norm, sparsity, ...) have no "
-    "ampfuse version; use the real apex, or the torch modules they accelerate",
+    "apex.contrib.": "of apex.contrib only clip_grad has an ampfuse version; apex.contrib's other "
+    "kernels (fused attention, group norm, sparsity, ...) have none: use the real apex, or the "
+    "torch modules they accelerate",
     "apex.transformer": "apex.transformer (Megatron tensor parallelism) has no ampfuse version; "
     "use torch.distributed.tensor.parallel or the real apex",
     "apex.mlp": "use torch.nn.Sequential of Linear layers",
@@ -86,8 +90,8 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
                 break
         else:
             advice = ("ampfuse provides apex.amp, apex.optimizers (all of apex's fused "
-                      "optimizers), apex.fp16_utils, apex.multi_tensor_apply, apex.parallel and "
-                      "apex.normalization")
+                      "optimizers), apex.fp16_utils, apex.multi_tensor_apply, apex.parallel, "
+                      "apex.normalization and apex.contrib.clip_grad")
         raise ModuleNotFoundError(
             f"No module named {fullname!r}: apex here is ampfuse's compatibility alias, which "
             f"does not provide it; {advice}.", name=fullname)
