@@ -28,6 +28,7 @@ import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 from ampfuse.grad_scaler import GradScaler
 from ampfuse.optimizers import FusedAdam, FusedSGD
 from helpers import raises_naming
+from ranks import leave_group
 from tolerances import assert_close_report
 
 STEPS = 200
@@ -729,8 +730,10 @@ def _dist_worker(rank, world_size, port, out_dir):
             scales = train(model, opt, scaler, batches, overflows)
             results[name] = (scales, [p.detach().clone() for p in model.parameters()])
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()  # see ranks.leave_group: gloo's teardown can abort a finished rank
 
 
 def _free_port():
