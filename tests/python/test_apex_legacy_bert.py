@@ -4,6 +4,8 @@ FusedAdam(..., bias_correction=False, max_grad_norm=1.0) wrapped in FP16_Optimiz
 set through param_groups. On the alias FusedAdam clips each group by its grads' norm inside the
 step, and FP16_Optimizer is apex.fp16_utils'."""
 
+import pickle
+
 import pytest
 import torch
 
@@ -52,6 +54,30 @@ def test_the_clip_divides_out_a_loss_scale_too():
         opts[1].step(grad_scale=torch.full((1,), 1024.0))
     for p, q in zip(ours, scaled):
         assert torch.equal(p, q)
+
+
+def test_clipping_compiles_and_survives_pickling():
+    ours, compiled = _params(2), _params(2)
+    eager_opt = FusedAdam(ours, lr=0.05, max_grad_norm=1.0)
+    compiled_opt = FusedAdam(compiled, lr=0.05, max_grad_norm=1.0)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def compiled_step():
+        compiled_opt.step()
+
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=gen) * 5 for p in ours]
+        for p, q, g in zip(ours, compiled, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        eager_opt.step()
+        compiled_step()
+    for p, q in zip(ours, compiled):
+        assert torch.equal(p, q)
+    copy = pickle.loads(pickle.dumps(eager_opt))
+    copy.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert copy.param_groups[-1]["max_grad_norm"] == 1.0
 
 
 def _bert_like_model():

@@ -24,21 +24,34 @@ def check_max_grad_norm(value):
 
 
 class GroupNormClipMixin:
-    """For a FusedOptimizer whose groups may carry 'max_grad_norm' (> 0: clip that group)."""
+    """For a FusedOptimizer whose groups may carry 'max_grad_norm' (> 0: clip that group). The
+    subclass's __init__ calls _init_clip() before FusedOptimizer's."""
+
+    def _init_clip(self):
+        # param group index -> (its grads' norm, its max_grad_norm), refilled at every step
+        # rather than replaced, as FusedLAMB's norms (torch.compile traces step() whole).
+        self._clip_divisors = {}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_clip_divisors", {})
 
     def _before_launches(self, plans):
         super()._before_launches(plans)
-        # Refilled, not replaced, as FusedLAMB's norms (torch.compile traces step() whole).
-        divisors = self.__dict__.setdefault("_clip_divisors", {})
-        divisors.clear()
-        for _, group, calls in plans:
+        self._clip_divisors.clear()
+        for index, group, calls in plans:
             max_norm = float(group.get("max_grad_norm", 0.0))
             grads = [g for call in calls for g in call.grads]
             if max_norm > 0.0 and grads:
-                divisors[id(group)] = _group_norm(grads), max_norm
+                self._clip_divisors[index] = (_group_norm(grads), max_norm)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
-        clip = self.__dict__.get("_clip_divisors", {}).get(id(group))
+        clip = None
+        if self._clip_divisors:
+            for index, candidate in enumerate(self.param_groups):
+                if candidate is group:
+                    clip = self._clip_divisors.get(index)
+                    break
         if clip is not None:
             norm, max_norm = clip
             device = call.step.device

@@ -49,13 +49,17 @@ class FusedAdam(GroupNormClipMixin, _fused.FusedAdam):
                 "FusedAdam divides by sqrt(v) + eps, as apex's later FusedAdam and torch do. "
                 "Leave it False.")
         self._max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self._init_clip()
         super().__init__(params, lr, betas, eps, weight_decay, adam_w_mode=adam_w_mode,
                          bias_correction=bias_correction, amsgrad=amsgrad,
                          master_weights=master_weights, capturable=capturable,
                          set_grad_none=set_grad_none)
+        # In the defaults too, so that a pickled or copied optimizer keeps it for later groups.
+        self.defaults["max_grad_norm"] = self._max_grad_norm
 
     def add_param_group(self, param_group):
-        param_group.setdefault("max_grad_norm", getattr(self, "_max_grad_norm", 0.0))
+        default = self.__dict__.get("_max_grad_norm", self.defaults.get("max_grad_norm", 0.0))
+        param_group.setdefault("max_grad_norm", default)
         check_max_grad_norm(param_group["max_grad_norm"])
         super().add_param_group(param_group)
 
