@@ -15,8 +15,10 @@
 # failing tests, so that a failure and the figures come back together).
 # Each stage prints the seconds since the start, so a run cut off by the device tool's 600 s
 # limit still says how far it got and what took the time. GPU_CHECK_STAGES picks stages for a
-# follow-up call (the build always runs): any of "ctest pytest bench fp8 train profile"; the
-# default is all of them, in that order.
+# follow-up call (the build always runs): any of "ctest pytest bench fp8 train profile
+# apex_optimizers"; the default is the first six, in that order. apex_optimizers (bench_lamb and
+# bench_novograd against their foreach versions) is asked for by name, so that the default run
+# stays within one call; its tables are appended to bench_table.txt.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -25,9 +27,9 @@ mkdir -p "$out"
 stages=" ${GPU_CHECK_STAGES:-ctest pytest bench fp8 train profile} "
 for stage in $stages; do
   case "$stage" in
-    ctest | pytest | bench | fp8 | train | profile) ;;
+    ctest | pytest | bench | fp8 | train | profile | apex_optimizers) ;;
     *)
-      echo "gpu_check: unknown stage '$stage' in GPU_CHECK_STAGES; the stages are: ctest pytest bench fp8 train profile"
+      echo "gpu_check: unknown stage '$stage' in GPU_CHECK_STAGES; the stages are: ctest pytest bench fp8 train profile apex_optimizers"
       exit 2
       ;;
   esac
@@ -89,6 +91,14 @@ if wanted train; then
   started "bf16 GPT-2 training with and without FP8 (bench_train.py)"
   python3 benchmarks/bench_train.py --device cuda --models gpt --amp-dtype bf16 \
     >>"$out/bench_fp8.txt" 2>&1 || bench_status=$?
+fi
+if wanted apex_optimizers; then
+  # FusedLAMB and FusedNovoGrad against LAMB and NovoGrad written in torch's foreach ops.
+  started "apex's LAMB and NovoGrad (bench_lamb.py, bench_novograd.py)"
+  for bench in bench_lamb bench_novograd; do
+    PYTHONPATH=python python3 "benchmarks/$bench.py" --device cuda >>"$out/bench_table.txt" 2>&1 ||
+      bench_status=$?
+  done
 fi
 if wanted profile; then
   # Host against device time per op call and per training step (where a goal was missed).
