@@ -126,3 +126,23 @@ def test_the_bert_fine_tuning_recipe_trains_and_skips_an_overflow():
 def test_unsupported_legacy_options_are_refused_by_name(options, patterns):
     with raises_naming(*patterns):
         FusedAdam(_params(0), **options)
+
+
+def test_the_contrib_optimizers_import_line_gives_the_same_classes():
+    """Later BERT derivatives import FP16_Optimizer (and FusedAdam) from apex.contrib.optimizers,
+    where apex moved them; DistributedFusedAdam names its FSDP2 replacement."""
+    from ampfuse.apex_compat import install_apex_alias, uninstall_apex_alias
+
+    install_apex_alias()
+    try:
+        from apex.contrib.optimizers import FP16_Optimizer as Contrib16
+        from apex.contrib.optimizers import FusedAdam as ContribAdam
+        from apex.contrib.optimizers.fp16_optimizer import FP16_Optimizer as Deep16
+
+        assert Contrib16 is Deep16 is FP16_Optimizer and ContribAdam is FusedAdam
+        with pytest.raises(ImportError, match="FSDP2.*ampfuse.optimizers.FusedAdam"):
+            from apex.contrib.optimizers import DistributedFusedAdam  # noqa: F401
+        with pytest.raises(ModuleNotFoundError, match="FSDP2"):
+            import apex.contrib.optimizers.distributed_fused_adam  # noqa: F401
+    finally:
+        uninstall_apex_alias()

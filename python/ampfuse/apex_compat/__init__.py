@@ -51,6 +51,9 @@ _MODULES = {
     "apex.contrib": "ampfuse.apex_compat.apex.contrib",
     "apex.contrib.clip_grad": "ampfuse.apex_compat.apex.contrib.clip_grad",
     "apex.contrib.clip_grad.clip_grad": "ampfuse.apex_compat.apex.contrib.clip_grad",
+    "apex.contrib.optimizers": "ampfuse.apex_compat.apex.contrib.optimizers",
+    **{f"apex.contrib.optimizers.{sub}": "ampfuse.apex_compat.apex.contrib.optimizers"
+       for sub in ("fp16_optimizer", "fused_adam", "fused_lamb", "fused_sgd")},
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",
     "apex.normalization": "ampfuse.apex_compat.apex.normalization",
@@ -60,9 +63,13 @@ _MODULES = {
 
 # apex modules with no counterpart here, and what to use instead.
 _REPLACEMENTS = {
-    "apex.contrib.": "of apex.contrib only clip_grad has an ampfuse version; apex.contrib's other "
-    "kernels (fused attention, group norm, sparsity, ...) have none: use the real apex, or the "
-    "torch modules they accelerate",
+    "apex.contrib.optimizers.distributed_fused_adam": "shard with FSDP2 "
+    "(torch.distributed.fsdp.fully_shard) and step with ampfuse.optimizers.FusedAdam",
+    "apex.contrib.optimizers.distributed_fused_lamb": "shard with FSDP2 "
+    "(torch.distributed.fsdp.fully_shard) and step with ampfuse.optimizers.FusedLAMB",
+    "apex.contrib.": "of apex.contrib only clip_grad and optimizers have an ampfuse version; "
+    "apex.contrib's other kernels (fused attention, group norm, sparsity, ...) have none: use "
+    "the real apex, or the torch modules they accelerate",
     "apex.transformer": "apex.transformer (Megatron tensor parallelism) has no ampfuse version; "
     "use torch.distributed.tensor.parallel or the real apex",
     "apex.mlp": "use torch.nn.Sequential of Linear layers",
@@ -91,7 +98,7 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
         else:
             advice = ("ampfuse provides apex.amp, apex.optimizers (all of apex's fused "
                       "optimizers), apex.fp16_utils, apex.multi_tensor_apply, apex.parallel, "
-                      "apex.normalization and apex.contrib.clip_grad")
+                      "apex.normalization, apex.contrib.clip_grad and apex.contrib.optimizers")
         raise ModuleNotFoundError(
             f"No module named {fullname!r}: apex here is ampfuse's compatibility alias, which "
             f"does not provide it; {advice}.", name=fullname)
