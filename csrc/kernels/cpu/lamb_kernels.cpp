@@ -212,15 +212,6 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
 }
 
 }  // namespace avx2
-
-namespace {
-
-// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them.
-bool use_avx2(DType param_dtype, DType grad_dtype) {
-  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
-}
-
-}  // namespace
 #endif
 
 void lamb_moments_span(const void* param, DType param_dtype, void* grad, DType grad_dtype,

@@ -185,16 +185,6 @@ void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype
 }
 
 }  // namespace avx2
-
-namespace {
-
-// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them. (The max
-// reduction is the same scalar loop either way.)
-bool use_avx2(DType param_dtype, DType grad_dtype) {
-  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
-}
-
-}  // namespace
 #endif
 
 double novograd_norm_span(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,

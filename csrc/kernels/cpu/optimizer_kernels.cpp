@@ -56,17 +56,6 @@ void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool 
 
 }  // namespace portable
 
-#ifdef AMPFUSE_HAVE_AVX2_PATH
-namespace {
-
-// fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone serves them.
-bool use_avx2(DType param_dtype, DType grad_dtype) {
-  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
-}
-
-}  // namespace
-#endif
-
 void adam_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
                float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
                std::int64_t n, const AdamStep& step) {

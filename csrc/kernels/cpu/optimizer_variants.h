@@ -226,6 +226,13 @@ void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool 
 }  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
+// Whether a span of these dtypes runs the avx2:: kernels: where the processor has F16C and a
+// half type is involved. fp32-only spans gain nothing from F16C: the portable loops' AVX2 clone
+// serves them. Every CPU optimizer kernel file picks its variant with this.
+inline bool use_avx2(DType param_dtype, DType grad_dtype) {
+  return (param_dtype != DType::kFloat32 || grad_dtype != DType::kFloat32) && cpu_has_avx2_f16c();
+}
+
 // Call only where cpu_has_avx2_f16c() is true.
 namespace avx2 {
 // Eight elements to and from lanes with the F16C conversions of vec_avx2.h (the avx2:: kernels'
