@@ -16,8 +16,8 @@ The benchmarks, each with its own section of the table:
          (False, "stochastic", "kahan", "split") against fp32 masters (True), interleaved
 
 Sizes and step counts not given on the command line are each benchmark's own defaults for the
-device (--total-elements applies to ops, adam, sgd and adagrad; --warmup, --repeats and --seed to all;
-the training benchmark's defaults are in its own --help).
+device (--total-elements applies to ops, adam, sgd and adagrad; --warmup, --repeats and --seed
+to all; the training benchmark's defaults are in its own --help).
 DIR defaults to $OUT, else benchmarks/out; it receives bench.json (one "results" list: every
 row carries "bench", the section it belongs to) and bench_table.txt. The table is also printed.
 A benchmark that fails leaves an error row and the others still run; the exit status is then 1.

@@ -4,9 +4,8 @@ torch.ops.ampfuse.fused_lamb_."""
 
 from __future__ import annotations
 
-import torch
-
 from ampfuse import _ops
+from ampfuse._global_norm import l2norm_on_each_device
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._state import add_group_steps, spread_group_steps
@@ -132,14 +131,7 @@ class FusedLAMB(FusedOptimizer):
                 by_device.setdefault(call.step.device, []).extend(call.grads)
         if not by_device:
             return
-        norms = {device: _ops.multi_tensor_l2norm(grads, False)[0]
-                 for device, grads in by_device.items()}
-        if len(norms) > 1:  # params on several devices: one norm over all of them
-            home = next(iter(norms))
-            squares = [norm.to(home, non_blocking=True).square() for norm in norms.values()]
-            total = torch.stack(squares).sum().sqrt()
-            norms = {device: total.to(device, non_blocking=True) for device in norms}
-        self._grad_norms.update(norms)
+        self._grad_norms.update(l2norm_on_each_device(by_device))
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         states = call.states

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ampfuse import _ops
+from ampfuse._global_norm import l2norm_on_each_device
 
 
 def check_max_grad_norm(value):
@@ -28,8 +28,8 @@ class GroupNormClipMixin:
     subclass's __init__ calls _init_clip() before FusedOptimizer's."""
 
     def _init_clip(self):
-        # param group index -> (its grads' norm, its max_grad_norm), refilled at every step
-        # rather than replaced, as FusedLAMB's norms (torch.compile traces step() whole).
+        # param group index -> ({device: its grads' norm}, its max_grad_norm), refilled at every
+        # step rather than replaced, as FusedLAMB's norms (torch.compile traces step() whole).
         self._clip_divisors = {}
 
     def __setstate__(self, state):
@@ -41,9 +41,12 @@ class GroupNormClipMixin:
         self._clip_divisors.clear()
         for index, group, calls in plans:
             max_norm = float(group.get("max_grad_norm", 0.0))
-            grads = [g for call in calls for g in call.grads]
-            if max_norm > 0.0 and grads:
-                self._clip_divisors[index] = (_group_norm(grads), max_norm)
+            by_device = {}
+            for call in calls:
+                if call.grads:
+                    by_device.setdefault(call.step.device, []).extend(call.grads)
+            if max_norm > 0.0 and by_device:
+                self._clip_divisors[index] = (l2norm_on_each_device(by_device), max_norm)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         clip = None
@@ -53,24 +56,10 @@ class GroupNormClipMixin:
                     clip = self._clip_divisors.get(index)
                     break
         if clip is not None:
-            norm, max_norm = clip
+            norms, max_norm = clip
             device = call.step.device
             scale = (torch.ones((), device=device) if grad_scale is None
                      else grad_scale.reshape(()).to(device))
-            ratio = (norm.to(device) / scale + 1e-6) / max_norm
+            ratio = (norms[device].reshape(()) / scale + 1e-6) / max_norm
             grad_scale = (scale * torch.where(ratio > 1.0, ratio, 1.0)).reshape(1)
         super()._launch(group, call, lr, grad_scale, found_inf)
-
-
-def _group_norm(grads):
-    """The L2 norm of all `grads` (still carrying any loss scale), as a 0-dim fp32 tensor on the
-    first grad's device: one fused norm per device, combined."""
-    by_device = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    norms = [_ops.multi_tensor_l2norm(tensors, False)[0].reshape(()) for tensors in
-             by_device.values()]
-    if len(norms) == 1:
-        return norms[0]
-    home = norms[0].device
-    return torch.stack([n.to(home).square() for n in norms]).sum().sqrt()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse import _ops
+from ampfuse._global_norm import l2norm_on_each_device
 
 __all__ = ["clip_grad_norm_"]
 
@@ -30,18 +31,15 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     by_device = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    home = grads[0].device
-    squares = [_ops.multi_tensor_l2norm(tensors, False)[0].reshape(()).to(home).square()
-               for tensors in by_device.values()]
-    total = squares[0].sqrt() if len(squares) == 1 else torch.stack(squares).sum().sqrt()
+    norms = l2norm_on_each_device(by_device)
+    total = norms[grads[0].device].reshape(())
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
             "so it cannot be clipped. To disable this error and scale the gradients by the "
             "non-finite norm anyway, set `error_if_nonfinite=False`")
     # torch's rule: multiply by max_norm / (total + 1e-6), clamped at 1, with no host sync.
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
     for device, tensors in by_device.items():
-        _ops.multi_tensor_scale_(tensors, tensors, coef.to(device),
-                                 torch.zeros(1, device=device))
+        coef = torch.clamp(max_norm / (norms[device] + 1e-6), max=1.0).reshape(1)
+        _ops.multi_tensor_scale_(tensors, tensors, coef, torch.zeros(1, device=device))
     return total
