@@ -1,13 +1,15 @@
-"""Checks that every fused optimizer of apex's family (FusedLAMB, FusedNovoGrad) must pass in the
-same way: loss scales divided out bit for bit, a torch GradScaler driving it, skip_nonfinite
-leaving everything as it was, torch.compile giving the eager bits, and amp O1/O2 training like
-fp32. Each takes `make`, a function from a list of params (and options) to the optimizer."""
+"""Checks that every fused optimizer of apex's family (FusedLAMB, FusedNovoGrad, FusedAdagrad)
+must pass in the same way: loss scales divided out bit for bit, a torch GradScaler driving it,
+skip_nonfinite leaving everything as it was, torch.compile giving the eager bits, amp O1/O2
+training like fp32, DTensor params stepping like plain ones, and bad options refused by name.
+Each takes `make`, a function from a list of params (and options) to the optimizer."""
 
 from __future__ import annotations
 
 import torch
 
 import ampfuse
+from helpers import raises_naming
 from test_adam import clone_params, make_params, set_grads, step_grads
 
 
@@ -131,3 +133,39 @@ def check_amp_trains_like_fp32(make, opt_level, steps=30):
         p = model[0].weight
         assert p.dtype == torch.bfloat16
         assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
+
+
+def check_dtensor_params_step_like_plain_ones(make, grad_scale=1.0):
+    """Params sharded as DTensors on a one-rank mesh step to the same bits as plain ones (the
+    caller's `one_rank` fixture makes the process group); returns (plain, sharded, optimizers)
+    for checks of the caller's own. Two ranks: test_fsdp2.py."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
+    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
+               for p in plain]
+    opts = [make(ps) for ps in (plain, sharded)]
+    for s in range(3):
+        grads = step_grads(plain, s, scale=grad_scale)
+        set_grads(plain, grads)
+        for p, g in zip(sharded, grads):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        for opt in opts:
+            opt.step()
+    for p, q in zip(plain, sharded):
+        assert torch.equal(p.detach(), q.detach().full_tensor())
+    return plain, sharded, opts
+
+
+def check_bad_options_are_refused_by_name(cls, options, patterns):
+    """cls(params, **options) raises naming every pattern; with patterns None the options are a
+    key of another optimizer, which a param group must not carry."""
+    params = make_params([(4,)], torch.float32, "cpu")
+    if patterns is None:
+        with raises_naming(next(iter(options)), "does not have"):
+            cls([{"params": params, **options}])
+        return
+    with raises_naming(*patterns):
+        cls(params, **options)

@@ -20,7 +20,9 @@ from ampfuse.optimizers import FusedAdagrad
 from fused_optimizer_usage import (
     check_a_torch_grad_scaler_drives_it,
     check_amp_trains_like_fp32,
+    check_bad_options_are_refused_by_name,
     check_compiled_steps_match_eager,
+    check_dtensor_params_step_like_plain_ones,
     check_scaled_grads_give_the_unscaled_result,
     check_skip_nonfinite_leaves_everything_as_it_was,
 )
@@ -187,34 +189,11 @@ BAD_OPTIONS = {
 
 @pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
 def test_bad_options_are_refused_by_name(case):
-    options, patterns = case
-    params = make_params([(4,)], torch.float32, "cpu")
-    if patterns is None:
-        with raises_naming("betas", "does not have"):
-            FusedAdagrad([{"params": params, **options}])
-        return
-    with raises_naming(*patterns):
-        FusedAdagrad(params, **options)
+    check_bad_options_are_refused_by_name(FusedAdagrad, *case)
 
 
 def test_dtensor_params_step_like_plain_ones(one_rank):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (1,))
-    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
-    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
-               for p in plain]
-    opts = [make_adagrad(ps) for ps in (plain, sharded)]
-    for s in range(3):
-        grads = step_grads(plain, s)
-        set_grads(plain, grads)
-        for p, g in zip(sharded, grads):
-            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        for opt in opts:
-            opt.step()
-    for p, q in zip(plain, sharded):
-        assert torch.equal(p.detach(), q.detach().full_tensor())
+    check_dtensor_params_step_like_plain_ones(make_adagrad)
 
 
 # ---- the op ------------------------------------------------------------------------------

@@ -11,7 +11,12 @@ import torch
 
 import ampfuse
 from ampfuse.optimizers import FusedLAMB
-from fused_optimizer_usage import check_amp_trains_like_fp32, check_compiled_steps_match_eager
+from fused_optimizer_usage import (
+    check_amp_trains_like_fp32,
+    check_bad_options_are_refused_by_name,
+    check_compiled_steps_match_eager,
+    check_dtensor_params_step_like_plain_ones,
+)
 from helpers import raises_naming
 from test_adam import assert_parity, clone_params, make_params, set_grads, step_grads
 from test_lamb import SHAPES, make_lamb, run_fused
@@ -108,36 +113,14 @@ BAD_OPTIONS = {
 
 @pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
 def test_bad_options_are_refused_by_name(case):
-    options, patterns = case
-    params = make_params([(4,)], torch.float32, "cpu")
-    if patterns is None:  # a key of another optimizer in a param group
-        with raises_naming("momentum", "does not have"):
-            FusedLAMB([{"params": params, **options}])
-        return
-    with raises_naming(*patterns):
-        FusedLAMB(params, **options)
+    check_bad_options_are_refused_by_name(FusedLAMB, *case)
 
 
 def test_dtensor_params_step_like_plain_ones(one_rank):
     """On one rank a DTensor step runs both halves of the op with the sums all-reduced between
     them (a no-op here): the same bits as plain tensors. Two ranks: test_fsdp2.py."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (1,))
-    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
-    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
-               for p in plain]
-    opts = [FusedLAMB(ps, lr=1e-2) for ps in (plain, sharded)]
-    for s in range(3):
-        grads = step_grads(plain, s, scale=4.0)
-        set_grads(plain, grads)
-        for p, g in zip(sharded, grads):
-            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        for opt in opts:
-            opt.step()
-    for p, q in zip(plain, sharded):
-        assert torch.equal(p.detach(), q.detach().full_tensor())
+    _, sharded, _ = check_dtensor_params_step_like_plain_ones(
+        lambda ps: FusedLAMB(ps, lr=1e-2), grad_scale=4.0)
     with raises_naming("part and tensor_sums", "part='both'"):
         ampfuse._ops.fused_lamb_([sharded[1].data], [sharded[1].grad], [sharded[1].data],
                                  [sharded[1].data], [], torch.zeros(()), 1e-3, 0.9, 0.999, 1e-6,

@@ -20,7 +20,9 @@ from ampfuse.optimizers import FusedNovoGrad
 from fused_optimizer_usage import (
     check_a_torch_grad_scaler_drives_it,
     check_amp_trains_like_fp32,
+    check_bad_options_are_refused_by_name,
     check_compiled_steps_match_eager,
+    check_dtensor_params_step_like_plain_ones,
     check_scaled_grads_give_the_unscaled_result,
     check_skip_nonfinite_leaves_everything_as_it_was,
 )
@@ -238,37 +240,16 @@ BAD_OPTIONS = {
 
 @pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
 def test_bad_options_are_refused_by_name(case):
-    options, patterns = case
-    params = make_params([(4,)], torch.float32, "cpu")
-    if patterns is None:  # a key of another optimizer in a param group
-        with raises_naming("momentum", "does not have"):
-            FusedNovoGrad([{"params": params, **options}])
-        return
-    with raises_naming(*patterns):
-        FusedNovoGrad(params, **options)
+    check_bad_options_are_refused_by_name(FusedNovoGrad, *case)
 
 
 @pytest.mark.parametrize("norm_type", [2, 0], ids=["l2", "max"])
 def test_dtensor_params_step_like_plain_ones(one_rank, norm_type):
     """On one rank a DTensor step runs both halves of the op with the reductions combined
-    between them (a no-op here): the same bits as plain tensors. Two ranks: test_fsdp2.py."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (1,))
-    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
-    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
-               for p in plain]
-    opts = [FusedNovoGrad(ps, lr=1e-2, norm_type=norm_type) for ps in (plain, sharded)]
-    for s in range(3):
-        grads = step_grads(plain, s, scale=4.0)
-        set_grads(plain, grads)
-        for p, g in zip(sharded, grads):
-            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        for opt in opts:
-            opt.step()
+    between them (a no-op here): the same bits as plain tensors, running norms included."""
+    plain, sharded, opts = check_dtensor_params_step_like_plain_ones(
+        lambda ps: FusedNovoGrad(ps, lr=1e-2, norm_type=norm_type), grad_scale=4.0)
     for p, q in zip(plain, sharded):
-        assert torch.equal(p.detach(), q.detach().full_tensor())
         assert torch.equal(opts[0].state[p]["norm_avg"], opts[1].state[q]["norm_avg"])
     with raises_naming("part and tensor_reductions", "part='both'"):
         ampfuse._ops.fused_novograd_(
