@@ -18,14 +18,9 @@ import torch
 from ampfuse.optimizers import FusedAdagrad
 from bench_adam import (
     ampfuse_pipeline,
-    compare_pipelines,
-    layers_for,
     main_for,
-    model_like_shapes,
-    torch_fp32,
-    torch_masters,
+    optimizer_rows,
 )
-from _timing import DTYPES
 
 LR = 1e-2
 WEIGHT_DECAY = 1e-4
@@ -41,23 +36,9 @@ def ampfuse_adagrad(dtype, device, unscale_first, write_unscaled_grads=True):
 
 
 def run(args):
-    rows = []
-    half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
-    adagrad = dict(cls=torch.optim.Adagrad, lr=LR, weight_decay=WEIGHT_DECAY)
-    for total in args.total_elements:
-        shapes = model_like_shapes(total, layers_for(total))
-        for name in half_names:
-            dtype = DTYPES[name]
-            full = ampfuse_adagrad(dtype, args.device, unscale_first=True)
-            alone = ampfuse_adagrad(dtype, args.device, unscale_first=False)
-            scaled = ampfuse_adagrad(dtype, args.device, unscale_first=False,
-                                     write_unscaled_grads=False)
-            masters_floor = 36 + 2 * dtype.itemsize
-            pipelines = [alone, scaled, full,
-                         torch_masters(dtype, args.device, full.label, masters_floor, **adagrad),
-                         torch_fp32(args.device, alone.label, 24, **adagrad)]
-            rows += compare_pipelines("adagrad", pipelines, shapes, name, args)
-    return rows
+    return optimizer_rows(args, "adagrad", ampfuse_adagrad,
+                          dict(cls=torch.optim.Adagrad, lr=LR, weight_decay=WEIGHT_DECAY),
+                          masters_floor=lambda h: 36 + 2 * h, fp32_floor=24)
 
 
 if __name__ == "__main__":

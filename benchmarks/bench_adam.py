@@ -250,21 +250,38 @@ def compare_pipelines(op, pipelines, shapes, dtype_name, args):
     return rows
 
 
-def run(args):
+def optimizer_rows(args, op, ampfuse_rows, torch_optimizer=None, masters_floor=None,
+                   fp32_floor=32, labels=None):
+    """The rows of an optimizer benchmark, for each size and half dtype: ampfuse's step alone,
+    with the grads kept scaled and after an unscale pass (ampfuse_rows(dtype, device,
+    unscale_first, write_unscaled_grads=True) gives each), then torch's masters pipeline and
+    fp32 step with `torch_optimizer` (torch_masters' and torch_fp32's keywords; AdamW when
+    None). masters_floor(h) is the masters pipeline's byte floor per param for a model dtype of
+    h bytes (torch_masters' own when None); `labels` renames the two torch rows."""
     rows = []
+    optimizer = torch_optimizer or {}
     half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
     for total in args.total_elements:
         shapes = model_like_shapes(total, layers_for(total))
         for name in half_names:
             dtype = DTYPES[name]
-            full = ampfuse_adam(dtype, args.device, unscale_first=True)
-            alone = ampfuse_adam(dtype, args.device, unscale_first=False)
-            scaled = ampfuse_adam(dtype, args.device, unscale_first=False,
+            full = ampfuse_rows(dtype, args.device, unscale_first=True)
+            alone = ampfuse_rows(dtype, args.device, unscale_first=False)
+            scaled = ampfuse_rows(dtype, args.device, unscale_first=False,
                                   write_unscaled_grads=False)
-            pipelines = [alone, scaled, full, torch_masters(dtype, args.device, full.label),
-                         torch_fp32(args.device, alone.label)]
-            rows += compare_pipelines("adam", pipelines, shapes, name, args)
+            floor = None if masters_floor is None else masters_floor(dtype.itemsize)
+            masters = torch_masters(dtype, args.device, full.label, floor, **optimizer)
+            fp32 = torch_fp32(args.device, alone.label, fp32_floor, **optimizer)
+            if labels is not None:
+                masters = dataclasses.replace(masters, label=labels[0])
+                fp32 = dataclasses.replace(fp32, label=labels[1])
+            rows += compare_pipelines(op, [alone, scaled, full, masters, fp32], shapes, name,
+                                      args)
     return rows
+
+
+def run(args):
+    return optimizer_rows(args, "adam", ampfuse_adam)
 
 
 # ---- command line and table (shared with bench_sgd.py) ------------------------------------------

@@ -15,21 +15,15 @@ write_unscaled_grads=False 36 + 3h; with the unscale pass 36 + 5h; torch's maste
 44 bytes of a norm pass and two passes, though it makes more; ForeachLamb on fp32 params 44.
 """
 
-from dataclasses import replace
 
 import torch
 
 from ampfuse.optimizers import FusedLAMB
 from bench_adam import (
     ampfuse_pipeline,
-    compare_pipelines,
-    layers_for,
     main_for,
-    model_like_shapes,
-    torch_fp32,
-    torch_masters,
+    optimizer_rows,
 )
-from _timing import DTYPES
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -97,26 +91,9 @@ def ampfuse_lamb(dtype, device, unscale_first, write_unscaled_grads=True):
 
 
 def run(args):
-    rows = []
-    half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
-    lamb = dict(cls=ForeachLamb)
-    for total in args.total_elements:
-        shapes = model_like_shapes(total, layers_for(total))
-        for name in half_names:
-            dtype = DTYPES[name]
-            full = ampfuse_lamb(dtype, args.device, unscale_first=True)
-            alone = ampfuse_lamb(dtype, args.device, unscale_first=False)
-            scaled = ampfuse_lamb(dtype, args.device, unscale_first=False,
-                                  write_unscaled_grads=False)
-            masters_floor = 60 + 2 * dtype.itemsize
-            # bench_adam's torch rows, labelled for what they run here.
-            masters = replace(torch_masters(dtype, args.device, full.label, masters_floor, **lamb),
-                              label="torch foreach masters")
-            fp32 = replace(torch_fp32(args.device, alone.label, 44, **lamb),
-                           label="torch foreach fp32")
-            pipelines = [alone, scaled, full, masters, fp32]
-            rows += compare_pipelines("lamb", pipelines, shapes, name, args)
-    return rows
+    return optimizer_rows(args, "lamb", ampfuse_lamb, dict(cls=ForeachLamb),
+                          masters_floor=lambda h: 60 + 2 * h, fp32_floor=44,
+                          labels=("torch foreach masters", "torch foreach fp32"))
 
 
 if __name__ == "__main__":

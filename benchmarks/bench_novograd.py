@@ -20,21 +20,15 @@ float per tensor) are left out of every floor.
 """
 
 import math
-from dataclasses import replace
 
 import torch
 
 from ampfuse.optimizers import FusedNovoGrad
 from bench_adam import (
     ampfuse_pipeline,
-    compare_pipelines,
-    layers_for,
     main_for,
-    model_like_shapes,
-    torch_fp32,
-    torch_masters,
+    optimizer_rows,
 )
-from _timing import DTYPES
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -105,28 +99,10 @@ def ampfuse_novograd(dtype, device, unscale_first, write_unscaled_grads=True):
 
 
 def run(args):
-    rows = []
-    half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
-    novograd = dict(cls=ForeachNovoGrad)
-    for total in args.total_elements:
-        shapes = model_like_shapes(total, layers_for(total))
-        for name in half_names:
-            dtype = DTYPES[name]
-            full = ampfuse_novograd(dtype, args.device, unscale_first=True)
-            alone = ampfuse_novograd(dtype, args.device, unscale_first=False)
-            scaled = ampfuse_novograd(dtype, args.device, unscale_first=False,
-                                      write_unscaled_grads=False)
-            # Copy up (h + 4), unscale (4 + 4), ForeachNovoGrad (24), copy down (4 + h).
-            masters_floor = 40 + 2 * dtype.itemsize
-            # bench_adam's torch rows, labelled for what they run here.
-            masters = replace(
-                torch_masters(dtype, args.device, full.label, masters_floor, **novograd),
-                label="torch foreach masters")
-            fp32 = replace(torch_fp32(args.device, alone.label, 24, **novograd),
-                           label="torch foreach fp32")
-            pipelines = [alone, scaled, full, masters, fp32]
-            rows += compare_pipelines("novograd", pipelines, shapes, name, args)
-    return rows
+    # masters floor: copy up (h + 4), unscale (4 + 4), ForeachNovoGrad (24), copy down (4 + h).
+    return optimizer_rows(args, "novograd", ampfuse_novograd, dict(cls=ForeachNovoGrad),
+                          masters_floor=lambda h: 40 + 2 * h, fp32_floor=24,
+                          labels=("torch foreach masters", "torch foreach fp32"))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,9 @@ import torch
 from ampfuse.optimizers import FusedSGD
 from bench_adam import (
     ampfuse_pipeline,
-    compare_pipelines,
-    layers_for,
     main_for,
-    model_like_shapes,
-    torch_fp32,
-    torch_masters,
+    optimizer_rows,
 )
-from _timing import DTYPES
 
 LR = 1e-4
 MOMENTUM = 0.9
@@ -39,23 +34,11 @@ def ampfuse_sgd(dtype, device, unscale_first, write_unscaled_grads=True):
 
 
 def run(args):
-    rows = []
-    half_names = [name for name in args.dtype if name != "fp32"] or ["bf16"]
-    sgd = dict(cls=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    for total in args.total_elements:
-        shapes = model_like_shapes(total, layers_for(total))
-        for name in half_names:
-            dtype = DTYPES[name]
-            full = ampfuse_sgd(dtype, args.device, unscale_first=True)
-            alone = ampfuse_sgd(dtype, args.device, unscale_first=False)
-            scaled = ampfuse_sgd(dtype, args.device, unscale_first=False,
-                                 write_unscaled_grads=False)
-            masters_floor = 36 + 2 * dtype.itemsize
-            pipelines = [alone, scaled, full,
-                         torch_masters(dtype, args.device, full.label, masters_floor, **sgd),
-                         torch_fp32(args.device, alone.label, 24, **sgd)]
-            rows += compare_pipelines("sgd", pipelines, shapes, name, args)
-    return rows
+    # masters floor: copy up (h + 4), unscale (8), SGD(fused=True) on the masters (16), copy
+    # down (4 + h).
+    return optimizer_rows(args, "sgd", ampfuse_sgd,
+                          dict(cls=torch.optim.SGD, lr=LR, momentum=MOMENTUM),
+                          masters_floor=lambda h: 36 + 2 * h, fp32_floor=24)
 
 
 if __name__ == "__main__":
