@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ampfuse._doctor_checks import check_masters, check_skipped
+
 _SHAPES = [(5,), (3, 4), (7,)]
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _LR, _LR_DECAY, _DECAY, _EPS, _SCALE = 0.1, 0.05, 0.1, 1e-10, 4.0
@@ -34,17 +36,12 @@ def smoke_adagrad(ops, device):
             r.grad = g.float() / _SCALE
         torch_adagrad.step()
         fused_step(grads, torch.zeros(1, device=device))
-        for i, (p, m, r) in enumerate(zip(params, masters, reference)):
-            if not torch.allclose(m, r.detach(), rtol=1e-5, atol=1e-6):
-                return (f"after step {k + 1}: master {i}: {m.flatten()[:3].tolist()} where "
-                        f"torch.optim.Adagrad gives {r.detach().flatten()[:3].tolist()}")
-            if not torch.equal(p, m.to(p.dtype)):
-                return f"after step {k + 1}: param {i} ({p.dtype}) is not its master rounded"
-    before = [t.clone() for t in params + masters + sums + [step]]
-    fused_step(grads, torch.ones(1, device=device))
-    if not all(torch.equal(a, b) for a, b in zip(params + masters + sums + [step], before)):
-        return "a step with found_inf set changed params or state"
-    return None
+        wrong = check_masters(params, masters, [r.detach() for r in reference],
+                              "torch.optim.Adagrad")
+        if wrong:
+            return f"after step {k + 1}: {wrong}"
+    return check_skipped(lambda found_inf: fused_step(grads, found_inf),
+                         params + masters + sums + [step], device)
 
 
 SMOKE_TESTS = {"fused_adagrad_": smoke_adagrad}

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ampfuse._doctor_adagrad import SMOKE_TESTS as ADAGRAD_SMOKE_TESTS
+from ampfuse._doctor_checks import check_skipped
 from ampfuse._doctor_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
 from ampfuse._doctor_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
 from ampfuse._doctor_novograd import SMOKE_TESTS as NOVOGRAD_SMOKE_TESTS
@@ -414,14 +415,6 @@ def _check_step(params, masters, reference):
     return None
 
 
-def _check_skipped(step_fn, tensors, device):
-    before = [t.clone() for t in tensors]
-    step_fn(torch.ones(1, device=device))
-    if not all(torch.equal(a, b) for a, b in zip(tensors, before)):
-        return "a step with found_inf set changed params or state"
-    return None
-
-
 def _smoke_adam(ops, device):
     params, masters, reference, grads = _optimizer_case(device)
     exp_avgs = [torch.zeros_like(m) for m in masters]
@@ -445,7 +438,7 @@ def _smoke_adam(ops, device):
         wrong = _check_step(params, masters, reference)
         if wrong:
             return f"after step {k + 1}: {wrong}"
-    return _check_skipped(lambda f: fused_step(f, 0),
+    return check_skipped(lambda f: fused_step(f, 0),
                           params + masters + exp_avgs + exp_avg_sqs + [step], device)
 
 
@@ -469,7 +462,7 @@ def _smoke_sgd(ops, device):
         wrong = _check_step(params, masters, reference)
         if wrong:
             return f"after step {k + 1}: {wrong}"
-    return _check_skipped(lambda f: fused_step(f, 0), params + masters + buffers + [step], device)
+    return check_skipped(lambda f: fused_step(f, 0), params + masters + buffers + [step], device)
 
 
 SMOKE_TESTS = {
