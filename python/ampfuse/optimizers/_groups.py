@@ -34,6 +34,14 @@ def check_flag(optimizer, index, group, key):
         )
 
 
+def float_betas(betas):
+    """A (beta1, beta2) pair, tensors included, as two Python floats, read once at construction
+    rather than at every step; anything else is returned as it is, for _check_betas to refuse."""
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        return (float(betas[0]), float(betas[1]))
+    return betas
+
+
 class ParamGroupsMixin:
     """add_param_group() with FusedOptimizer's checks, and the checks the subclasses' own
     _check_hyperparameters() builds on."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
-from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._groups import check_flag, float_betas
 
 
 class FusedAdam(FusedOptimizer):
@@ -99,9 +99,7 @@ class FusedAdam(FusedOptimizer):
         skip_nonfinite=False,
         rounding_seed=0,
     ):
-        if isinstance(betas, (tuple, list)) and len(betas) == 2:
-            # Tensor betas are read once here rather than at every step.
-            betas = (float(betas[0]), float(betas[1]))
+        betas = float_betas(betas)
         defaults = {
             "lr": lr,
             "betas": betas,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ampfuse import _ops
 from ampfuse._global_norm import l2norm_on_each_device
 from ampfuse.optimizers._base import FusedOptimizer
-from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._state import add_group_steps, spread_group_steps
 
 
@@ -69,8 +69,7 @@ class FusedLAMB(FusedOptimizer):
     ):
         if amsgrad:
             raise ValueError("FusedLAMB: amsgrad=True has no LAMB variant; leave it False.")
-        if isinstance(betas, (tuple, list)) and len(betas) == 2:
-            betas = (float(betas[0]), float(betas[1]))
+        betas = float_betas(betas)
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,

@@ -8,7 +8,7 @@ import torch
 
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
-from ampfuse.optimizers._groups import check_flag
+from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import (
     add_group_steps,
@@ -85,8 +85,7 @@ class FusedNovoGrad(FusedOptimizer):
         if amsgrad:
             raise ValueError("FusedNovoGrad: amsgrad=True has no NovoGrad variant (apex refuses "
                              "it too); leave it False.")
-        if isinstance(betas, (tuple, list)) and len(betas) == 2:
-            betas = (float(betas[0]), float(betas[1]))
+        betas = float_betas(betas)
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,
