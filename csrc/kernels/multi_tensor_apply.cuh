@@ -133,22 +133,34 @@ __device__ std::uint32_t nonfinite_lanes(const Pack<T, N>& pack) {
   return lanes;
 }
 
-// Sum over the block; the result is valid in thread 0. Every thread of the block must
-// call it. It may be called again right after: the second barrier keeps the next call's
-// writes to warp_sums from overtaking this call's reads of it.
-template <typename T>
-__device__ T block_sum(T value) {
-  __shared__ T warp_sums[kThreadsPerBlock / 32];
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+// `value` combined over the block with `combine` (associative; 0 must be its identity for the
+// values passed, as for a sum or for a maximum of non-negative values); the result is valid in
+// thread 0. Every thread of the block must call it. It may be called again right after: the
+// second barrier keeps the next call's writes to the shared buffer from overtaking this call's
+// reads of it.
+template <typename T, typename Combine>
+__device__ T block_reduce(T value, Combine combine) {
+  __shared__ T warp_values[kThreadsPerBlock / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value = combine(value, __shfl_down_sync(0xffffffffu, value, offset));
+  }
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) warp_sums[warp] = value;
+  if (threadIdx.x % 32 == 0) warp_values[warp] = value;
   __syncthreads();
-  value = threadIdx.x < blockDim.x / 32 ? warp_sums[threadIdx.x] : T(0);
+  value = threadIdx.x < blockDim.x / 32 ? warp_values[threadIdx.x] : T(0);
   __syncthreads();
   if (warp == 0) {
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value = combine(value, __shfl_down_sync(0xffffffffu, value, offset));
+    }
   }
   return value;
+}
+
+// Sum over the block, as block_reduce.
+template <typename T>
+__device__ T block_sum(T value) {
+  return block_reduce(value, [](T a, T b) { return a + b; });
 }
 
 // The first chunk whose owner is >= tensor, in the chunk_owner array that per-chunk reductions

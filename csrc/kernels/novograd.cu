@@ -47,26 +47,10 @@ __device__ __forceinline__ T nan_sticky_max(T running, T x) {
   return (x > running || x != x) ? x : running;
 }
 
-// As block_sum, with nan_sticky_max for the sum: the result is valid in thread 0, every thread
-// of the block must call it, and it may be called again right after. The inputs must be
-// non-negative or NaN (0 stands in for the missing warps).
+// The block's NaN-sticky maximum of non-negative values, as block_sum (block_reduce).
 template <typename T>
 __device__ T block_max(T value) {
-  __shared__ T warp_maxima[kThreadsPerBlock / 32];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    value = nan_sticky_max(value, __shfl_down_sync(0xffffffffu, value, offset));
-  }
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) warp_maxima[warp] = value;
-  __syncthreads();
-  value = threadIdx.x < blockDim.x / 32 ? warp_maxima[threadIdx.x] : T(0);
-  __syncthreads();
-  if (warp == 0) {
-    for (int offset = 16; offset > 0; offset /= 2) {
-      value = nan_sticky_max(value, __shfl_down_sync(0xffffffffu, value, offset));
-    }
-  }
-  return value;
+  return block_reduce(value, [](T a, T b) { return nan_sticky_max(a, b); });
 }
 
 // One unscaled grad into a thread's running reduction: its square added, or its |g| maxed.
