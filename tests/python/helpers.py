@@ -161,3 +161,22 @@ def raises_naming(*patterns):
 def filled(shape, dtype, device):
     """A tensor of any dtype, integer and complex included, with nonzero entries."""
     return torch.ones(shape, dtype=dtype, device=device)
+
+
+def clone_args(args):
+    """A copy of an op test's arguments: a dict of tensors and lists of tensors."""
+    return {k: [t.clone() for t in v] if isinstance(v, list) else v.clone()
+            for k, v in args.items()}
+
+
+def call_with_one_and_more_threads(call, one, more):
+    """call(one) with one CPU thread and call(more) with at least two (the caller compares
+    them: a CPU op's result must not depend on how its spans are spread over threads)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        call(one)
+        torch.set_num_threads(max(2, threads))
+        call(more)
+    finally:
+        torch.set_num_threads(threads)

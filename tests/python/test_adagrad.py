@@ -26,7 +26,7 @@ from fused_optimizer_usage import (
     check_scaled_grads_give_the_unscaled_result,
     check_skip_nonfinite_leaves_everything_as_it_was,
 )
-from helpers import POSITIONS, dtype_id, position_index, raises_naming
+from helpers import POSITIONS, clone_args, dtype_id, position_index, raises_naming
 from test_adam import assert_parity, clone_params, make_params, set_grads, step_grads
 
 STEPS = 20
@@ -230,8 +230,7 @@ def test_opcheck(device, masters, write_grads):
 
 def test_found_inf_writes_nothing(device):
     a = _op_args(device)
-    before = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone()
-              for k, v in a.items()}
+    before = clone_args(a)
     _op_call(a, grad_scale=torch.full((1,), 4.0, device=device),
              found_inf=torch.ones(1, device=device), write_unscaled_grads=True)
     for key, value in before.items():
@@ -244,8 +243,7 @@ def test_found_inf_writes_nothing(device):
 @pytest.mark.parametrize("position", POSITIONS)
 def test_a_non_finite_grad_reaches_only_its_element(device, bad, position):
     a = _op_args(device)
-    clean = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone()
-             for k, v in a.items()}
+    clean = clone_args(a)
     i = position_index(position, a["grads"][1].numel())
     a["grads"][1][i] = bad
     clean["grads"][1][i] = 0.0

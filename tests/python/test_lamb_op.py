@@ -6,7 +6,13 @@ import pytest
 import torch
 
 import ampfuse
-from helpers import POSITIONS, position_index, raises_naming
+from helpers import (
+    POSITIONS,
+    call_with_one_and_more_threads,
+    clone_args,
+    position_index,
+    raises_naming,
+)
 
 SHAPES = [(5,), (65537,), (3, 4), (0,), (9, 17)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float16]
@@ -43,8 +49,6 @@ def _sums(a):
     return torch.zeros((len(a["params"]), 2), dtype=torch.float64, device=a["step"].device)
 
 
-def _clone(a):
-    return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in a.items()}
 
 
 def _assert_same(a, b, keys=("params", "grads", "exp_avgs", "exp_avg_sqs", "master_params")):
@@ -70,7 +74,7 @@ def test_opcheck(device, masters, write_grads, clip):
 
 def test_found_inf_writes_nothing(device):
     a = _lamb_args(device)
-    before = _clone(a)
+    before = clone_args(a)
     _call(a, found_inf=torch.ones(1, device=device), grad_scale=torch.full((1,), 4.0,
                                                                          device=device),
           write_grads=True)
@@ -85,7 +89,7 @@ def test_a_non_finite_grad_reaches_only_its_element_without_decay(device, bad, p
     Without weight decay or clipping there is no trust ratio or global norm to spread it: the
     element turns NaN and every other element moves as if its grad had been 0."""
     a = _lamb_args(device, masters=True)
-    clean = _clone(a)
+    clean = clone_args(a)
     i = position_index(position, a["grads"][1].numel())
     a["grads"][1][i] = bad
     clean["grads"][1][i] = 0.0
@@ -112,21 +116,14 @@ def test_a_non_finite_grad_spreads_through_the_trust_ratio(device, position):
 
 def test_results_do_not_depend_on_the_thread_count():
     a = _lamb_args("cpu", shapes=[(300_000,), (70_000,), (3,)], dtypes=DTYPES[:3])
-    b = _clone(a)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        _call(a)
-        torch.set_num_threads(max(2, threads))
-        _call(b)
-    finally:
-        torch.set_num_threads(threads)
+    b = clone_args(a)
+    call_with_one_and_more_threads(_call, a, b)
     _assert_same(a, b)
 
 
 def test_scale_is_divided_out_of_grads_and_norm():
     a = _lamb_args("cpu", dtypes=[torch.float32] * len(SHAPES))
-    scaled = _clone(a)
+    scaled = clone_args(a)
     scaled["grads"] = [g * 64 for g in scaled["grads"]]
     _call(a)
     _call(scaled, grad_scale=torch.full((1,), 64.0), write_grads=True)
@@ -139,11 +136,11 @@ def test_the_two_halves_give_the_whole_step_bit_for_bit(device, masters):
     between) equals one part="both" call; "both" leaves the same sums when asked, and the
     first half alone moves no param and no step count."""
     whole = _lamb_args(device, masters=masters)
-    halves = _clone(whole)
+    halves = clone_args(whole)
     whole_sums, sums = _sums(whole), _sums(halves)
     scale = torch.full((1,), 8.0, device=device)
     _call(whole, grad_scale=scale, write_grads=True, sums=whole_sums)
-    before = _clone(halves)
+    before = clone_args(halves)
     _call(halves, grad_scale=scale, write_grads=True, sums=sums, part="moments")
     _assert_same(halves, before, keys=("params", "master_params"))
     assert float(halves["step"]) == 3.0
@@ -159,7 +156,7 @@ def test_the_second_half_forms_the_ratios_from_the_sums_it_is_given():
     """Sums from elsewhere (other shards) change the step: twice the update's sum of squares
     gives a trust ratio 1/sqrt(2) of the local one."""
     a = _lamb_args("cpu", masters=True)
-    b = _clone(a)
+    b = clone_args(a)
     sums_a, sums_b = _sums(a), _sums(b)
     for args, sums in ((a, sums_a), (b, sums_b)):
         _call(args, sums=sums, part="moments")
@@ -176,7 +173,7 @@ def test_the_second_half_forms_the_ratios_from_the_sums_it_is_given():
 
 def test_found_inf_skips_each_half():
     a = _lamb_args("cpu")
-    before = _clone(a)
+    before = clone_args(a)
     sums = _sums(a)
     for part in ("moments", "apply"):
         _call(a, found_inf=torch.ones(1), sums=sums, part=part)
@@ -201,7 +198,7 @@ def test_opcheck_halves(device, part):
 def test_cuda_matches_the_cpu(masters):
     cpu = _lamb_args("cpu", masters=masters)
     cuda = {k: ([t.cuda() for t in v] if isinstance(v, list) else v.cuda())
-            for k, v in _clone(cpu).items()}
+            for k, v in clone_args(cpu).items()}
     for args in (cpu, cuda):
         _call(args, grad_scale=torch.full((1,), 2.0, device=args["step"].device),
               write_grads=True)
@@ -231,7 +228,7 @@ ERRORS = {
 def test_argument_errors_name_the_argument(case):
     changes, patterns = case
     a = _lamb_args("cpu")
-    before = _clone(a)
+    before = clone_args(a)
     clip = changes.get("max_grad_norm", 1.0)
     norm = changes.get("grad_norm", torch.ones(()))
     if norm == "int":

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 import ampfuse
-from helpers import POSITIONS, position_index, raises_naming
+from helpers import (
+    POSITIONS,
+    call_with_one_and_more_threads,
+    clone_args,
+    position_index,
+    raises_naming,
+)
 from novograd_reference import NovoGradConfig, ReferenceNovoGrad
 
 SHAPES = [(5,), (65537,), (3, 4), (0,), (9, 17)]
@@ -45,8 +51,6 @@ def _reductions(a):
     return torch.zeros(len(a["params"]), dtype=torch.float64, device=a["step"].device)
 
 
-def _clone(a):
-    return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in a.items()}
 
 
 def _assert_same(a, b, keys=("params", "grads", "exp_avgs", "norm_avgs", "master_params")):
@@ -121,7 +125,7 @@ def test_first_step_seeds_the_running_norm_with_the_grads_own():
 def test_found_inf_writes_nothing(device):
     a = _args(device)
     _call(a)  # a second step: the running norms are not zero
-    before = _clone(a)
+    before = clone_args(a)
     _call(a, found_inf=torch.ones(1, device=device),
           grad_scale=torch.full((1,), 4.0, device=device), write_grads=True)
     _assert_same(a, before)
@@ -138,7 +142,7 @@ def test_a_non_finite_grad_reaches_its_tensors_norm(device, bad, norm_type, posi
     tensors step as if nothing happened."""
     config = NovoGradConfig(norm_type=norm_type)
     a = _args(device, masters=True)
-    clean = _clone(a)
+    clean = clone_args(a)
     start = a["master_params"][1].clone()
     i = position_index(position, a["grads"][1].numel())
     a["grads"][1][i] = bad
@@ -160,15 +164,8 @@ def test_a_non_finite_grad_reaches_its_tensors_norm(device, bad, norm_type, posi
 
 def test_results_do_not_depend_on_the_thread_count():
     a = _args("cpu", shapes=[(300_000,), (70_000,), (3,)], dtypes=DTYPES[:3])
-    b = _clone(a)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        _call(a)
-        torch.set_num_threads(max(2, threads))
-        _call(b)
-    finally:
-        torch.set_num_threads(threads)
+    b = clone_args(a)
+    call_with_one_and_more_threads(_call, a, b)
     _assert_same(a, b)
 
 
@@ -176,7 +173,7 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_scale_is_divided_out_of_grads_and_norms(norm_type):
     config = NovoGradConfig(norm_type=norm_type, weight_decay=0.01)
     a = _args("cpu", dtypes=[torch.float32] * len(SHAPES))
-    scaled = _clone(a)
+    scaled = clone_args(a)
     scaled["grads"] = [g * 64 for g in scaled["grads"]]
     _call(a, config)
     _call(scaled, config, grad_scale=torch.full((1,), 64.0), write_grads=True)
@@ -200,11 +197,11 @@ def test_the_two_halves_give_the_whole_step_bit_for_bit(device, masters, norm_ty
     config = NovoGradConfig(norm_type=norm_type, weight_decay=0.01)
     whole = _args(device, masters=masters)
     _call(whole, config)  # a second step: blending with the running norms
-    halves = _clone(whole)
+    halves = clone_args(whole)
     whole_reductions, reductions = _reductions(whole), _reductions(halves)
     scale = torch.full((1,), 8.0, device=device)
     _call(whole, config, grad_scale=scale, write_grads=True, reductions=whole_reductions)
-    before = _clone(halves)
+    before = clone_args(halves)
     _call(halves, config, grad_scale=scale, write_grads=True, reductions=reductions,
           part="norms")
     _assert_same(halves, before)  # the grads too: the first half only reads them
@@ -221,7 +218,7 @@ def test_the_second_half_blends_the_reductions_it_is_given():
     """Reductions from elsewhere (other shards) change the step: four times the sum of squares
     on a seeded first step is twice the norm, so half the step."""
     a = _args("cpu", masters=True)
-    b = _clone(a)
+    b = clone_args(a)
     reductions_a, reductions_b = _reductions(a), _reductions(b)
     for args, reductions in ((a, reductions_a), (b, reductions_b)):
         _call(args, reductions=reductions, part="norms")
@@ -239,7 +236,7 @@ def test_the_second_half_blends_the_reductions_it_is_given():
 
 def test_found_inf_skips_each_half():
     a = _args("cpu")
-    before = _clone(a)
+    before = clone_args(a)
     reductions = _reductions(a)
     for part in ("norms", "apply"):
         _call(a, found_inf=torch.ones(1), reductions=reductions, part=part)
@@ -283,7 +280,7 @@ def test_cuda_matches_the_cpu(masters, norm_type):
     config = NovoGradConfig(norm_type=norm_type, weight_decay=0.01)
     cpu = _args("cpu", masters=masters)
     cuda = {k: ([t.cuda() for t in v] if isinstance(v, list) else v.cuda())
-            for k, v in _clone(cpu).items()}
+            for k, v in clone_args(cpu).items()}
     for _ in range(2):
         for args in (cpu, cuda):
             _call(args, config, grad_scale=torch.full((1,), 2.0, device=args["step"].device),
@@ -329,7 +326,7 @@ def test_argument_errors_name_the_argument(case):
         norms = norms[:2] + [torch.zeros(2)] + norms[3:]
     elif changes.get("norm_avgs") == "dtype":
         norms = norms[:2] + [torch.zeros((), dtype=torch.float64)] + norms[3:]
-    before = _clone(a)
+    before = clone_args(a)
     with raises_naming(*patterns):
         ampfuse._ops.fused_novograd_(
             a["params"], a["grads"], a["exp_avgs"], norms, a["master_params"], a["step"],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ampfuse
-from helpers import raises_naming
+from helpers import clone_args, raises_naming
 from tolerances import assert_close_report
 
 SHAPES = [(5,), (65537,), (3, 4), (0,)]
@@ -123,7 +123,7 @@ def test_float_lr_equals_tensor_lr(device):
 @pytest.mark.parametrize("op", ["adam", "sgd"])
 def test_found_inf_leaves_every_tensor_bit_identical(device, op):
     a = _adam_args(device, DTYPES, amsgrad=True)
-    before = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in a.items()}
+    before = clone_args(a)
     found_inf = torch.ones(1, device=device)
     scale = torch.full((1,), 4.0, device=device)
     # The grads are asked to be written back unscaled: a skipped step leaves them too.
