@@ -1,13 +1,15 @@
-"""The inputs PyTorch's own optimizer tests run Adam, AdamW and SGD with, on ampfuse's drop-ins.
+"""The inputs PyTorch's own optimizer tests run Adam, AdamW, SGD and Adagrad with, on ampfuse's
+drop-ins.
 
 torch.testing._internal.common_optimizers lists, per optimizer and device type, the constructor
 kwargs torch's test_optim.py exercises (``optim_inputs_func_adam`` etc.): learning rates,
-weight decay, maximize, amsgrad, momentum, dampening, nesterov, and on CUDA capturable with a
-tensor lr and tensor betas (0-d, 2-d and 3-d). A torch user who swaps in FusedAdam, FusedAdamW
-or FusedSGD may pass any of them. Each is run here on both optimizers with the same fp32 params
-and grads: the params, the state and the step count must follow torch's, and the state dict
-must load into torch's optimizer and back. The list is read from the installed torch, so a
-kwarg torch adds to its tests is tried here too.
+weight decay, maximize, amsgrad, momentum, dampening, nesterov, lr_decay, an initial
+accumulator, and on CUDA capturable with a tensor lr and tensor betas (0-d, 2-d and 3-d). A
+torch user who swaps in FusedAdam, FusedAdamW, FusedSGD or FusedAdagrad may pass any of them.
+Each is run here on both optimizers with the same fp32 params and grads: the params, the state
+and the step count must follow torch's, and the state dict must load into torch's optimizer and
+back. The list is read from the installed torch, so a kwarg torch adds to its tests is tried
+here too.
 """
 
 import copy
@@ -17,7 +19,7 @@ import pytest
 import torch
 from torch.testing._internal import common_optimizers
 
-from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedSGD
+from ampfuse.optimizers import FusedAdagrad, FusedAdam, FusedAdamW, FusedSGD
 from test_adam import SHAPES, assert_parity, clone_params, make_params, run_both
 
 STEPS = 8
@@ -26,10 +28,12 @@ PAIRS = {
     "adam": (torch.optim.Adam, functools.partial(FusedAdam, adam_w_mode=False)),
     "adamw": (torch.optim.AdamW, FusedAdamW),
     "sgd": (torch.optim.SGD, FusedSGD),
+    "adagrad": (torch.optim.Adagrad, FusedAdagrad),
 }
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
               "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-              "sgd": ("momentum_buffer",)}
+              "sgd": ("momentum_buffer",),
+              "adagrad": ("sum",)}
 
 
 def _cases():
