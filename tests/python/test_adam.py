@@ -656,10 +656,16 @@ def test_negative_lr_set_after_construction_fails_at_step():
         opt.step()
 
 
-def test_torch_positional_amsgrad_is_not_silently_reinterpreted():
+def test_torch_positional_amsgrad_and_apex_order_are_never_mixed_up():
+    """amsgrad is torch.optim.Adam's sixth positional argument here too; a positional call in
+    apex's order (bias_correction third) stops at the betas check."""
     params = make_params(SHAPES[:2], torch.float32, "cpu")
+    assert FusedAdam(params, 1e-3, (0.9, 0.999), 1e-8, 0.0, True).param_groups[0]["amsgrad"]
+    assert FusedAdamW(params, 1e-3, (0.9, 0.999), 1e-8, 0.0, True).param_groups[0]["amsgrad"]
+    with raises_naming(r"betas=True", "pair"):
+        FusedAdam(params, 1e-3, True, (0.9, 0.999), 1e-8, True)
     with pytest.raises(TypeError):
-        FusedAdam(params, 1e-3, (0.9, 0.999), 1e-8, 0.0, True)
+        FusedAdam(params, 1e-3, True, (0.9, 0.999), 1e-8, True, 0.01)
 
 
 def test_grad_scale_must_be_one_element():

@@ -111,6 +111,9 @@ class FusedOptimizer(
     _TORCH_GROUP_KEYS: dict = {}
     # Hyperparameters of the other optimizer family: a group holding one is a mistake.
     _FOREIGN_GROUP_KEYS: tuple = ()
+    # The torch.optim class this optimizer stands in for (None: torch has none), as messages
+    # about torch's implementation switches name it (_torch_switches).
+    _TORCH_COUNTERPART: str | None = None
 
     def __init__(self, params, defaults, set_grad_none=True):
         self.set_grad_none = set_grad_none

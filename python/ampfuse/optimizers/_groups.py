@@ -13,6 +13,8 @@ import torch
 
 from ampfuse.optimizers._precision import check_master_weights
 from ampfuse.optimizers._skip import check_skip_nonfinite
+from ampfuse.optimizers._torch_switches import (IMPLEMENTATION_SWITCHES,
+                                                check_implementation_switches)
 
 # The param dtypes the fused ops update.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -63,11 +65,20 @@ class ParamGroupsMixin:
                     f"{name}: param_groups[{index}] sets {key!r}, which {name} does not have; "
                     f"remove it from the group (it belongs to another optimizer)."
                 )
+        if any(key in group for key in IMPLEMENTATION_SWITCHES):
+            # A group handed to add_param_group may carry torch's switches too.
+            check_implementation_switches(
+                f"{name}: param_groups[{index}]", self._torch_counterpart(group),
+                group.get("foreach"), group.get("fused"), group.get("differentiable", False))
         for i, p in enumerate(group["params"]):
             self._check_param_dtype(index, i, p)
         self._check_hyperparameters(index, group)
         check_master_weights(self, index, group)
         check_skip_nonfinite(self, index, group)
+
+    def _torch_counterpart(self, group):
+        """The torch.optim class this optimizer stands in for, as messages name it."""
+        return self._TORCH_COUNTERPART or "a torch.optim optimizer"
 
     def _check_param_dtype(self, group_index, param_index, p):
         if p.dtype not in FLOAT_DTYPES:

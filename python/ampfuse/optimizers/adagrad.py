@@ -11,6 +11,7 @@ from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import fp32_copy
+from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -27,6 +28,9 @@ class FusedAdagrad(FusedOptimizer):
         master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
             masters), False updates params in place.
         set_grad_none, write_unscaled_grads, skip_nonfinite: as in FusedAdam.
+        foreach, fused, differentiable: torch.optim.Adagrad's implementation switches (foreach
+            in torch's seventh place), as in FusedAdam: None or True accepted; False and
+            differentiable=True refused.
 
     The sums are fp32 whatever the params' dtype, also in state_dict(), which has torch's
     layout ('sum' and 'step' per param): torch.optim.Adagrad loads it and the other way round.
@@ -36,6 +40,7 @@ class FusedAdagrad(FusedOptimizer):
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
+    _TORCH_COUNTERPART = "torch.optim.Adagrad"
     _FOREIGN_GROUP_KEYS = ("betas", "momentum", "dampening", "nesterov", "amsgrad",
                            "adam_w_mode", "bias_correction", "max_grad_norm", "norm_type")
 
@@ -47,6 +52,7 @@ class FusedAdagrad(FusedOptimizer):
         weight_decay=0.0,
         initial_accumulator_value=0.0,
         eps=1e-10,
+        foreach=None,
         *,
         maximize=False,
         adagrad_w_mode=False,
@@ -54,7 +60,11 @@ class FusedAdagrad(FusedOptimizer):
         set_grad_none=True,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        fused=None,
+        differentiable=False,
     ):
+        check_implementation_switches(type(self).__name__, self._TORCH_COUNTERPART, foreach,
+                                      fused, differentiable)
         defaults = {
             "lr": lr,
             "lr_decay": lr_decay,

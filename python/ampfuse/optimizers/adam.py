@@ -7,6 +7,25 @@ from __future__ import annotations
 from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag, float_betas
+from ampfuse.optimizers._torch_switches import check_implementation_switches
+
+
+def _resolve_adam_w_mode(name, adam_w_mode, decoupled_weight_decay):
+    """adam_w_mode (apex's spelling) or decoupled_weight_decay (torch.optim.Adam's), whichever
+    was given; decoupled decay when neither was, as in apex. Both given must agree."""
+    for key, value in (("adam_w_mode", adam_w_mode),
+                       ("decoupled_weight_decay", decoupled_weight_decay)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name}: {key}={value!r}; it must be True or False.")
+    if adam_w_mode is None:
+        return True if decoupled_weight_decay is None else decoupled_weight_decay
+    if decoupled_weight_decay is not None and decoupled_weight_decay != adam_w_mode:
+        raise ValueError(
+            f"{name}: adam_w_mode={adam_w_mode} and decoupled_weight_decay="
+            f"{decoupled_weight_decay} disagree; they are two names (apex's and torch's) for "
+            "the same choice. Pass one of them."
+        )
+    return adam_w_mode
 
 
 class FusedAdam(FusedOptimizer):
@@ -21,7 +40,14 @@ class FusedAdam(FusedOptimizer):
         params: params or param groups, as for any torch.optim optimizer.
         lr, betas, eps, weight_decay, amsgrad, maximize: as in torch.optim.Adam. lr may be a
             one-element tensor (see capturable).
-        adam_w_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False.
+        adam_w_mode: decoupled weight decay (AdamW) when True (the default, as in apex), L2
+            (Adam) when False. decoupled_weight_decay is torch.optim.Adam's name for the same
+            switch: pass either. A torch.optim.Adam call with weight decay and neither keyword
+            therefore gets AdamW here; pass decoupled_weight_decay=False for torch's Adam.
+        foreach, fused, differentiable: torch.optim's implementation switches, accepted so
+            that a call written for torch's class runs unchanged: None or True for foreach and
+            fused (the step is fused either way); False, and differentiable=True, ask for what
+            a fused step does not do and are refused.
         bias_correction: divide by 1 - beta^t as Adam does; False leaves the moments uncorrected.
         master_weights: how low-precision params keep the bits of their updates. True: an
             fp32 master of every fp16/bf16 param in the optimizer state ('master_param'),
@@ -61,8 +87,10 @@ class FusedAdam(FusedOptimizer):
     the first step), and get_skipped_steps() counts them (on the device; reading syncs).
     state_dict() saves the count as 'skipped_steps'.
 
-    Arguments after weight_decay are keyword-only: torch.optim.Adam's sixth positional argument
-    is amsgrad, apex's order differs again, and a silent mix-up would change the math.
+    The positional arguments are torch.optim.Adam's, amsgrad the sixth; the rest are
+    keyword-only. apex's FusedAdam has another order (bias_correction third, then betas): a
+    positional call in apex's order stops at the betas check rather than mixing up the math
+    (ampfuse.apex_compat's FusedAdam takes apex's order).
 
     The fused step honours torch.amp.GradScaler without unscaling the grads first
     (_step_supports_amp_scaling): the scale is divided out inside the op (and the unscaled
@@ -87,10 +115,10 @@ class FusedAdam(FusedOptimizer):
         betas=(0.9, 0.999),
         eps=1e-8,
         weight_decay=0.0,
-        *,
-        adam_w_mode=True,
-        bias_correction=True,
         amsgrad=False,
+        *,
+        adam_w_mode=None,
+        bias_correction=True,
         maximize=False,
         master_weights=False,
         capturable=False,
@@ -98,7 +126,16 @@ class FusedAdam(FusedOptimizer):
         write_unscaled_grads=True,
         skip_nonfinite=False,
         rounding_seed=0,
+        decoupled_weight_decay=None,
+        foreach=None,
+        fused=None,
+        differentiable=False,
     ):
+        adam_w_mode = _resolve_adam_w_mode(type(self).__name__, adam_w_mode,
+                                           decoupled_weight_decay)
+        check_implementation_switches(
+            type(self).__name__, self._torch_counterpart({"adam_w_mode": adam_w_mode}),
+            foreach, fused, differentiable)
         betas = float_betas(betas)
         defaults = {
             "lr": lr,
@@ -116,6 +153,9 @@ class FusedAdam(FusedOptimizer):
             "rounding_seed": rounding_seed,
         }
         super().__init__(params, defaults, set_grad_none)
+
+    def _torch_counterpart(self, group):
+        return "torch.optim.AdamW" if group.get("adam_w_mode", True) else "torch.optim.Adam"
 
     def _check_hyperparameters(self, index, group):
         self._check_lr(index, group["lr"])
@@ -183,9 +223,9 @@ class FusedAdamW(FusedAdam):
         betas=(0.9, 0.999),
         eps=1e-8,
         weight_decay=1e-2,
+        amsgrad=False,
         *,
         bias_correction=True,
-        amsgrad=False,
         maximize=False,
         master_weights=False,
         capturable=False,
@@ -193,6 +233,9 @@ class FusedAdamW(FusedAdam):
         write_unscaled_grads=True,
         skip_nonfinite=False,
         rounding_seed=0,
+        foreach=None,
+        fused=None,
+        differentiable=False,
     ):
         super().__init__(
             params,
@@ -210,6 +253,9 @@ class FusedAdamW(FusedAdam):
             write_unscaled_grads=write_unscaled_grads,
             skip_nonfinite=skip_nonfinite,
             rounding_seed=rounding_seed,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
         )
 
     def __setstate__(self, state):

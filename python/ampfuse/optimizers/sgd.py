@@ -10,6 +10,7 @@ from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import fp32_copy
+from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
 class FusedSGD(FusedOptimizer):
@@ -41,6 +42,8 @@ class FusedSGD(FusedOptimizer):
         skip_nonfinite: False (default), None or True: skip a step whose grads hold inf/nan,
             on the device; see FusedAdam (None checks fp16/bf16 groups when no loss scaler
             drives the step). `last_step_skipped` and get_skipped_steps() as in FusedAdam.
+        foreach, fused, differentiable: torch.optim.SGD's implementation switches, as in
+            FusedAdam (None or True accepted; False and differentiable=True refused).
 
     Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
     keeps one device-side step count per group and device (the op needs it to tell the first
@@ -53,6 +56,7 @@ class FusedSGD(FusedOptimizer):
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
+    _TORCH_COUNTERPART = "torch.optim.SGD"
     _FOREIGN_GROUP_KEYS = ("betas", "eps", "amsgrad", "adam_w_mode", "bias_correction")
 
     def __init__(
@@ -72,7 +76,12 @@ class FusedSGD(FusedOptimizer):
         write_unscaled_grads=True,
         skip_nonfinite=False,
         rounding_seed=0,
+        foreach=None,
+        fused=None,
+        differentiable=False,
     ):
+        check_implementation_switches(type(self).__name__, self._TORCH_COUNTERPART, foreach,
+                                      fused, differentiable)
         defaults = {
             "lr": lr,
             "momentum": momentum,
