@@ -18,10 +18,13 @@ struct ChunkSumOfSquaresFunctor {
       constexpr int kPack = 16 / sizeof(T);
       const T* data = static_cast<const T*>(table.addresses[0][chunk.slot]) + chunk.start;
       // A thread adds at most 64K / 512 = 128 squares in fp32: short enough that
-      // its rounding error stays near one ulp of the chunk sum.
+      // its rounding error stays near one ulp of the chunk sum. Each square is added in one
+      // FMA, on purpose and written out: a sum's order differs from the CPU's anyway, and the
+      // contraction check (tests/python/test_cuda_contraction.py) then holds every implicit
+      // a * b + c elsewhere to the CPU's rounding.
       const auto element = [&](int i) {
         const float x = DeviceElement<T>::load(data[i]);
-        sum += x * x;
+        sum = __fmaf_rn(x, x, sum);
       };
       using TPack = Pack<T, kPack>;
       const auto load = [&](int i) { return *reinterpret_cast<const TPack*>(data + i); };
@@ -29,7 +32,7 @@ struct ChunkSumOfSquaresFunctor {
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
           const float x = DeviceElement<T>::load(in.v[k]);
-          sum += x * x;
+          sum = __fmaf_rn(x, x, sum);
         }
       };
       // Several loads in flight per thread; the squares are added in the same order.

@@ -56,7 +56,8 @@ struct LambMomentsFunctor {
     float* m = fp32_list(table, chunk, 2);
     float* v = fp32_list(table, chunk, 3);
     const float* master = has_master ? fp32_list(table, chunk, 4) : nullptr;
-    // A thread adds at most 64K / 512 = 128 squares of each in fp32, as l2norm does.
+    // A thread adds at most 64K / 512 = 128 squares of each in fp32, each in one FMA, as
+    // l2norm does (and for its reason).
     float param_sq = 0.0f;
     float update_sq = 0.0f;
     with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
@@ -73,8 +74,8 @@ struct LambMomentsFunctor {
         const float u = lamb_moments(g, p, mi, vi, step);
         m[i] = mi;
         v[i] = vi;
-        param_sq += p * p;
-        update_sq += u * u;
+        param_sq = __fmaf_rn(p, p, param_sq);
+        update_sq = __fmaf_rn(u, u, update_sq);
       };
       // As update_chunk: the grad pack is unscaled (and stored back) before the rest is loaded.
       const auto pack = [&](int i) {
@@ -99,8 +100,8 @@ struct LambMomentsFunctor {
 #pragma unroll
         for (int j = 0; j < kPack; ++j) {
           const float u = lamb_moments(g[j], pp.v[j], mm.v[j], vv.v[j], step);
-          param_sq += pp.v[j] * pp.v[j];
-          update_sq += u * u;
+          param_sq = __fmaf_rn(pp.v[j], pp.v[j], param_sq);
+          update_sq = __fmaf_rn(u, u, update_sq);
         }
         *reinterpret_cast<F4*>(m + i) = mm;
         *reinterpret_cast<F4*>(v + i) = vv;
