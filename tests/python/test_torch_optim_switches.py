@@ -4,9 +4,11 @@ ampfuse's drop-in, and what torch refuses, ampfuse refuses.
 - Every keyword of the installed torch class's signature is accepted by the drop-in, so
   ``torch.optim.AdamW(params, lr=3e-4, fused=True)`` (nanoGPT's `configure_optimizers`, the HF
   Trainer's `adamw_torch_fused`) becomes ``FusedAdamW(..., fused=True)`` and nothing else.
-- torch's implementation switches: None and True for foreach/fused run the fused step, the same
-  numbers as without them; False and differentiable=True are refused with a message naming the
-  torch class that does them, also when they come in a group given to add_param_group.
+- torch's implementation switches: every foreach/fused pair torch accepts (torchtitan passes
+  both, as bools, for each of its "fused", "foreach" and "for-loop" settings) runs the fused
+  step, the same numbers as without them; what torch refuses (both True, a non-bool) and
+  differentiable=True are refused with a message naming the torch class, also when they come
+  in a group given to add_param_group.
 - FusedAdam takes torch.optim.Adam's decoupled_weight_decay beside apex's adam_w_mode.
 - torch's own error inputs (``optim_error_inputs_func_*`` in
   torch.testing._internal.common_optimizers, the list torch's test_optim.py checks its
@@ -63,11 +65,15 @@ def test_every_keyword_of_torchs_signature_is_accepted(name):
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
-@pytest.mark.parametrize("switches", [{"fused": True}, {"foreach": True}, {"fused": None},
-                                      {"foreach": None, "differentiable": False}],
-                         ids=["fused", "foreach", "fused-none", "foreach-none"])
+@pytest.mark.parametrize("switches", [
+    {"fused": True}, {"foreach": True}, {"fused": None}, {"foreach": None, "differentiable": False},
+    # torchtitan's build_optimizers, for implementation = "fused", "foreach" and "for-loop".
+    {"fused": True, "foreach": False}, {"fused": False, "foreach": True},
+    {"fused": False, "foreach": False},
+], ids=["fused", "foreach", "fused-none", "foreach-none", "titan-fused", "titan-foreach",
+        "titan-for-loop"])
 def test_accepted_switches_step_as_torch_does(name, switches):
-    """The switch torch was given goes to both: torch runs its fused or foreach kernels, ours
+    """The switches torch was given go to both: torch runs the implementation they pick, ours
     its fused step, and the two agree as in test_torch_optim_inputs."""
     torch_cls, fused_cls = PAIRS[name]
     params = make_params(SHAPES, torch.float32, "cpu")
@@ -82,35 +88,33 @@ def test_accepted_switches_step_as_torch_does(name, switches):
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_switches_change_nothing_in_the_fused_step(name):
-    """fused=True is the same step, bit for bit, as no switch at all."""
+    """Any switches torch accepts give the same step, bit for bit, as none at all."""
     fused_cls = PAIRS[name][1]
-    params = make_params(SHAPES, torch.float32, "cpu")
-    plain_params = clone_params(params)
-    with_switch = fused_cls(params, lr=0.01, fused=True)
-    plain = fused_cls(plain_params, lr=0.01)
-    run_both(with_switch, plain, params, plain_params, STEPS)
-    for p, q in zip(params, plain_params):
-        assert torch.equal(p, q)
-    assert with_switch.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    for switches in ({"fused": True, "foreach": False}, {"fused": False, "foreach": False}):
+        params = make_params(SHAPES, torch.float32, "cpu")
+        plain_params = clone_params(params)
+        with_switches = fused_cls(params, lr=0.01, **switches)
+        plain = fused_cls(plain_params, lr=0.01)
+        run_both(with_switches, plain, params, plain_params, STEPS)
+        for p, q in zip(params, plain_params):
+            assert torch.equal(p, q), switches
+        assert with_switches.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
 @pytest.mark.parametrize("switches, patterns", [
-    ({"fused": False}, [r"fused=False", r"Drop fused", r"torch\.optim\."]),
-    ({"foreach": False}, [r"foreach=False", r"Drop foreach", r"torch\.optim\."]),
     ({"fused": True, "foreach": True}, [r"foreach=True and fused=True", r"at most one"]),
     ({"differentiable": True}, [r"differentiable=True", r"differentiable=True\) for that"]),
     ({"fused": "yes"}, [r"fused='yes'", r"None, True or False"]),
     ({"foreach": 1}, [r"foreach=1", r"None, True or False"]),
     ({"differentiable": None}, [r"differentiable=None", r"True or False"]),
-], ids=["fused-false", "foreach-false", "both", "differentiable", "fused-str", "foreach-int",
-        "differentiable-none"])
+], ids=["both", "differentiable", "fused-str", "foreach-int", "differentiable-none"])
 def test_switches_a_fused_step_cannot_honour_are_refused(name, switches, patterns):
     torch_name = PAIRS[name][0].__name__
     params = make_params(SHAPES[:2], torch.float32, "cpu")
     with raises_naming(*patterns, DROP_INS[name].__name__):
         PAIRS[name][1](params, lr=0.01, **switches)
-    if switches in ({"fused": False}, {"differentiable": True}):
+    if switches in ({"fused": True, "foreach": True}, {"differentiable": True}):
         with raises_naming(rf"torch\.optim\.{torch_name}\b"):
             PAIRS[name][1](params, lr=0.01, **switches)
 
@@ -120,8 +124,8 @@ def test_a_group_with_a_refused_switch_is_not_added(name):
     params = make_params(SHAPES[:3], torch.float32, "cpu")
     optimizer = PAIRS[name][1](params[:2], lr=0.01)
     before = copy.deepcopy(optimizer.state_dict())
-    with raises_naming(r"param_groups\[1\]", r"fused=False"):
-        optimizer.add_param_group({"params": [params[2]], "fused": False})
+    with raises_naming(r"param_groups\[1\]", r"differentiable=True"):
+        optimizer.add_param_group({"params": [params[2]], "differentiable": True})
     assert len(optimizer.param_groups) == 1
     assert optimizer.state_dict() == before
     # torch's accepted values are fine in a group; state_dict() writes torch's defaults.
@@ -158,8 +162,8 @@ def test_adagrads_positional_foreach():
     params = make_params(SHAPES[:2], torch.float32, "cpu")
     optimizer = FusedAdagrad(params, 0.1, 0.0, 0.0, 0.0, 1e-10, True)
     assert optimizer.param_groups[0]["eps"] == 1e-10
-    with raises_naming(r"foreach=False"):
-        FusedAdagrad(params, 0.1, 0.0, 0.0, 0.0, 1e-10, False)
+    with raises_naming(r"foreach='yes'"):
+        FusedAdagrad(params, 0.1, 0.0, 0.0, 0.0, 1e-10, "yes")
 
 
 def _error_cases():

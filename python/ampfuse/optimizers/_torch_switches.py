@@ -3,12 +3,15 @@ that stand in for a torch.optim class, so that a constructor call written for to
 unchanged: ``torch.optim.AdamW(params, lr=3e-4, fused=True)`` becomes
 ``FusedAdamW(params, lr=3e-4, fused=True)`` and nothing else.
 
-These switches choose how torch runs the same math, not what the math is. None leaves the
-choice to the optimizer, and True asks for a multi-tensor step: the fused step is one, so both
-are accepted. False asks torch for a step that is not fused (fused=False) or that goes one tensor
-at a time (foreach=False), and differentiable=True for a step autograd can see through; a fused
-optimizer does none of these, so they are refused, naming the torch class that does them, rather
-than quietly running the fused step instead. None of them is kept in the param groups:
+foreach and fused choose which of torch's implementations runs the same math (one tensor at a
+time, multi-tensor kernels, or one fused kernel); the drop-in has one implementation, the fused
+step, and runs it for every value torch accepts. That is what a config written for torch
+expects: torchtitan, for one, passes fused=True with foreach=False, or fused=False with
+foreach=True, and a user who turned torch's fused kernel off for its own reasons chose the fused
+step by choosing this class. Values torch refuses are refused here too: anything but None, True
+or False, and foreach=True with fused=True. differentiable=True changes what the step is (one
+autograd can see through), which a fused step updating params in place cannot be, so it is
+refused naming the torch class that does it. None of them is kept in the param groups:
 state_dict() writes torch's defaults for them (_TORCH_GROUP_KEYS), whatever was passed here.
 """
 
@@ -18,19 +21,13 @@ IMPLEMENTATION_SWITCHES = ("foreach", "fused", "differentiable")
 
 
 def check_implementation_switches(name, torch_class, foreach, fused, differentiable):
-    """Refuses the switch values a fused optimizer cannot honour; `name` is the optimizer's class
-    name and `torch_class` the torch.optim class it stands in for, as the messages name them."""
+    """Refuses the switch values torch refuses, and differentiable=True; `name` is the
+    optimizer's class name and `torch_class` the torch.optim class it stands in for, as the
+    messages name them."""
     for key, value in (("foreach", foreach), ("fused", fused)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(
                 f"{name}: {key}={value!r}; it must be None, True or False, as in {torch_class}."
-            )
-        if value is False:
-            raise ValueError(
-                f"{name}: {key}=False asks for {torch_class}'s step without "
-                f"{'multi-tensor kernels' if key == 'foreach' else 'its fused kernel'}, but "
-                f"{name} always runs one fused step per param group and device. Drop {key} "
-                f"(None and True are accepted), or use {torch_class} itself for that step."
             )
     if foreach and fused:
         raise ValueError(

@@ -29,8 +29,8 @@ class FusedAdagrad(FusedOptimizer):
             masters), False updates params in place.
         set_grad_none, write_unscaled_grads, skip_nonfinite: as in FusedAdam.
         foreach, fused, differentiable: torch.optim.Adagrad's implementation switches (foreach
-            in torch's seventh place), as in FusedAdam: None or True accepted; False and
-            differentiable=True refused.
+            in torch's seventh place), as in FusedAdam: the fused step runs whatever foreach and
+            fused say; differentiable=True is refused.
 
     The sums are fp32 whatever the params' dtype, also in state_dict(), which has torch's
     layout ('sum' and 'step' per param): torch.optim.Adagrad loads it and the other way round.

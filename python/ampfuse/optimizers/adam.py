@@ -45,9 +45,10 @@ class FusedAdam(FusedOptimizer):
             switch: pass either. A torch.optim.Adam call with weight decay and neither keyword
             therefore gets AdamW here; pass decoupled_weight_decay=False for torch's Adam.
         foreach, fused, differentiable: torch.optim's implementation switches, accepted so
-            that a call written for torch's class runs unchanged: None or True for foreach and
-            fused (the step is fused either way); False, and differentiable=True, ask for what
-            a fused step does not do and are refused.
+            that a call written for torch's class runs unchanged. foreach and fused pick among
+            torch's implementations of the same math; the fused step runs for every value torch
+            accepts (not both True). differentiable=True is refused: autograd cannot see
+            through a fused in-place step.
         bias_correction: divide by 1 - beta^t as Adam does; False leaves the moments uncorrected.
         master_weights: how low-precision params keep the bits of their updates. True: an
             fp32 master of every fp16/bf16 param in the optimizer state ('master_param'),

@@ -43,7 +43,8 @@ class FusedSGD(FusedOptimizer):
             on the device; see FusedAdam (None checks fp16/bf16 groups when no loss scaler
             drives the step). `last_step_skipped` and get_skipped_steps() as in FusedAdam.
         foreach, fused, differentiable: torch.optim.SGD's implementation switches, as in
-            FusedAdam (None or True accepted; False and differentiable=True refused).
+            FusedAdam (the fused step runs whatever foreach and fused say; differentiable=True
+            is refused).
 
     Momentum buffers are fp32 whatever the params' dtype, also in state_dict(). The optimizer
     keeps one device-side step count per group and device (the op needs it to tell the first
