@@ -157,6 +157,14 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
                 f"ampfuse.GradScaler: attribute_overflow must be True or False, got "
                 f"{attribute_overflow!r}."
             )
+        if not isinstance(device, (str, torch.device)):
+            # torch.cuda.amp.GradScaler (and torch.cpu.amp's) took init_scale first.
+            raise TypeError(
+                f"ampfuse.GradScaler: device={device!r} is not a device. Like "
+                "torch.amp.GradScaler, it takes the device first: GradScaler('cuda', "
+                f"init_scale={device!r}); torch.cuda.amp.GradScaler's first argument was "
+                "init_scale."
+            )
         self._device = torch.device(device).type
         self._enabled = bool(enabled)
         if self._enabled and self._device == "cuda" and not torch.cuda.is_available():

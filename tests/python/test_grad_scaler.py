@@ -648,6 +648,14 @@ def test_bad_constructor_arguments(kwargs, pattern):
     GradScaler("cpu", enabled=False, **kwargs)  # not checked when disabled, as in torch
 
 
+def test_init_scale_in_the_device_place_is_named():
+    """torch.cuda.amp.GradScaler(65536.0) moved to torch.amp's signature (device first)."""
+    with pytest.raises(TypeError, match=r"device=65536\.0 is not a device.*init_scale"):
+        GradScaler(65536.0)
+    with pytest.raises(TypeError, match=r"device=None"):
+        GradScaler(None)
+
+
 def test_bad_setters_and_new_scale(setup):
     param, opt, scaler = setup
     with raises_naming("growth_factor"):
