@@ -151,6 +151,31 @@ def test_missing_apex_modules_name_the_replacement(no_apex):
     except ImportError:
         probed = False
     assert not probed
+    # Under the alias's module-file packages too, not Python's "is not a package".
+    for name in ("apex.optimizers.fused_foo", "apex.fp16_utils.foo",
+                 "apex.multi_tensor_apply.foo", "apex.contrib.optimizers.foo"):
+        with pytest.raises(ModuleNotFoundError, match="compatibility alias") as info:
+            importlib.import_module(name)
+        assert info.value.name == name
+    with pytest.raises(ModuleNotFoundError, match="torchrun"):
+        import apex.parallel.multiproc  # noqa: F401
+
+
+def test_apex_parallel_submodules_resolve_to_the_alias(no_apex):
+    """NVIDIA's BERT scripts import flat_dist_call from apex.parallel.distributed; others take
+    SyncBatchNorm from where apex defined it."""
+    install_apex_alias()
+    from apex.parallel import Reducer
+    from apex.parallel.distributed import DistributedDataParallel, flat_dist_call
+    from apex.parallel.optimized_sync_batchnorm import SyncBatchNorm as Optimized
+    from apex.parallel.sync_batchnorm import SyncBatchNorm
+
+    import apex.parallel
+    assert DistributedDataParallel is apex.parallel.DistributedDataParallel
+    assert SyncBatchNorm is Optimized is apex.parallel.SyncBatchNorm
+    assert callable(flat_dist_call) and Reducer is apex.parallel.distributed.Reducer
+    assert uninstall_apex_alias() is True
+    assert "apex.parallel.distributed" not in sys.modules
 
 
 def test_refuses_a_real_apex_on_the_path_and_changes_nothing(no_apex, tmp_path, monkeypatch):

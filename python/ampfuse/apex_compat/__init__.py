@@ -6,9 +6,10 @@ Training libraries import apex in their own files (``from apex import amp``,
 
 * In one process: call ``ampfuse.apex_compat.install_apex_alias()`` before the library imports
   apex. The names ``apex``, ``apex.amp`` (ampfuse.amp itself), ``apex.amp._amp_state``,
-  ``apex.optimizers``, ``apex.parallel``, ``apex.parallel.LARC``, ``apex.normalization`` and
-  ``apex.normalization.fused_layer_norm`` are entered in ``sys.modules``; other ``apex.*``
-  modules fail to import with a message that names the replacement.
+  ``apex.optimizers``, ``apex.parallel`` (with ``LARC`` and ``distributed``),
+  ``apex.normalization`` and ``apex.normalization.fused_layer_norm``, among others (_MODULES),
+  are entered in ``sys.modules``; other ``apex.*`` modules fail to import with a message that
+  names the replacement.
 * For the whole environment, including libraries that look for apex's package metadata or run
   in worker processes: ``python -m ampfuse.apex_compat install`` (see ``metadata.py``).
 
@@ -56,6 +57,11 @@ _MODULES = {
        for sub in ("fp16_optimizer", "fused_adam", "fused_lamb", "fused_sgd")},
     "apex.parallel": "ampfuse.apex_compat.apex.parallel",
     "apex.parallel.LARC": "ampfuse.apex_compat.apex.parallel.LARC",
+    # flat_dist_call, Reducer and the flatten helpers (NVIDIA's BERT scripts import them).
+    "apex.parallel.distributed": "ampfuse.apex_compat.apex.parallel.distributed",
+    # Where apex defined SyncBatchNorm (with and without its CUDA kernels).
+    **{f"apex.parallel.{sub}": "ampfuse.apex_compat.apex.parallel"
+       for sub in ("sync_batchnorm", "optimized_sync_batchnorm")},
     "apex.normalization": "ampfuse.apex_compat.apex.normalization",
     "apex.normalization.fused_layer_norm":
         "ampfuse.apex_compat.apex.normalization.fused_layer_norm",
@@ -72,6 +78,8 @@ _REPLACEMENTS = {
     "the real apex, or the torch modules they accelerate",
     "apex.transformer": "apex.transformer (Megatron tensor parallelism) has no ampfuse version; "
     "use torch.distributed.tensor.parallel or the real apex",
+    "apex.parallel.multiproc": "start one process per GPU with torchrun "
+    "(python -m torch.distributed.run)",
     "apex.mlp": "use torch.nn.Sequential of Linear layers",
     "apex.fused_dense": "use torch.nn.Linear (torch.compile fuses the bias and activation)",
     "apex.amp.": "ampfuse.amp has apex's public amp API (initialize, scale_loss, master_params, "

@@ -25,6 +25,10 @@ __all__ = [
     "tofp16",
 ]
 
+# A package to the import system, as apex.contrib.optimizers is (see there): an apex submodule
+# the alias lacks then gets the alias's message, not "is not a package".
+__path__ = []
+
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 
+# A package to the import system, as apex.contrib.optimizers is (see there): an apex submodule
+# the alias lacks then gets the alias's message, not "is not a package".
+__path__ = []
+
 
 class MultiTensorApply:
     available = False

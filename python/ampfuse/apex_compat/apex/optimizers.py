@@ -25,6 +25,10 @@ from ampfuse.apex_compat.apex._fp16_optimizer import FP16_Optimizer  # noqa: F40
 __all__ = ["FP16_Optimizer", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb",
            "FusedNovoGrad", "FusedSGD"]
 
+# A package to the import system, as apex.contrib.optimizers is (see there): an apex submodule
+# the alias lacks then gets the alias's message, not "is not a package".
+__path__ = []
+
 
 class FusedAdam(GroupNormClipMixin, _fused.FusedAdam):
     """apex.optimizers.FusedAdam's signature on ampfuse.optimizers.FusedAdam.

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from ampfuse.apex_compat.apex.parallel import LARC  # noqa: F401  (apex.parallel.LARC)
 
-__all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model", "ReduceOp", "LARC"]
+__all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model", "ReduceOp", "LARC",
+           "Reducer"]
 
 ReduceOp = dist.ReduceOp
 
@@ -122,3 +123,8 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
             "apex.parallel.convert_syncbn_model: channel_last=True is not supported by ampfuse's "
             "apex alias; leave it False (NCHW-shaped inputs in any memory format work).")
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+
+
+# apex.parallel.Reducer lives in apex.parallel.distributed, as in apex; that module imports the
+# DistributedDataParallel above, so it comes last.
+from ampfuse.apex_compat.apex.parallel.distributed import Reducer  # noqa: E402
