@@ -5,7 +5,9 @@ difference of 1e-5 (relative to the tensor's largest magnitude, so values crossi
 blow the ratio up). With master_weights the fp32 masters follow torch's fp32 optimizer fed the
 upcast low-precision grads, and the low-precision params equal the masters rounded, bit for bit.
 A skipped step (found_inf) leaves every tensor bit-identical. The helpers at the top are shared
-with test_sgd.py and test_optimizer_state.py.
+with test_sgd.py, test_optimizer_state.py and others. Bad input is tested in
+test_adam_bad_input.py; several devices, CUDA graphs and torch.compile in
+test_adam_graphs_compile.py.
 """
 
 import pytest
