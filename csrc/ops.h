@@ -46,7 +46,8 @@ void fused_adagrad_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        double lr_decay, double weight_decay, double eps,
                        bool decoupled_weight_decay, bool maximize,
                        const c10::optional<at::Tensor>& grad_scale,
-                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
+                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                       c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList master_params,
                     const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
@@ -119,7 +120,8 @@ void fused_adagrad_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
                         bool decoupled_weight_decay, bool maximize,
                         const c10::optional<at::Tensor>& grad_scale,
-                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads);
+                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                        c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList master_params,
                      const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,

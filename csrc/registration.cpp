@@ -56,12 +56,13 @@ TORCH_LIBRARY(ampfuse, m) {
   // Adagrad step (torch.optim.Adagrad's math; decoupled_weight_decay is apex FusedAdagrad's
   // adagrad_w_mode): state_sums += g * g, param -= clr * g / (sqrt(state_sums) + eps) with
   // clr = lr / (1 + step * lr_decay). fp32 sums and optional fp32 masters; grads, step,
-  // found_inf and write_unscaled_grads as for Adam.
+  // found_inf, write_unscaled_grads and the master modes as for Adam.
   m.def(
       "fused_adagrad_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state_sums, "
       "Tensor(d!)[] master_params, Tensor(e!) step, Tensor lr, float lr_decay, "
       "float weight_decay, float eps, bool decoupled_weight_decay, bool maximize, "
-      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False) -> ()");
+      "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False, "
+      "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
   // LAMB step (apex.optimizers.FusedLAMB's math): Adam moments of the grads divided by
   // grad_scale and by the clip max(1, ||grads|| / grad_scale / max_grad_norm), where grad_norm is
   // the global norm of the step's grads as passed (max_grad_norm=0: no clipping, grad_norm

@@ -1,5 +1,5 @@
-// bf16 params updated without an fp32 master (FusedAdam/FusedSGD master_weights="stochastic",
-// "kahan" and "split"): how an update reads the value it starts from and writes its result
+// bf16 params updated without an fp32 master (FusedAdam/FusedSGD/FusedAdagrad master_weights=
+// "stochastic", "kahan" and "split"): how an update reads the value it starts from and writes its result
 // back, written once for the CPU and CUDA kernels. Everything here is integer and bit work on
 // fp32/bf16 patterns (no rounding mode of the FPU is involved), so both give the same bits.
 #pragma once

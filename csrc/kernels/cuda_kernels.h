@@ -68,11 +68,12 @@ void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gra
          SgdStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
 
 // Adagrad (adagrad_math.h); state_sums (fp32) hold each element's running sum of squared
-// grads, masters (fp32) optional; grads, constants and the step count as for adam.
+// grads, masters (fp32) optional or a bf16 mode's extra arrays (`master_mode`); grads,
+// constants and the step count as for adam.
 void adagrad(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
              const std::vector<TensorRef>& state_sums, const std::vector<TensorRef>& masters,
              const AdagradConfig& config, const StepScalars& scalars, bool write_grads,
-             AdagradStep* constants, StreamHandle stream);
+             AdagradStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
 
 // Scratch the lamb launcher needs: lamb_scratch_chunks(params) 64K-element chunks, each with
 // two floats of chunk_sums (its param's and its update's sum of squares) and one int32 of

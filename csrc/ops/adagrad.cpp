@@ -6,6 +6,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "master_args.h"
 #include "optimizer_args.h"
 
 namespace ampfuse::ops {
@@ -14,7 +15,8 @@ namespace {
 constexpr const char* kAdagrad = "fused_adagrad_";
 
 struct AdagradArgs {
-  std::vector<kernels::TensorRef> params, grads, state_sums, masters;
+  std::vector<kernels::TensorRef> params, grads, state_sums;
+  MasterArgs masters;
   kernels::AdagradConfig config;
   kernels::StepScalars scalars;
   bool write_grads;
@@ -27,7 +29,8 @@ AdagradArgs check_adagrad(at::TensorList params, at::TensorList grads, at::Tenso
                           const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
                           bool decoupled_weight_decay, bool maximize,
                           const c10::optional<at::Tensor>& grad_scale,
-                          const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                          const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                          c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   TORCH_CHECK(lr_decay >= 0.0, "ampfuse.", kAdagrad, ": lr_decay must be >= 0, got ", lr_decay,
               ".");
   TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kAdagrad, ": weight_decay must be >= 0, got ",
@@ -39,12 +42,10 @@ AdagradArgs check_adagrad(at::TensorList params, at::TensorList grads, at::Tenso
   a.scalars = step_scalars(kAdagrad, step, lr, grad_scale, found_inf, device);
   a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kAdagrad, grads, params, a.write_grads, a.keep_alive, a.copy_back);
-  const auto state = [&](at::TensorList list, const char* name, bool optional) {
-    return companion_refs(kAdagrad, list, name, params, Access::kWrite, /*fp32_only=*/true,
-                          optional, a.keep_alive);
-  };
-  a.state_sums = state(state_sums, "state_sums", false);
-  a.masters = state(master_params, "master_params", /*optional=*/true);
+  a.state_sums = companion_refs(kAdagrad, state_sums, "state_sums", params, Access::kWrite,
+                                /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
+  a.masters = master_args(kAdagrad, master_mode, params, master_params, param_ids, seed,
+                          a.keep_alive);
   a.config = {lr_decay, weight_decay, eps, decoupled_weight_decay, maximize};
   return a;
 }
@@ -56,11 +57,12 @@ void fused_adagrad_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        double lr_decay, double weight_decay, double eps,
                        bool decoupled_weight_decay, bool maximize,
                        const c10::optional<at::Tensor>& grad_scale,
-                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                       c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const AdagradArgs a =
       check_adagrad(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
                     eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
-                    write_unscaled_grads);
+                    write_unscaled_grads, master_mode, param_ids, seed);
   if (cpu_step_skipped(a.scalars)) return;
   const kernels::AdagradStep adagrad_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
@@ -68,10 +70,19 @@ void fused_adagrad_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
+    if (a.masters.is_bf16_mode()) {
+      kernels::cpu::adagrad_bf16_span(
+          static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+          a.masters.span(span, adagrad_step.steps_taken), element_ptr(grad, span.offset),
+          grad.dtype, a.write_grads, optional_fp32_ptr(a.state_sums, span), span.size,
+          adagrad_step);
+      return;
+    }
     kernels::cpu::adagrad_span(element_ptr(param, span.offset), param.dtype,
                                element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                                optional_fp32_ptr(a.state_sums, span),
-                               optional_fp32_ptr(a.masters, span), span.size, adagrad_step);
+                               optional_fp32_ptr(a.masters.list, span), span.size,
+                               adagrad_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -83,18 +94,19 @@ void fused_adagrad_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
                         bool decoupled_weight_decay, bool maximize,
                         const c10::optional<at::Tensor>& grad_scale,
-                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads) {
+                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                        c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const AdagradArgs a =
       check_adagrad(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
                     eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
-                    write_unscaled_grads);
+                    write_unscaled_grads, master_mode, param_ids, seed);
   check_cuda_step(kAdagrad, step);
   // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::AdagradStep>(step.device());
-  kernels::cuda::adagrad(a.params, a.grads, a.state_sums, a.masters, a.config, a.scalars,
+  kernels::cuda::adagrad(a.params, a.grads, a.state_sums, a.masters.list, a.config, a.scalars,
                          a.write_grads, static_cast<kernels::AdagradStep*>(constants.data_ptr()),
-                         current_stream(step.device()));
+                         current_stream(step.device()), a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif

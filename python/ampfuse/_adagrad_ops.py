@@ -10,6 +10,7 @@ import torch
 from ampfuse._ops import (
     _check_companions,
     _check_list,
+    _check_master_mode,
     _check_step_scalars,
     _dtensor_rules,
     _lr_tensor,
@@ -18,23 +19,25 @@ from ampfuse._ops import (
 
 def fused_adagrad_(params, grads, state_sums, master_params, step, lr, lr_decay=0.0,
                    weight_decay=0.0, eps=1e-10, decoupled_weight_decay=False, maximize=False,
-                   grad_scale=None, found_inf=None, write_unscaled_grads=False) -> None:
+                   grad_scale=None, found_inf=None, write_unscaled_grads=False,
+                   master_mode="fp32", param_ids=(), seed=0) -> None:
     """One Adagrad step over lists, in torch.optim.Adagrad's math (decoupled_weight_decay:
     apex.optimizers.FusedAdagrad's adagrad_w_mode). state_sums are fp32 running sums of squared
-    grads; lr, grad_scale, found_inf and write_unscaled_grads as for fused_adam_."""
+    grads; lr, grad_scale, found_inf, write_unscaled_grads and the master modes (master_mode,
+    param_ids, seed) as for fused_adam_."""
     lr = _lr_tensor(lr, step)
     _dtensor_rules()
     torch.ops.ampfuse.fused_adagrad_(
         list(params), list(grads), list(state_sums), list(master_params), step, lr, lr_decay,
         weight_decay, eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
-        write_unscaled_grads,
+        write_unscaled_grads, master_mode, list(param_ids), seed,
     )
 
 
 @torch.library.register_fake("ampfuse::fused_adagrad_")
 def _adagrad_fake(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
                   eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
-                  write_unscaled_grads=False):
+                  write_unscaled_grads=False, master_mode="fp32", param_ids=(), seed=0):
     op = "fused_adagrad_"
     for name, value in (("lr_decay", lr_decay), ("weight_decay", weight_decay), ("eps", eps)):
         if not value >= 0.0:
@@ -42,5 +45,5 @@ def _adagrad_fake(params, grads, state_sums, master_params, step, lr, lr_decay, 
     device = _check_list(op, "params", params)
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
     _check_companions(op, params, "state_sums", state_sums, fp32_only=True, optional=False)
-    _check_companions(op, params, "master_params", master_params, fp32_only=True, optional=True)
+    _check_master_mode(op, params, master_params, master_mode, param_ids)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)

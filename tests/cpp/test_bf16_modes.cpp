@@ -1,6 +1,6 @@
 // The bf16 master modes (bf16_modes.h) and their CPU span kernels: stochastic rounding's
 // probabilities counted exactly, the split and kahan representations, and split against the
-// fp32-master kernel bit for bit.
+// fp32-master kernel bit for bit (Adam and Adagrad).
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -96,5 +96,47 @@ TEST_CASE("split's masters equal the fp32-master kernel's bit for bit") {
     const float joined = Bf16Param<MasterMode::kSplit>::load(param2[i], low[i]);
     REQUIRE(float_to_bits(joined) == float_to_bits(master[i]));
     REQUIRE(m1[i] == m2[i]);
+  }
+}
+
+// Adagrad (adagrad_bf16_span) with L2 decay and an lr decay, so that the update reads the
+// param and the step count: split must see the joined master. Stochastic's bits follow the
+// element's index, not the span it is stepped in (the op splits params into spans by load).
+TEST_CASE("Adagrad's bf16 spans: split equals the fp32-master kernel; spans do not move bits") {
+  const std::int64_t n = 1000, half = 403;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> master(n), sum1(n, 0.1f), sum2(n, 0.1f), sum3(n, 0.1f), sum4(n, 0.1f);
+  std::vector<std::uint16_t> param1(n), param2(n), low(n, 0), whole(n), parts(n), grad(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    param1[i] = param2[i] = whole[i] = parts[i] = float_to_bf16(dist(rng));
+    master[i] = bf16_to_float(param1[i]);
+  }
+  for (const bool decoupled : {false, true}) {
+    const AdagradConfig config{0.01, 0.01, 1e-10, decoupled, false};
+    for (int t = 0; t < 5; ++t) {
+      for (auto& g : grad) g = float_to_bf16(dist(rng));
+      const AdagradStep step = make_step_constants(config, static_cast<float>(t), 1e-2f, 1.0f);
+      adagrad_span(param1.data(), DType::kBFloat16, grad.data(), DType::kBFloat16, false,
+                   sum1.data(), master.data(), n, step);
+      const Bf16Span split{MasterMode::kSplit, low.data(), {0u, 0u}, 0};
+      adagrad_bf16_span(param2.data(), split, grad.data(), DType::kBFloat16, false, sum2.data(),
+                        n, step);
+      const RoundingKey key = rounding_key(3, static_cast<float>(t), 5);
+      adagrad_bf16_span(whole.data(), {MasterMode::kStochastic, nullptr, key, 0}, grad.data(),
+                        DType::kBFloat16, false, sum3.data(), n, step);
+      adagrad_bf16_span(parts.data(), {MasterMode::kStochastic, nullptr, key, 0}, grad.data(),
+                        DType::kBFloat16, false, sum4.data(), half, step);
+      adagrad_bf16_span(parts.data() + half, {MasterMode::kStochastic, nullptr, key, half},
+                        grad.data() + half, DType::kBFloat16, false, sum4.data() + half,
+                        n - half, step);
+    }
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float joined = Bf16Param<MasterMode::kSplit>::load(param2[i], low[i]);
+    REQUIRE(float_to_bits(joined) == float_to_bits(master[i]));
+    REQUIRE(float_to_bits(sum1[i]) == float_to_bits(sum2[i]));
+    REQUIRE(whole[i] == parts[i]);
+    REQUIRE(float_to_bits(sum3[i]) == float_to_bits(sum4[i]));
   }
 }

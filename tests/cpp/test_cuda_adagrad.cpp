@@ -1,8 +1,8 @@
 // cuda::adagrad against the CPU Adagrad span (adagrad_span), bit for bit: both run the element
 // math of adagrad_math.h and round every operation alike (mul() keeps nvcc from contracting a
 // product into an FMA; the CPU build passes -ffp-contract=off), so from the same constants the
-// GPU's params, masters, sums and written-back grads are the CPU's. And a skipped step writes
-// nothing; the step count advances even over an empty list.
+// GPU's params, masters, sums and written-back grads are the CPU's, also in the bf16 master
+// modes. And a skipped step writes nothing; the step count advances even over an empty list.
 #include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
@@ -162,6 +162,65 @@ TEST_CASE("CUDA Adagrad over an empty list only advances the step count") {
   found.set(1.0f);
   cuda::adagrad(none, none, none, none, kConfigs[0], scalars, false, constants.device, nullptr);
   REQUIRE(step.get() == 8.0f);
+}
+
+// The bf16 master modes: bf16 params, the mode's extra array (kahan compensations, or split's
+// low halves, here any bf16 bit patterns) and, for stochastic, param ids keying the bits. The
+// CPU reference is adagrad_bf16_span with the same key per param.
+TEST_CASE("CUDA Adagrad's bf16 modes are bit-identical to the CPU spans, and skip on overflow") {
+  const std::vector<std::int32_t> ids = {11, 12, 13, 14};
+  for (const MasterMode mode : {MasterMode::kStochastic, MasterMode::kKahan, MasterMode::kSplit}) {
+    INFO("mode " << static_cast<int>(mode));
+    const bool stochastic = mode == MasterMode::kStochastic;
+    Slots slots;
+    slots.emplace_back(new AdagradSlot(DType::kBFloat16, DType::kFloat16, 3 * 65536 + 5, 0, 10));
+    slots.emplace_back(new AdagradSlot(DType::kBFloat16, DType::kFloat32, 65536 + 3, 1, 20));
+    slots.emplace_back(new AdagradSlot(DType::kBFloat16, DType::kBFloat16, 7, 0, 30));
+    slots.emplace_back(new AdagradSlot(DType::kBFloat16, DType::kBFloat16, 0, 0, 40));
+    std::vector<std::unique_ptr<DeviceTensor>> extras;
+    AdagradLists lists(slots, false);
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      extras.emplace_back(new DeviceTensor(DType::kBFloat16, slots[t]->n + slots[t]->offset,
+                                           static_cast<std::uint32_t>(50 + t), -1e-3f, 1e-3f));
+      if (!stochastic) lists.W.push_back(slots[t]->at(*extras[t]));
+    }
+    const MasterListMode how{mode, 9, stochastic ? ids : std::vector<std::int32_t>{}};
+    DeviceScalar<AdagradStep> constants(AdagradStep{});
+    DeviceScalar<float> step(3.0f), lr(kLr), scale(kLossScale), found(0.0f);
+    const StepScalars scalars{step.device, lr.device, scale.device, found.device};
+    cuda::adagrad(lists.P, lists.G, lists.S, lists.W, kConfigs[0], scalars, true,
+                  constants.device, nullptr, how);
+    check(cudaDeviceSynchronize());
+    const AdagradStep used = constants.get();
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      AdagradSlot& s = *slots[t];
+      std::vector<unsigned char> p = s.param.host, g = s.grad.host, sum = s.sum.host,
+                                 x = extras[t]->host;
+      const auto bits = [&](std::vector<unsigned char>& h) {
+        return reinterpret_cast<std::uint16_t*>(s.host_at(h, DType::kBFloat16));
+      };
+      const cpu::Bf16Span span{mode, stochastic ? nullptr : bits(x),
+                               stochastic ? rounding_key(9, 3.0f, ids[t]) : RoundingKey{0u, 0u},
+                               0};
+      cpu::adagrad_bf16_span(bits(p), span, s.host_at(g, s.grad.dtype), s.grad.dtype, true,
+                             reinterpret_cast<float*>(s.host_at(sum, DType::kFloat32)), s.n,
+                             used);
+      INFO("tensor " << t);
+      REQUIRE(s.param.download() == p);
+      REQUIRE(s.grad.download() == g);
+      REQUIRE(s.sum.download() == sum);
+      REQUIRE(extras[t]->download() == x);
+    }
+    std::vector<std::vector<unsigned char>> before = download_slots(slots);
+    for (const auto& e : extras) before.push_back(e->download());
+    found.set(1.0f);
+    cuda::adagrad(lists.P, lists.G, lists.S, lists.W, kConfigs[0], scalars, true,
+                  constants.device, nullptr, how);
+    check(cudaDeviceSynchronize());
+    std::vector<std::vector<unsigned char>> after = download_slots(slots);
+    for (const auto& e : extras) after.push_back(e->download());
+    REQUIRE(after == before);
+  }
 }
 
 // clr = lr / (1 + steps_taken * lr_decay) in double, rounded once, as torch forms it in Python

@@ -181,7 +181,7 @@ BAD_OPTIONS = {
     "lr_decay": ({"lr_decay": -0.1}, ["lr_decay", ">= 0"]),
     "accumulator": ({"initial_accumulator_value": -1.0}, ["initial_accumulator_value"]),
     "eps": ({"eps": -1e-10}, ["eps", ">= 0"]),
-    "kahan": ({"master_weights": "kahan"}, ["master_weights", "FusedAdam"]),
+    "master_weights": ({"master_weights": "Kahan"}, ["master_weights='Kahan'", "'kahan'"]),
     "flag": ({"adagrad_w_mode": 1}, ["adagrad_w_mode", "True or False"]),
     "foreign_key": ({"betas": (0.9, 0.99)}, None),
 }

@@ -1,5 +1,6 @@
-"""FusedAdam/FusedAdamW/FusedSGD with master_weights "stochastic", "kahan" and "split": bf16
-params without fp32 masters (issue 11, part 2). The ops themselves: test_bf16_master_ops.py."""
+"""FusedAdam/FusedAdamW/FusedSGD/FusedAdagrad with master_weights "stochastic", "kahan" and
+"split": bf16 params without fp32 masters (issue 11, part 2). The ops themselves:
+test_bf16_master_ops.py; what is Adagrad's own: test_adagrad_bf16_modes.py."""
 
 import copy
 import io
@@ -7,7 +8,7 @@ import io
 import pytest
 import torch
 
-from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedSGD
+from ampfuse.optimizers import FusedAdagrad, FusedAdam, FusedAdamW, FusedSGD
 from ampfuse.optimizers._precision import EXTRA_BYTES_PER_PARAM, precise_value
 from helpers import raises_naming
 from tolerances import assert_close_report
@@ -38,9 +39,17 @@ def batches(steps, seed=1):
             for _ in range(steps)]
 
 
+KINDS = ["adamw", "sgd", "adagrad"]
+
+
 def make_optimizer(kind, params, mode, lr, **extra):
     if kind == "adamw":
         return FusedAdamW(params, lr=lr, weight_decay=0.0, master_weights=mode, **extra)
+    if kind == "adagrad":
+        # L2 decay and an lr decay, so that the update reads the param and the step count:
+        # split's decay must see the joined master, not the truncated param.
+        return FusedAdagrad(params, lr=lr, master_weights=mode,
+                            **{"weight_decay": 0.01, "lr_decay": 0.01, **extra})
     return FusedSGD(params, lr=lr, momentum=0.9, master_weights=mode, **extra)
 
 
@@ -68,16 +77,18 @@ def linear_model():
 
 
 # Per-step updates of at most 8e-5 (Adam) and 2.5e-4 (SGD with momentum), measured: 1/24 and
-# 1/8 of half a bf16 ulp at these weights, so each one alone rounds away.
-TINY_LR = {"adamw": 8e-5, "sgd": 1.6e-3}
+# 1/8 of half a bf16 ulp at these weights, so each one alone rounds away. Adagrad's steps are at
+# most clr (the first is clr * sign(g)), shrinking as 1 / sqrt(t): all below half an ulp.
+TINY_LR = {"adamw": 8e-5, "sgd": 1.6e-3, "adagrad": 8e-4}
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_updates_below_bf16_resolution(kind):
-    """False stalls; stochastic and kahan follow the fp32-master run; split's masters are True's
-    bit for bit. The loss is linear in the outputs, so the grads do not depend on the weights
-    and every run sees the same ones (split's params are its masters rounded toward zero, which
-    would otherwise change its grads)."""
+    """False stalls; stochastic and kahan follow the fp32-master run; split's masters and the
+    rest of its state (moments, momentum buffers, sums) are True's bit for bit. The loss is
+    linear in the outputs, so the grads do not depend on the weights and every run sees the
+    same ones (split's params are its masters rounded toward zero, which would otherwise change
+    its grads)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
     target = torch.randn(64, 32, generator=gen)
@@ -106,21 +117,28 @@ def test_updates_below_bf16_resolution(kind):
     def distance(mode):
         return sum((v - r).abs().sum() for v, r in zip(values(*runs[mode]), reference)) / moved
 
-    # Measured (Adam / SGD): stochastic 1.00 / 1.02 along the reference (noisy per element:
-    # distance 0.54 / 0.67), kahan 0.98 / 1.00 (distance 0.02 / 0.01; its compensation has
-    # 8 bits).
+    # Measured (Adam / SGD / Adagrad): stochastic 1.00 / 1.02 / 1.02 along the reference (noisy
+    # per element: distance 0.54 / 0.67 / 0.44), kahan 0.98 / 1.00 / 1.00 (distance 0.02 / 0.01
+    # / 0.0007; its compensation has 8 bits).
     assert 0.9 < along_reference("stochastic") < 1.1
     assert 0.9 < along_reference("kahan") < 1.1 and distance("kahan") < 0.1
 
     split_model, split_opt = runs["split"]
+    true_model, true_opt = runs[True]
     for i, (p, master) in enumerate(zip(split_model.parameters(), reference)):
         assert_close_report(precise_value(p, split_opt.state[p]), master, exact=True,
                             msg=f"split master {i}")
         high = (master.view(torch.int32) >> 16).to(torch.int16)
         assert torch.equal(p.detach().view(torch.int16), high), "param is the master's high half"
+        true_state = true_opt.state[list(true_model.parameters())[i]]
+        shared = [k for k in true_state if k != "master_param" and k in split_opt.state[p]]
+        assert shared, f"param {i}: no state to compare"
+        for key in shared:
+            assert_close_report(split_opt.state[p][key], true_state[key], exact=True,
+                                msg=f"split {key} {i}")
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_stochastic_is_reproducible_and_resumes_bit_for_bit(kind):
     data = batches(6)
     start = make_model()
@@ -163,10 +181,10 @@ def _snapshot(model, optimizer):
     return tensors
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", ALL_MODES, ids=mode_id)
 def test_overflow_skips_every_mode(kind, mode):
-    """A set found_inf writes nothing: params, moments, compensations, low halves, step."""
+    """A set found_inf writes nothing: params, moments, sums, compensations, low halves, step."""
     model = make_model()
     optimizer = make_optimizer(kind, model.parameters(), mode, 1e-2)
     data = batches(3)
@@ -190,22 +208,33 @@ def _step_nothing(model, optimizer):
     optimizer.step()
 
 
+# The state besides the param's value, which a checkpoint carries over unchanged.
+KEPT_STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",)}
+
+
+@pytest.mark.parametrize("kind", list(KEPT_STATE))
 @pytest.mark.parametrize("target", ALL_MODES, ids=mode_id)
 @pytest.mark.parametrize("source", ALL_MODES, ids=mode_id)
-def test_checkpoints_convert_between_modes(source, target):
+def test_checkpoints_convert_between_modes(source, target, kind):
     """A checkpoint of any mode loads into any other: the precise value is kept exactly where the
-    target can hold it (True, split), to about 16 bits by kahan, rounded to nearest otherwise."""
+    target can hold it (True, split), to about 16 bits by kahan, rounded to nearest otherwise;
+    the moments (sums) come along unchanged."""
     model = make_model()
-    optimizer = make_optimizer("adamw", model.parameters(), source, 3e-3)
+    optimizer = make_optimizer(kind, model.parameters(), source, 3e-3)
     train(model, optimizer, batches(4))
     saved = [v.clone() for v in values(model, optimizer)]
+    kept = [{k: optimizer.state[p][k].clone() for k in KEPT_STATE[kind]}
+            for p in model.parameters()]
     checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": optimizer.state_dict()})
 
     loaded = make_model(seed=5)
     loaded.load_state_dict(checkpoint["model"])
-    target_opt = make_optimizer("adamw", loaded.parameters(), target, 0.0)
+    target_opt = make_optimizer(kind, loaded.parameters(), target, 0.0)
     target_opt.load_state_dict(checkpoint["opt"])
     assert target_opt.param_groups[0]["master_weights"] == target  # this run's choice stays
+    for i, p in enumerate(loaded.parameters()):
+        for key, value in kept[i].items():
+            assert torch.equal(target_opt.state[p][key], value), f"{key} {i}"
     target_opt.param_groups[0]["lr"] = 0.0
     _step_nothing(loaded, target_opt)
     for i, (p, x) in enumerate(zip(loaded.parameters(), saved)):
@@ -220,7 +249,7 @@ def test_checkpoints_convert_between_modes(source, target):
             assert_close_report(got, x, rtol=2.0**-15, atol=0.0, msg=f"{i}: {source} -> kahan")
         else:
             assert_close_report(p.detach(), x.to(torch.bfloat16), exact=True, msg=f"param {i}")
-            assert state.keys() <= {"step", "exp_avg", "exp_avg_sq"}
+            assert state.keys() <= {"step", *KEPT_STATE[kind]}
 
 
 def test_state_dict_carries_each_mode_state():
@@ -325,15 +354,16 @@ def test_bad_master_weights_values_are_refused():
         optimizer.step()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", BF16_MODES)
-def test_fp16_params_are_refused_by_bf16_modes(mode):
+def test_fp16_params_are_refused_by_bf16_modes(mode, kind):
     fp16 = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
     with raises_naming(r"param_groups\[0\]\['params'\]\[0\]", "torch.float16",
                        "master_weights=True"):
-        FusedAdamW([fp16], master_weights=mode)
+        make_optimizer(kind, [fp16], mode, 0.1)
     # A param made fp16 after the optimizer was built is caught at the step.
     bf16 = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    optimizer = FusedSGD([bf16], lr=0.1, master_weights=mode)
+    optimizer = make_optimizer(kind, [bf16], mode, 0.1)
     bf16.data = bf16.data.half()
     bf16.grad = torch.ones_like(bf16)
     with raises_naming("torch.float16", "bfloat16 params only"):

@@ -89,11 +89,14 @@ struct Bf16Span {
   std::int64_t first_index;
 };
 
-// adam_span and sgd_span for such a param (`param` holds bf16 bits); same grads and state.
+// adam_span, sgd_span and adagrad_span for such a param (`param` holds bf16 bits); same grads
+// and state.
 void adam_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
                     bool write_grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                     std::int64_t n, const AdamStep& step);
 void sgd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
                    bool write_grad, float* momentum_buffer, std::int64_t n, const SgdStep& step);
+void adagrad_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                       bool write_grad, float* sum, std::int64_t n, const AdagradStep& step);
 
 }  // namespace ampfuse::kernels::cpu

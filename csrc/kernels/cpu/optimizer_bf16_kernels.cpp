@@ -1,8 +1,9 @@
-// CPU Adam/AdamW and SGD span kernels for bf16 params without an fp32 master
+// CPU Adam/AdamW, SGD and Adagrad span kernels for bf16 params without an fp32 master
 // (master_weights="stochastic", "kahan" and "split"; bf16_modes.h). The loops are
 // optimizer_variants.h's with the param read and written through Bf16Param<kMode>: the update
-// math is the same optimizer_math.h code. bf16 converts with shifts, so these scalar loops
-// (with their AVX2 clone) vectorize; options that are off are bit selects here (see choose()).
+// math is the same optimizer_math.h / adagrad_math.h code. bf16 converts with shifts, so these
+// scalar loops (with their AVX2 clone) vectorize; options that are off are bit selects here (see
+// choose()).
 #include "../bf16_modes.h"
 #include "cpu_kernels.h"
 #include "optimizer_variants.h"
@@ -71,6 +72,24 @@ AMPFUSE_CPU_CLONES void sgd_bf16_loop(std::uint16_t* __restrict param,
   }
 }
 
+// adagrad_update picks the decoupled form with a branch, which GCC does not vectorize around
+// ("control flow in loop"); fixing the flag at compile time here removes it.
+template <MasterMode kMode, bool kWriteGrad, bool kDecoupled, typename Grad>
+AMPFUSE_CPU_CLONES void adagrad_bf16_loop(std::uint16_t* __restrict param,
+                                          std::uint16_t* __restrict extra, Grad* __restrict grad,
+                                          float* __restrict sum, std::int64_t n,
+                                          const RoundingKey key, std::uint32_t first_lo,
+                                          AdagradStep step) {
+  step.decoupled = kDecoupled;
+  for (std::int64_t i = 0; i < n; ++i) {
+    float g;
+    float p = load_bf16_param_and_grad<kMode, kWriteGrad>(param, extra, grad, i,
+                                                           step.grad_scale, g);
+    adagrad_update(p, g, sum[i], step);
+    store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
+  }
+}
+
 // Calls f(mode, typed grad, write_grad) for one span.
 template <typename F>
 void with_bf16_span_types(const Bf16Span& bf16, void* grad, DType grad_dtype, bool write_grad,
@@ -104,6 +123,17 @@ void sgd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType
     with_flag(momentum_buffer != nullptr, [&](auto has_momentum) {
       sgd_bf16_loop<decltype(mode)::value, write, has_momentum>(
           param, bf16.extra, g, momentum_buffer, n, chunk_key(bf16.key, bf16.first_index),
+          static_cast<std::uint32_t>(bf16.first_index), step);
+    });
+  });
+}
+
+void adagrad_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                       bool write_grad, float* sum, std::int64_t n, const AdagradStep& step) {
+  with_bf16_span_types(bf16, grad, grad_dtype, write_grad, [&](auto mode, auto* g, auto write) {
+    with_flag(step.decoupled, [&](auto decoupled) {
+      adagrad_bf16_loop<decltype(mode)::value, write, decoupled>(
+          param, bf16.extra, g, sum, n, chunk_key(bf16.key, bf16.first_index),
           static_cast<std::uint32_t>(bf16.first_index), step);
     });
   });

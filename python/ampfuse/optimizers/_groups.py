@@ -127,7 +127,7 @@ class ParamGroupsMixin:
                 f"{type(self).__name__}: param_groups[{index}] has "
                 f"master_weights={group['master_weights']!r}; {type(self).__name__} takes True "
                 "(fp32 masters) or False. The bf16 modes ('stochastic', 'kahan', 'split') are "
-                "FusedAdam's and FusedSGD's."
+                "FusedAdam's, FusedSGD's and FusedAdagrad's."
             )
 
     def _check_nonnegative(self, index, group, key):

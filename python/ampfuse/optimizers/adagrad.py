@@ -1,6 +1,6 @@
 """FusedAdagrad: torch.optim.Adagrad's update (and apex FusedAdagrad's decoupled mode) over whole
-param lists in one op call per device, with optional fp32 master weights, on top of
-torch.ops.ampfuse.fused_adagrad_."""
+param lists in one op call per device, with optional fp32 master weights or bf16 params without
+them, on top of torch.ops.ampfuse.fused_adagrad_."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ class FusedAdagrad(FusedOptimizer):
             lr_decay)).
         adagrad_w_mode: apex FusedAdagrad's option: the decay moves out of the adaptive step,
             param -= clr * (g / (sqrt(sum) + eps) + weight_decay * param), AdamW-style.
-        master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
-            masters), False updates params in place.
+        master_weights: True (fp32 masters), False, "stochastic", "kahan" or "split", as in
+            FusedAdam. The bf16 modes suit large bf16 embedding tables, where fp32 masters would
+            double the params' memory: "split" (2 bytes per param) gives exactly True's
+            masters, "stochastic" (0 bytes) and "kahan" (2 bytes) follow them closely.
+        rounding_seed: the seed of master_weights="stochastic", as in FusedAdam.
         set_grad_none, write_unscaled_grads, skip_nonfinite: as in FusedAdam.
         foreach, fused, differentiable: torch.optim.Adagrad's implementation switches (foreach
             in torch's seventh place), as in FusedAdam: the fused step runs whatever foreach and
@@ -34,6 +37,8 @@ class FusedAdagrad(FusedOptimizer):
 
     The sums are fp32 whatever the params' dtype, also in state_dict(), which has torch's
     layout ('sum' and 'step' per param): torch.optim.Adagrad loads it and the other way round.
+    The saved 'step' also keys master_weights="stochastic"'s random bits, so a resumed run
+    draws the same ones.
     An apex FusedAdagrad checkpoint (a 'sum' per param, no step) loads too. GradScaler and
     grad_scale/found_inf work as for FusedAdam; like torch.optim.Adagrad, step() may be captured
     in a CUDA graph.
@@ -60,6 +65,7 @@ class FusedAdagrad(FusedOptimizer):
         set_grad_none=True,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        rounding_seed=0,
         fused=None,
         differentiable=False,
     ):
@@ -76,6 +82,7 @@ class FusedAdagrad(FusedOptimizer):
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
+            "rounding_seed": rounding_seed,
         }
         super().__init__(params, defaults, set_grad_none)
 
@@ -85,7 +92,6 @@ class FusedAdagrad(FusedOptimizer):
             check_flag(self, index, group, key)
         for key in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
             self._check_nonnegative(index, group, key)
-        self._check_fp32_masters_only(index, group)
 
     def _state_keys(self, group):
         return ("sum",)
@@ -112,6 +118,7 @@ class FusedAdagrad(FusedOptimizer):
             grad_scale,
             found_inf,
             write_unscaled_grads=bool(group["write_unscaled_grads"]),
+            **call.master_args(group),
         )
 
     def _export_state(self, group, state, step_value):
