@@ -89,6 +89,21 @@ def test_standalone_benchmarks_run(tmp_path):
     assert all(r["first_min_ms"] > 0 and r["second_min_ms"] > 0 for r in rows), rows
 
 
+def test_bench_master_modes_runs_for_adagrad(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_master_modes.py"), "--optimizer",
+         "adagrad", "--total-elements", "2e4", "--repeats", "2", "--json",
+         str(tmp_path / "modes.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "modes.json").read_text())["results"]
+    assert {r["optimizer"] for r in rows} == {"FusedAdagrad"}
+    assert [r["mode"] for r in rows] == ["True", "False", "stochastic", "kahan", "split"]
+    assert all(r["mode_min_ms"] > 0 for r in rows), rows
+
+
 def test_bench_lamb_runs_and_compares_with_torch(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
     result = subprocess.run(
