@@ -1,4 +1,4 @@
-// The master_params list of fused_adam_ and fused_sgd_ under each master_mode (see
+// The master_params list of fused_adam_, fused_sgd_ and fused_lamb_ under each master_mode (see
 // kernels/bf16_modes.h): its checks, and what the CPU spans need to run a bf16 mode.
 #pragma once
 
