@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedSGD
+from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
 from ampfuse.optimizers._precision import EXTRA_BYTES_PER_PARAM, precise_value
 from helpers import raises_naming
 from tolerances import assert_close_report
@@ -39,6 +39,8 @@ def batches(steps, seed=1):
 
 
 def make_optimizer(kind, params, mode, lr, **extra):
+    if kind == "lamb":  # test_lamb_bf16_modes.py runs the tests below on FusedLAMB too
+        return FusedLAMB(params, lr=lr, weight_decay=0.01, master_weights=mode, **extra)
     if kind == "adamw":
         return FusedAdamW(params, lr=lr, weight_decay=0.0, master_weights=mode, **extra)
     return FusedSGD(params, lr=lr, momentum=0.9, master_weights=mode, **extra)
@@ -67,9 +69,10 @@ def linear_model():
     return model.to(torch.bfloat16)
 
 
-# Per-step updates of at most 8e-5 (Adam) and 2.5e-4 (SGD with momentum), measured: 1/24 and
-# 1/8 of half a bf16 ulp at these weights, so each one alone rounds away.
-TINY_LR = {"adamw": 8e-5, "sgd": 1.6e-3}
+# Per-step updates of at most 8e-5 (Adam), 2.5e-4 (SGD with momentum) and 7.7e-5 (LAMB, about
+# lr * ||p|| / ||update||), measured: 1/24, 1/8 and 1/25 of half a bf16 ulp at these weights,
+# so each one alone rounds away.
+TINY_LR = {"adamw": 8e-5, "sgd": 1.6e-3, "lamb": 1e-4}
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
@@ -106,9 +109,9 @@ def test_updates_below_bf16_resolution(kind):
     def distance(mode):
         return sum((v - r).abs().sum() for v, r in zip(values(*runs[mode]), reference)) / moved
 
-    # Measured (Adam / SGD): stochastic 1.00 / 1.02 along the reference (noisy per element:
-    # distance 0.54 / 0.67), kahan 0.98 / 1.00 (distance 0.02 / 0.01; its compensation has
-    # 8 bits).
+    # Measured (Adam / SGD / LAMB): stochastic 1.00 / 1.02 / 1.00 along the reference (noisy
+    # per element: distance 0.54 / 0.67 / 0.55), kahan 0.98 / 1.00 / 1.00 (distance 0.02 /
+    # 0.01 / 0.006; its compensation has 8 bits).
     assert 0.9 < along_reference("stochastic") < 1.1
     assert 0.9 < along_reference("kahan") < 1.1 and distance("kahan") < 0.1
 
