@@ -56,7 +56,8 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& grad_norm,
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part);
+                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                         at::TensorList norm_avgs, at::TensorList master_params,
                         const at::Tensor& step, const at::Tensor& lr, double beta1,
@@ -130,7 +131,8 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      const c10::optional<at::Tensor>& grad_norm,
                      const c10::optional<at::Tensor>& grad_scale,
                      const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part);
+                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed);
 void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                          at::TensorList norm_avgs, at::TensorList master_params,
                          const at::Tensor& step, const at::Tensor& lr, double beta1,

@@ -67,8 +67,9 @@ TORCH_LIBRARY(ampfuse, m) {
   // grad_scale and by the clip max(1, ||grads|| / grad_scale / max_grad_norm), where grad_norm is
   // the global norm of the step's grads as passed (max_grad_norm=0: no clipping, grad_norm
   // unused); each param moves by lr * ||param|| / ||update|| (the trust ratio; plain lr without
-  // weight decay unless use_nvlamb). fp32 moments and optional fp32 masters; grads, step,
-  // found_inf and write_unscaled_grads as for Adam. part="moments" runs the first pass alone
+  // weight decay unless use_nvlamb). fp32 moments; master_params, master_mode, param_ids and
+  // seed (fp32 masters or bf16 params without them), grads, step, found_inf and
+  // write_unscaled_grads as for Adam. part="moments" runs the first pass alone
   // and leaves each tensor's sums of squares of param and update in tensor_sums (float64
   // [n, 2]); part="apply" takes them from there for the second pass and advances step; a
   // sharded (FSDP2) step adds them over the shards in between.
@@ -78,7 +79,8 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
       "bool bias_correction, bool grad_averaging, bool use_nvlamb, float max_grad_norm, "
       "Tensor? grad_norm, Tensor? grad_scale, Tensor? found_inf, "
-      "bool write_unscaled_grads=False, Tensor(h!)? tensor_sums=None, str part=\"both\") -> ()");
+      "bool write_unscaled_grads=False, Tensor(h!)? tensor_sums=None, str part=\"both\", "
+      "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()");
   // NovoGrad step (apex.optimizers.FusedNovoGrad's math): each param keeps one running norm
   // of its grads in norm_avgs (a one-element float32 tensor: L2 norms blend as
   // sqrt(beta2 * avg^2 + (1 - beta2) * ||g||^2), max norms (norm_type=0) linearly), starting

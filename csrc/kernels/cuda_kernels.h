@@ -94,13 +94,15 @@ std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params);
 // (param) and tensor_sums[2t + 1] (update); kApply reads them there instead of running the first
 // pass (grads, chunk_sums and chunk_owner are not read; grad_norm may be null), forms the
 // ratios, runs the second pass and advances the count. kBoth also writes tensor_sums when it is
-// not null.
+// not null. master_mode and masters as for adam: in a bf16 mode both passes read the value
+// the mode holds, and only the second writes the params (and their compensations or low halves).
 void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
           const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
           const std::vector<TensorRef>& masters, const LambConfig& config,
           const StepScalars& scalars, const float* grad_norm, bool write_grads,
           LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream, LambPart part = LambPart::kBoth, double* tensor_sums = nullptr);
+          StreamHandle stream, LambPart part = LambPart::kBoth, double* tensor_sums = nullptr,
+          const MasterListMode& master_mode = {});
 
 // Scratch the novograd launcher needs: novograd_scratch_chunks(params) 64K-element chunks, each
 // with one float of chunk_partials (its grads' sum of squares, or max |g|) and one int32 of

@@ -16,6 +16,10 @@
 // The constants are those of kBoth in either half (the count moves only in the second), so on
 // one device the two halves with tensor_sums passed unchanged are kBoth bit for bit. kBoth also
 // writes tensor_sums when it is not null.
+//
+// bf16 params without fp32 masters (master_mode "stochastic", "kahan", "split"; bf16_modes.h):
+// both passes read the value the mode holds, so the trust ratio's ||param|| is that value's
+// norm, and only the second pass writes the param (and its compensation or low half).
 #include <algorithm>
 #include <stdexcept>
 
@@ -24,10 +28,13 @@
 namespace ampfuse::kernels::cuda {
 namespace {
 
-// First pass lists: 0 params, 1 grads, 2 exp_avgs, 3 exp_avg_sqs, 4 masters (params if none).
+// First pass lists: 0 params, 1 grads, 2 exp_avgs, 3 exp_avg_sqs, 4 masters (params if none):
+// fp32 masters, or in a bf16 mode the compensations or low halves (nothing in kStochastic).
 constexpr int kLambMomentsDepth = 5;
-// Second pass lists: 0 params, 1 exp_avgs, 2 exp_avg_sqs, 3 masters (params if none).
-constexpr int kLambApplyDepth = 4;
+// Second pass lists: 0 params, 1 exp_avgs, 2 exp_avg_sqs, 3 masters (as in the first pass),
+// 4 each tensor's trust ratio (one float). The ratio comes through the table, as NovoGrad's
+// norm_avgs do, so that list_index is free to carry the param id that keys stochastic rounding.
+constexpr int kLambApplyDepth = 5;
 
 // As step_prologue_kernel, with the grad norm that the clip divisor needs; it is read only
 // when clipping is on (the launcher's caller may pass null otherwise: a 0 norm, no clip, which
@@ -41,75 +48,122 @@ __global__ void lamb_prologue_kernel(LambConfig config, StepScalars scalars,
   if (advance && !step_is_skipped(scalars)) *scalars.step += 1.0f;
 }
 
+// The first pass over one chunk: element i's fp32 param value is load(i), and load_pack(i) that
+// of elements i..i+3 (i a multiple of 4). The walk, and so each thread's order of adding its
+// squares, is the same however the param is held: "split", whose value is the master, gets
+// the fp32 master's chunk sums bit for bit.
+template <bool kWrite, typename Grad, typename Load, typename LoadPack>
+__device__ __forceinline__ void lamb_moments_chunk(Grad* grad, float* m, float* v, int n,
+                                                   bool aligned, const LambStep& step, Load load,
+                                                   LoadPack load_pack, float& param_sq,
+                                                   float& update_sq) {
+  constexpr int kPack = 4;
+  using F4 = Pack<float, kPack>;
+  // A thread adds at most 64K / 512 = 128 squares of each in fp32, each in one FMA, as
+  // l2norm does (and for its reason).
+  const auto element = [&](int i) {
+    const float g = unscaled_grad<kWrite>(grad, i, step.grad_scale);
+    const float p = load(i);
+    float mi = m[i];
+    float vi = v[i];
+    const float u = lamb_moments(g, p, mi, vi, step);
+    m[i] = mi;
+    v[i] = vi;
+    param_sq = __fmaf_rn(p, p, param_sq);
+    update_sq = __fmaf_rn(u, u, update_sq);
+  };
+  // As update_chunk: the grad pack is unscaled (and stored back) before the rest is loaded.
+  const auto pack = [&](int i) {
+    Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
+    float g[kPack];
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), step.grad_scale);
+      if (kWrite) gg.v[j] = DeviceElement<Grad>::store(g[j]);
+    }
+    if (kWrite) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
+    const F4 pp = load_pack(i);
+    F4 mm = *reinterpret_cast<const F4*>(m + i);
+    F4 vv = *reinterpret_cast<const F4*>(v + i);
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      const float u = lamb_moments(g[j], pp.v[j], mm.v[j], vv.v[j], step);
+      param_sq = __fmaf_rn(pp.v[j], pp.v[j], param_sq);
+      update_sq = __fmaf_rn(u, u, update_sq);
+    }
+    *reinterpret_cast<F4*>(m + i) = mm;
+    *reinterpret_cast<F4*>(v + i) = vv;
+  };
+  visit_chunk<kPack>(n, aligned && is_aligned_16(grad) && is_aligned_16(m) && is_aligned_16(v),
+                     pack, element);
+}
+
 // The first pass. Each block leaves its chunk's two sums of squares in
 // chunk_sums[2 * c] (param) and chunk_sums[2 * c + 1] (update), c its chunk's number across the
-// whole call, and the chunk's tensor (its index in the full list) in chunk_owner[c].
+// whole call, and the chunk's tensor (its index in the full list) in chunk_owner[c]. The param
+// is only read.
 struct LambMomentsFunctor {
-  // The default 2 blocks per SM: 56 registers on sm_90, no spills; at 3 (40 registers) ptxas
-  // gives it a stack frame.
+  // The default 2 blocks per SM: 64 registers on sm_90 (62 on sm_80), no spills; the fp32
+  // path alone takes 56, the bf16 modes' branch 62. At 3 (40 registers) ptxas gives it a stack
+  // frame.
   __device__ void operator()(const ChunkTable<kLambMomentsDepth>& table, StepScalars scalars,
                              const LambStep* constants, bool has_master, bool write_grads,
-                             float* chunk_sums, std::int32_t* chunk_owner) const {
+                             MasterMode mode, float* chunk_sums,
+                             std::int32_t* chunk_owner) const {
     if (step_is_skipped(scalars)) return;
     const LambStep step = *constants;
     const BlockChunk chunk = block_chunk(table);
     float* m = fp32_list(table, chunk, 2);
     float* v = fp32_list(table, chunk, 3);
-    const float* master = has_master ? fp32_list(table, chunk, 4) : nullptr;
-    // A thread adds at most 64K / 512 = 128 squares of each in fp32, each in one FMA, as
-    // l2norm does (and for its reason).
     float param_sq = 0.0f;
     float update_sq = 0.0f;
-    with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
-      using Param = std::remove_pointer_t<decltype(param)>;
-      using Grad = std::remove_pointer_t<decltype(grad)>;
-      constexpr bool kWrite = decltype(write)::value;
-      constexpr int kPack = 4;
-      using F4 = Pack<float, kPack>;
-      const auto element = [&](int i) {
-        const float g = unscaled_grad<kWrite>(grad, i, step.grad_scale);
-        const float p = master != nullptr ? master[i] : DeviceElement<Param>::load(param[i]);
-        float mi = m[i];
-        float vi = v[i];
-        const float u = lamb_moments(g, p, mi, vi, step);
-        m[i] = mi;
-        v[i] = vi;
-        param_sq = __fmaf_rn(p, p, param_sq);
-        update_sq = __fmaf_rn(u, u, update_sq);
-      };
-      // As update_chunk: the grad pack is unscaled (and stored back) before the rest is loaded.
-      const auto pack = [&](int i) {
-        Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
-        float g[kPack];
+    if (mode != MasterMode::kFp32) {
+      // The value the mode holds; the stores are the second pass's.
+      with_bf16_chunk(table, chunk, write_grads, mode, [&](auto* grad, auto write, auto kind) {
+        constexpr MasterMode kMode = decltype(kind)::value;
+        constexpr bool kStochastic = kMode == MasterMode::kStochastic;
+        using Bits4 = Pack<std::uint16_t, 4>;
+        const auto* param =
+            static_cast<const std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start;
+        const auto* extra =
+            static_cast<const std::uint16_t*>(table.addresses[4][chunk.slot]) + chunk.start;
+        const auto load = [&](int i) {
+          return Bf16Param<kMode>::load(param[i], kStochastic ? std::uint16_t{0} : extra[i]);
+        };
+        const auto load_pack = [&](int i) {
+          const Bits4 pp = *reinterpret_cast<const Bits4*>(param + i);
+          const Bits4 ee = kStochastic ? Bits4{} : *reinterpret_cast<const Bits4*>(extra + i);
+          Pack<float, 4> out;
 #pragma unroll
-        for (int j = 0; j < kPack; ++j) {
-          g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), step.grad_scale);
-          if (kWrite) gg.v[j] = DeviceElement<Grad>::store(g[j]);
-        }
-        if (kWrite) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
-        F4 pp;
-        if (master != nullptr) {
-          pp = *reinterpret_cast<const F4*>(master + i);
-        } else {
-          const Pack<Param, kPack> raw = *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
+          for (int j = 0; j < 4; ++j) out.v[j] = Bf16Param<kMode>::load(pp.v[j], ee.v[j]);
+          return out;
+        };
+        // The alignment test of the fp32 path with the extra array in the master's place, so
+        // that both walk a chunk alike.
+        const bool aligned = is_aligned_16(param) && (kStochastic || is_aligned_16(extra));
+        lamb_moments_chunk<decltype(write)::value>(grad, m, v, chunk.size, aligned, step, load,
+                                                   load_pack, param_sq, update_sq);
+      });
+    } else {
+      const float* master = has_master ? fp32_list(table, chunk, 4) : nullptr;
+      with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
+        using Param = std::remove_pointer_t<decltype(param)>;
+        const auto load = [&](int i) {
+          return master != nullptr ? master[i] : DeviceElement<Param>::load(param[i]);
+        };
+        const auto load_pack = [&](int i) {
+          if (master != nullptr) return *reinterpret_cast<const Pack<float, 4>*>(master + i);
+          const Pack<Param, 4> raw = *reinterpret_cast<const Pack<Param, 4>*>(param + i);
+          Pack<float, 4> out;
 #pragma unroll
-          for (int j = 0; j < kPack; ++j) pp.v[j] = DeviceElement<Param>::load(raw.v[j]);
-        }
-        F4 mm = *reinterpret_cast<const F4*>(m + i);
-        F4 vv = *reinterpret_cast<const F4*>(v + i);
-#pragma unroll
-        for (int j = 0; j < kPack; ++j) {
-          const float u = lamb_moments(g[j], pp.v[j], mm.v[j], vv.v[j], step);
-          param_sq = __fmaf_rn(pp.v[j], pp.v[j], param_sq);
-          update_sq = __fmaf_rn(u, u, update_sq);
-        }
-        *reinterpret_cast<F4*>(m + i) = mm;
-        *reinterpret_cast<F4*>(v + i) = vv;
-      };
-      const bool aligned = is_aligned_16(param) && is_aligned_16(grad) && is_aligned_16(m) &&
-                           is_aligned_16(v) && (master == nullptr || is_aligned_16(master));
-      visit_chunk<kPack>(chunk.size, aligned, pack, element);
-    });
+          for (int j = 0; j < 4; ++j) out.v[j] = DeviceElement<Param>::load(raw.v[j]);
+          return out;
+        };
+        const bool aligned = is_aligned_16(param) && (master == nullptr || is_aligned_16(master));
+        lamb_moments_chunk<decltype(write)::value>(grad, m, v, chunk.size, aligned, step, load,
+                                                   load_pack, param_sq, update_sq);
+      });
+    }
     param_sq = block_sum(param_sq);
     update_sq = block_sum(update_sq);
     if (threadIdx.x == 0) {
@@ -173,18 +227,31 @@ __global__ void ratios_from_sums_kernel(const double* tensor_sums, std::int64_t 
 }
 
 // The second pass: p -= ratio * update, with the update recomputed from the stored moments;
-// writes the master (when there is one) and the param rounded to its dtype.
+// writes the master (when there is one) and the param rounded to its dtype, or in a bf16 mode
+// the param and its compensation or low half through the mode.
 struct LambApplyFunctor {
-  static constexpr int kMinBlocksPerSm = 3;  // 40 registers, no spills on sm_80 and sm_90
+  // 40 registers on sm_90 (38 on sm_80), no spills.
+  static constexpr int kMinBlocksPerSm = 3;
   __device__ void operator()(const ChunkTable<kLambApplyDepth>& table, StepScalars scalars,
-                             const LambStep* constants, bool has_master,
-                             const float* ratios) const {
+                             const LambStep* constants, bool has_master, MasterMode mode,
+                             std::uint64_t seed) const {
     if (step_is_skipped(scalars)) return;
     const LambStep step = *constants;
     const BlockChunk chunk = block_chunk(table);
-    const float ratio = ratios[table.list_index[chunk.slot]];
+    const float ratio = *static_cast<const float*>(table.addresses[4][chunk.slot]);
     const float* m = fp32_list(table, chunk, 1);
     const float* v = fp32_list(table, chunk, 2);
+    if (mode != MasterMode::kFp32) {
+      // The same step count as the first pass and as fused_adam_'s keys: the bits a param
+      // draws do not depend on which optimizer steps it.
+      with_bf16_mode(mode, [&](auto kind) {
+        visit_bf16_chunk<decltype(kind)::value>(table, chunk, 3, seed, step.steps_taken,
+                                                [&](int i, float& p) {
+                                                  lamb_apply(p, m[i], v[i], ratio, step);
+                                                });
+      });
+      return;
+    }
     float* master = has_master ? fp32_list(table, chunk, 3) : nullptr;
     with_element_type(table.dtypes[0][chunk.slot], [&](auto* type_tag) {
       using Param = std::remove_pointer_t<decltype(type_tag)>;
@@ -233,7 +300,8 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
           const std::vector<TensorRef>& masters, const LambConfig& config,
           const StepScalars& scalars, const float* grad_norm, bool write_grads,
           LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream, LambPart part, double* tensor_sums) {
+          StreamHandle stream, LambPart part, double* tensor_sums,
+          const MasterListMode& master_mode) {
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   const bool moments = part != LambPart::kApply;
   const bool apply = part != LambPart::kMoments;
@@ -250,19 +318,22 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
   // Every tensor of a shard may be empty while the other shards' are not: the sums (zeros)
   // are still written for the all-reduce, and kApply still forms the ratios.
   if (chunks == 0 && tensor_sums == nullptr) return;
-  const bool has_master = !masters.empty();
+  const bool has_master = master_mode.mode == MasterMode::kFp32 && !masters.empty();
   const LambStep* step = constants;
   const auto tensors = static_cast<std::int64_t>(params.size());
 
-  // list_index is each tensor's index in `params` (no ids are given), which is what
-  // chunk_owner, the finishing kernel's blocks, `ratios` and `tensor_sums` are indexed by.
+  // In the first pass list_index is each tensor's index in `params` (no ids are given), which
+  // is what chunk_owner, the finishing kernel's blocks, `ratios` and `tensor_sums` are indexed
+  // by. The second pass reads its ratios through the table; there list_index is the param id
+  // in kStochastic.
   if (moments) {
     if (chunks > 0) {
       const std::vector<TensorRef>* moment_lists[kLambMomentsDepth] = {
           &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
       launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", moment_lists, stream,
                                              LambMomentsFunctor{}, scalars, step, has_master,
-                                             write_grads, chunk_sums, chunk_owner);
+                                             write_grads, master_mode.mode, chunk_sums,
+                                             chunk_owner);
     }
     // Without chunks (kMoments, or kBoth asked for tensor_sums) every block finds none: zeros.
     finish_lamb_kernel<<<static_cast<unsigned>(tensors), kThreadsPerBlock, 0, cuda_stream>>>(
@@ -278,11 +349,16 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
   }
   if (!apply || chunks == 0) return;
 
+  // Each tensor's ratio as a one-element list entry (see kLambApplyDepth).
+  std::vector<TensorRef> ratio_refs;
+  ratio_refs.reserve(params.size());
+  for (std::int64_t t = 0; t < tensors; ++t) ratio_refs.push_back({ratios + t, 1, DType::kFloat32});
   const std::vector<TensorRef>* apply_lists[kLambApplyDepth] = {
-      &params, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
-  launch_multi_tensor<kLambApplyDepth>("fused_lamb_ (apply)", apply_lists, stream,
-                                       LambApplyFunctor{}, scalars, step, has_master,
-                                       static_cast<const float*>(ratios));
+      &params, &exp_avgs, &exp_avg_sqs, or_params(masters, params), &ratio_refs};
+  const bool stochastic = master_mode.mode == MasterMode::kStochastic;
+  launch_multi_tensor_with_ids<kLambApplyDepth>(
+      "fused_lamb_ (apply)", apply_lists, stochastic ? &master_mode.param_ids : nullptr, stream,
+      LambApplyFunctor{}, scalars, step, has_master, master_mode.mode, master_mode.seed);
 }
 
 }  // namespace ampfuse::kernels::cuda

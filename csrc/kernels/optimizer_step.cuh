@@ -156,16 +156,15 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
   visit_chunk<kPack>(n, aligned, pack, element);
 }
 
-// The bf16 modes (bf16_modes.h): update(p, g, s) on every element of a chunk of a bf16 param
-// read and written through Bf16Param<kMode>; `extra` (list `extra_list` of the table) holds
-// the kahan compensations or split low halves, and is not touched in kStochastic, whose random
-// bits are keyed by the param id the launcher put in the table's list_index. One element per
-// access: a pack of 4 bf16s is only 8 bytes, and these modes exist to save memory, not time.
-template <MasterMode kMode, int K, bool kWriteGrad, int Depth, typename Grad, typename Update>
-__device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
-                                  Grad* grad, int extra_list, const ChunkState<K>& state,
-                                  std::uint64_t seed, float steps_taken, float grad_scale,
-                                  Update&& update) {
+// The bf16 modes (bf16_modes.h): f(i, p) on every element i of a chunk of a bf16 param, p its
+// value read through Bf16Param<kMode> and written back so once f changed it. `extra` (list
+// `extra_list` of the table) holds the kahan compensations or split low halves, and is not
+// touched in kStochastic, whose random bits are keyed by the param id the launcher put in the
+// table's list_index. One element per access: a pack of 4 bf16s is only 8 bytes, and these
+// modes exist to save memory, not time.
+template <MasterMode kMode, int Depth, typename F>
+__device__ void visit_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
+                                 int extra_list, std::uint64_t seed, float steps_taken, F&& f) {
   auto* param = static_cast<std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start;
   auto* extra = static_cast<std::uint16_t*>(table.addresses[extra_list][chunk.slot]) + chunk.start;
   const RoundingKey key = chunk_key(
@@ -173,16 +172,28 @@ __device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChu
       chunk.start);
   const auto first_lo = static_cast<std::uint32_t>(chunk.start);
   for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
-    const float g = unscaled_grad<kWriteGrad>(grad, i, grad_scale);
     constexpr bool stochastic = kMode == MasterMode::kStochastic;
     float p = Bf16Param<kMode>::load(param[i], stochastic ? std::uint16_t{0} : extra[i]);
-    update_element(state, i, p, g, update);
+    f(i, p);
     std::uint16_t new_param, new_extra;
     Bf16Param<kMode>::store(p, new_param, new_extra,
                             stochastic ? rounding_bits(key, first_lo + i) : 0u);
     param[i] = new_param;
     if constexpr (!stochastic) extra[i] = new_extra;
   }
+}
+
+// update(p, g, s) on every element of such a chunk, as update_chunk does for the others: g the
+// unscaled grad (stored back so with kWriteGrad), s[0..K) the state values.
+template <MasterMode kMode, int K, bool kWriteGrad, int Depth, typename Grad, typename Update>
+__device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
+                                  Grad* grad, int extra_list, const ChunkState<K>& state,
+                                  std::uint64_t seed, float steps_taken, float grad_scale,
+                                  Update&& update) {
+  visit_bf16_chunk<kMode>(table, chunk, extra_list, seed, steps_taken, [&](int i, float& p) {
+    const float g = unscaled_grad<kWriteGrad>(grad, i, grad_scale);
+    update_element(state, i, p, g, update);
+  });
 }
 
 // Calls f(param, grad, write_grad, mode) like with_param_and_grad for a chunk of a bf16 mode

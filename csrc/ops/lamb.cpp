@@ -1,7 +1,8 @@
 // fused_lamb_: validation, then the two CPU span passes with the per-tensor trust ratios
 // between them, or the CUDA launcher (csrc/kernels/lamb.cu). part="moments" / "apply" run one
 // pass each, with the per-tensor sums in tensor_sums between them (FSDP2 adds them over the
-// shards there: ampfuse.distributed).
+// shards there: ampfuse.distributed). master_mode, param_ids and seed as for fused_adam_
+// (master_args.h): in a bf16 mode both passes read the value the mode holds.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "master_args.h"
 #include "optimizer_args.h"
 
 namespace ampfuse::ops {
@@ -22,7 +24,8 @@ namespace {
 constexpr const char* kLamb = "fused_lamb_";
 
 struct LambArgs {
-  std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs, masters;
+  std::vector<kernels::TensorRef> params, grads, exp_avgs, exp_avg_sqs;
+  MasterArgs masters;
   kernels::LambConfig config;
   kernels::StepScalars scalars;
   const float* grad_norm;  // null without clipping (and for kApply)
@@ -69,7 +72,8 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& grad_norm,
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
+                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   check_moment_hyperparameters(kLamb, beta1, beta2, eps);
   TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kLamb, ": weight_decay must be >= 0, got ",
               weight_decay, ".");
@@ -105,7 +109,8 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
   };
   a.exp_avgs = state(exp_avgs, "exp_avgs", false);
   a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
-  a.masters = state(master_params, "master_params", /*optional=*/true);
+  a.masters = master_args(kLamb, master_mode, params, master_params, param_ids, seed,
+                          a.keep_alive);
   a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
               adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
   return a;
@@ -121,11 +126,13 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& grad_norm,
                     const c10::optional<at::Tensor>& grad_scale,
                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
+                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
                                 beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
                                 grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
-                                found_inf, write_unscaled_grads, tensor_sums, part);
+                                found_inf, write_unscaled_grads, tensor_sums, part,
+                                master_mode, param_ids, seed);
   if (cpu_step_skipped(a.scalars)) return;
   const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
   const kernels::LambStep lamb_step =
@@ -145,10 +152,20 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
       const Span& span = spans[s];
       const kernels::TensorRef& param = a.params[span.tensor];
       const kernels::TensorRef& grad = a.grads[span.tensor];
+      if (a.masters.is_bf16_mode()) {
+        kernels::cpu::lamb_moments_bf16_span(
+            static_cast<const std::uint16_t*>(element_ptr(param, span.offset)),
+            a.masters.span(span, lamb_step.steps_taken), element_ptr(grad, span.offset),
+            grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
+            optional_fp32_ptr(a.exp_avg_sqs, span), span.size, lamb_step, &param_sq[s],
+            &update_sq[s]);
+        return;
+      }
       kernels::cpu::lamb_moments_span(
           element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset),
           grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
-          optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.masters, span), span.size,
+          optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.masters.list, span),
+          span.size,
           lamb_step, &param_sq[s], &update_sq[s]);
     });
     for (std::size_t s = 0; s < spans.size(); ++s) {
@@ -168,10 +185,19 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   for_each_span(spans, [&](std::size_t s) {
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
+    if (a.masters.is_bf16_mode()) {
+      // The same steps_taken as the first pass: both passes read the same value, and the
+      // stochastic bits are keyed as fused_adam_'s and fused_sgd_'s.
+      kernels::cpu::lamb_apply_bf16_span(
+          static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+          a.masters.span(span, lamb_step.steps_taken), optional_fp32_ptr(a.exp_avgs, span),
+          optional_fp32_ptr(a.exp_avg_sqs, span), span.size, lamb_step, ratios[span.tensor]);
+      return;
+    }
     kernels::cpu::lamb_apply_span(element_ptr(param, span.offset), param.dtype,
                                   optional_fp32_ptr(a.exp_avgs, span),
                                   optional_fp32_ptr(a.exp_avg_sqs, span),
-                                  optional_fp32_ptr(a.masters, span), span.size, lamb_step,
+                                  optional_fp32_ptr(a.masters.list, span), span.size, lamb_step,
                                   ratios[span.tensor]);
   });
   *a.scalars.step += 1.0f;
@@ -186,11 +212,13 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      const c10::optional<at::Tensor>& grad_norm,
                      const c10::optional<at::Tensor>& grad_scale,
                      const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part) {
+                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
   const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
                                 beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
                                 grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
-                                found_inf, write_unscaled_grads, tensor_sums, part);
+                                found_inf, write_unscaled_grads, tensor_sums, part,
+                                master_mode, param_ids, seed);
   check_cuda_step(kLamb, step);
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
@@ -204,12 +232,12 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
   at::Tensor ratios =
       at::empty({static_cast<std::int64_t>(a.params.size())}, scratch.dtype(at::kFloat));
-  kernels::cuda::lamb(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.masters, a.config,
+  kernels::cuda::lamb(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.masters.list, a.config,
                       a.scalars, a.grad_norm, a.write_grads,
                       static_cast<kernels::LambStep*>(constants.data_ptr()),
                       chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
                       ratios.data_ptr<float>(), current_stream(step.device()), a.part,
-                      a.tensor_sums);
+                      a.tensor_sums, a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif

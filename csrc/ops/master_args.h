@@ -1,5 +1,6 @@
-// The master_params list of fused_adam_, fused_sgd_ and fused_adagrad_ under each master_mode
-// (see kernels/bf16_modes.h): its checks, and what the CPU spans need to run a bf16 mode.
+// The master_params list of fused_adam_, fused_sgd_, fused_adagrad_ and fused_lamb_ under each
+// master_mode (see kernels/bf16_modes.h): its checks, and what the CPU spans need to run a bf16
+// mode.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -10,6 +10,7 @@ import torch
 from ampfuse._ops import (
     _check_companions,
     _check_list,
+    _check_master_mode,
     _check_scalar,
     _check_step_scalars,
     _dtensor_rules,
@@ -20,13 +21,15 @@ from ampfuse._ops import (
 def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2,
                 eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_averaging=True,
                 use_nvlamb=False, max_grad_norm=0.0, grad_norm=None, grad_scale=None,
-                found_inf=None, write_unscaled_grads=False, tensor_sums=None,
-                part="both") -> None:
+                found_inf=None, write_unscaled_grads=False, tensor_sums=None, part="both",
+                master_mode="fp32", param_ids=(), seed=0) -> None:
     """One LAMB step over lists, in apex.optimizers.FusedLAMB's math.
 
     grad_norm is the global L2 norm of every grad of the step as passed (still carrying
     grad_scale, which the op divides out), needed when max_grad_norm > 0; max_grad_norm=0 turns
-    clipping off. lr, grad_scale, found_inf and write_unscaled_grads as for fused_adam_.
+    clipping off. lr, grad_scale, found_inf, write_unscaled_grads and the master modes
+    (master_mode, param_ids, seed: bf16 params without fp32 masters) as for fused_adam_; both
+    passes read the value a mode holds, and only the second writes the params.
     part="moments" runs the first pass alone and leaves each tensor's sums of squares of param
     and update in tensor_sums (torch.float64, shape (len(params), 2)); part="apply" runs the
     second pass from them and advances step. For DTensor params (FSDP2) ampfuse.distributed
@@ -37,7 +40,7 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, b
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(master_params), step,
         lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
         use_nvlamb, max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads,
-        tensor_sums, part,
+        tensor_sums, part, master_mode, list(param_ids), seed,
     )
 
 
@@ -48,7 +51,7 @@ LAMB_PARTS = ("both", "moments", "apply")
 def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2, eps,
                weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
                max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=False,
-               tensor_sums=None, part="both"):
+               tensor_sums=None, part="both", master_mode="fp32", param_ids=(), seed=0):
     op = "fused_lamb_"
     if part not in LAMB_PARTS:
         raise RuntimeError(
@@ -68,7 +71,7 @@ def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, be
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
     _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
     _check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
-    _check_companions(op, params, "master_params", master_params, fp32_only=True, optional=True)
+    _check_master_mode(op, params, master_params, master_mode, param_ids)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
     if max_grad_norm > 0.0 and part != "apply":
         owner = "params" if device is not None else "step, as params is empty"

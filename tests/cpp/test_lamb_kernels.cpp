@@ -1,7 +1,8 @@
 // The CPU LAMB span kernels against the shared element math (lamb_math.h) run one element at a
 // time: the 8-lane loops, the scalar tails, the F16C and software conversions must all give
 // the same bits as the scalar float code, for fp32, fp16 and bf16 params, with and without
-// masters and grad write-back. The float64 comparison is in tests/python/test_lamb.py.
+// masters and grad write-back; and the bf16 "split" mode against fp32 masters, bit for bit.
+// The float64 comparison is in tests/python/test_lamb.py.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -113,4 +114,45 @@ TEST_CASE("LAMB constants: clip, trust and bias corrections as apex forms them")
   s = make_lamb_constants(config, 2.0f, 0.1f, 1.0f, 0.0f);
   CHECK(s.beta3 == 1.0f);
   CHECK(s.bias_correction1 == 1.0f);
+}
+
+TEST_CASE("LAMB spans of a split bf16 param are the fp32-master spans bit for bit") {
+  // Both passes read the master that the param and its low half make up, and the sums of
+  // squares are added in the same order (lanes, then the tail): same moments, same trust ratio,
+  // same master, for lengths with and without a tail.
+  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false};
+  for (std::int64_t n : {std::int64_t{7}, std::int64_t{133}, std::int64_t{1000}}) {
+    const std::vector<Bf16Bits> grad = stored<Bf16Bits>(random_floats(n, 2, 100.0f));
+    std::vector<float> master = random_floats(n, 1), m1(n, 0.0f), v1(n, 0.0f), m2(m1), v2(v1);
+    std::vector<Bf16Bits> param1 = stored<Bf16Bits>(master);
+    std::vector<std::uint16_t> param2(n), low(n);
+    for (std::int64_t i = 0; i < n; ++i) {
+      Bf16Param<MasterMode::kSplit>::store(master[i], param2[i], low[i], 0u);
+    }
+    const Bf16Span split{MasterMode::kSplit, low.data(), {0u, 0u}, 0};
+    for (int t = 0; t < 4; ++t) {
+      const LambStep step = make_lamb_constants(config, static_cast<float>(t), 1e-2f, 1.0f,
+                                                3000.0f);
+      double sq1[2] = {0.0, 0.0}, sq2[2] = {0.0, 0.0};
+      lamb_moments_span(param1.data(), DType::kBFloat16, const_cast<Bf16Bits*>(grad.data()),
+                        DType::kBFloat16, false, m1.data(), v1.data(), master.data(), n, step,
+                        &sq1[0], &sq1[1]);
+      lamb_moments_bf16_span(param2.data(), split, const_cast<Bf16Bits*>(grad.data()),
+                             DType::kBFloat16, false, m2.data(), v2.data(), n, step, &sq2[0],
+                             &sq2[1]);
+      REQUIRE(same_bits(sq1[0], sq2[0]));
+      REQUIRE(same_bits(sq1[1], sq2[1]));
+      const float ratio = lamb_ratio(static_cast<float>(std::sqrt(sq1[0])),
+                                     static_cast<float>(std::sqrt(sq1[1])), step);
+      lamb_apply_span(param1.data(), DType::kBFloat16, m1.data(), v1.data(), master.data(), n,
+                      step, ratio);
+      lamb_apply_bf16_span(param2.data(), split, m2.data(), v2.data(), n, step, ratio);
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float joined = Bf16Param<MasterMode::kSplit>::load(param2[i], low[i]);
+      REQUIRE(same_bits(joined, master[i]));
+      REQUIRE(same_bits(m1[i], m2[i]));
+      REQUIRE(same_bits(v1[i], v2[i]));
+    }
+  }
 }

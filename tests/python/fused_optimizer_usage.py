@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import ampfuse
+from ampfuse.optimizers._precision import EXTRA_KEYS, param_mode
 from helpers import raises_naming
 from test_adam import clone_params, make_params, set_grads, step_grads
 
@@ -51,14 +52,18 @@ def check_a_torch_grad_scaler_drives_it(make, shapes, device):
         assert torch.equal(a, b)
 
 
-def check_skip_nonfinite_leaves_everything_as_it_was(make, state_keys, device, bad, position):
+def check_skip_nonfinite_leaves_everything_as_it_was(make, state_keys, device, bad, position,
+                                                     dtype=torch.float16, master_weights=True):
     """A step whose grads hold `bad` at the first, a middle or the last element of a
-    three-chunk tensor writes no param and no state (`state_keys` of each param's state)."""
-    params = make_params([(100,), (65537,), (9,)], torch.float16, device)
-    opt = make(params, master_weights=True, skip_nonfinite=True)
+    three-chunk tensor writes no param and no state (`state_keys` of each param's state, its
+    step, and the master or the bf16 mode's compensation or low half that `master_weights`
+    keeps for `dtype` params)."""
+    params = make_params([(100,), (65537,), (9,)], dtype, device)
+    opt = make(params, master_weights=master_weights, skip_nonfinite=True)
     set_grads(params, step_grads(params, 0))
     opt.step()
-    keys = (*state_keys, "master_param", "step")
+    extra = EXTRA_KEYS.get(param_mode(master_weights, params[0]))
+    keys = (*state_keys, "step", *([extra] if extra else []))
     before = {k: [opt.state[p][k].clone() for p in params] for k in keys}
     values = [p.detach().clone() for p in params]
     grads = step_grads(params, 1)
@@ -135,7 +140,7 @@ def check_amp_trains_like_fp32(make, opt_level, steps=30):
         assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
 
 
-def check_dtensor_params_step_like_plain_ones(make, grad_scale=1.0):
+def check_dtensor_params_step_like_plain_ones(make, grad_scale=1.0, dtype=torch.float32):
     """Params sharded as DTensors on a one-rank mesh step to the same bits as plain ones (the
     caller's `one_rank` fixture makes the process group); returns (plain, sharded, optimizers)
     for checks of the caller's own. Two ranks: test_fsdp2.py."""
@@ -143,7 +148,7 @@ def check_dtensor_params_step_like_plain_ones(make, grad_scale=1.0):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
-    plain = make_params([(6, 3), (5,)], torch.float32, "cpu")
+    plain = make_params([(6, 3), (5,)], dtype, "cpu")
     sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
                for p in plain]
     opts = [make(ps) for ps in (plain, sharded)]

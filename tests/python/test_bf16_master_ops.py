@@ -145,25 +145,31 @@ def test_cuda_matches_cpu_bit_for_bit(op, mode):
             assert_close_report(g.cpu(), c, exact=True, msg=f"{key}[{i}] cuda vs cpu")
 
 
-def test_argument_errors():
+def check_argument_errors(first, second):
+    """master_args.h's refusals, through two ops' calls (each as op(args, mode)), so that the
+    checks of both are met."""
     a = _args("cpu", "kahan")
     with raises_naming("master_mode='kahn'", "'stochastic', 'kahan', 'split'"):
-        _adam(a, "kahn")
+        first(a, "kahn")
     with raises_naming(r"master_params\[0\]", "torch.int16", "split"):
-        _adam(a, "split")
+        first(a, "split")
     a["extra"] = a["extra"][:2]
     with raises_naming("one torch.bfloat16 compensation per param"):
-        _sgd(a, "kahan")
+        second(a, "kahan")
     a = _args("cpu", "stochastic")
     a["ids"] = [1, 2]
     with raises_naming("one param id per param"):
-        _adam(a, "stochastic")
+        first(a, "stochastic")
     a["ids"] = [1, 2, 3, -4]
     with raises_naming(r"param_ids\[3\]", r"\[0, 2\^31\)"):
-        _sgd(a, "stochastic")
+        second(a, "stochastic")
     a["ids"] = [1, 2, 3, 4]
     with raises_naming("param_ids", "master_mode='stochastic' only"):
-        _adam(a, "fp32")
+        first(a, "fp32")
     a["params"][0] = a["params"][0].half()
     with raises_naming(r"params\[0\]", "torch.float16", "master_mode='fp32'"):
-        _sgd(a, "stochastic")
+        second(a, "stochastic")
+
+
+def test_argument_errors():
+    check_argument_errors(_adam, _sgd)

@@ -78,6 +78,10 @@ OPTIMIZERS = {
     "FusedLAMB": lambda params: ampfuse.optimizers.FusedLAMB(
         params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, master_weights=True
     ),
+    # Both of its passes read the master that each shard's params and low halves make up.
+    "FusedLAMB (no masters, split)": lambda params: ampfuse.optimizers.FusedLAMB(
+        params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, master_weights="split"
+    ),
     # Not element-wise either: each param's grad norm (L2: sums of squares added over the
     # shards; max norm: maxima over the shards) blends into its running norm.
     "FusedAdagrad": lambda params: ampfuse.optimizers.FusedAdagrad(

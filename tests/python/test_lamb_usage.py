@@ -104,7 +104,7 @@ BAD_OPTIONS = {
     "amsgrad": ({"amsgrad": True}, ["amsgrad"]),
     "negative_clip": ({"max_grad_norm": -1.0}, ["max_grad_norm", ">= 0"]),
     "bool_clip": ({"max_grad_norm": True}, ["max_grad_norm"]),
-    "kahan": ({"master_weights": "kahan"}, ["master_weights", "FusedAdam"]),
+    "bad_mode": ({"master_weights": "kahn"}, ["master_weights=.kahn.", "'split'"]),
     "beta": ({"betas": (0.9, 1.0)}, ["betas", r"\[0, 1\)"]),
     "flag": ({"use_nvlamb": 1}, ["use_nvlamb", "True or False"]),
     "foreign_key": ({"momentum": 0.9}, None),

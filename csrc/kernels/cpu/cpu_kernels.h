@@ -99,4 +99,15 @@ void sgd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType
 void adagrad_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
                        bool write_grad, float* sum, std::int64_t n, const AdagradStep& step);
 
+// lamb_moments_span and lamb_apply_span for such a param: the first pass reads the value its
+// mode holds (param and compensation, or param and low half) and writes only the moments; the
+// second writes the param (and its compensation or low half) through its mode.
+void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
+                            DType grad_dtype, bool write_grad, float* exp_avg,
+                            float* exp_avg_sq, std::int64_t n, const LambStep& step,
+                            double* param_sq, double* update_sq);
+void lamb_apply_bf16_span(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
+                          const float* exp_avg_sq, std::int64_t n, const LambStep& step,
+                          float ratio);
+
 }  // namespace ampfuse::kernels::cpu

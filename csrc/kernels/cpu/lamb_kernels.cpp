@@ -3,8 +3,11 @@
 // optimizer_variants.h run. fp16/bf16 reach the lanes through F16C where the processor has it
 // (avx2::) and through software conversions elsewhere (portable::, cloned for AVX2 so fp32 runs
 // on AVX registers everywhere); both give the same bits (lamb_variants.h).
+// bf16 params of the master-free modes (master_weights "stochastic", "kahan", "split") run
+// the same loops, reading and writing the param through bf16_span.h.
 #include <algorithm>
 
+#include "bf16_span.h"
 #include "cpu_kernels.h"
 #include "lamb_variants.h"
 #include "optimizer_variants.h"
@@ -21,41 +24,90 @@ struct SquareSums {
   double update = 0.0;
 };
 
-template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
-inline void lamb_moments_loop(const Param* __restrict param, Grad* __restrict grad,
-                              float* __restrict exp_avg, float* __restrict exp_avg_sq,
-                              const float* __restrict master, std::int64_t n,
-                              const LambStep& step, SquareSums& sums) {
-  float param_sq = 0.0f, update_sq = 0.0f;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float g;
-    const float p =
-        load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
-    const float u = lamb_moments(g, p, exp_avg[i], exp_avg_sq[i], step);
-    param_sq += p * p;
-    update_sq += u * u;
+// Where a pass reads each element's fp32 param value and writes the updated one: the param in
+// its own dtype, its fp32 master (the param then receives the master rounded), or a bf16 param
+// in a master-free mode. lanes<Lanes>(i) and store_lanes<Lanes>(i, p) move elements i..i+7,
+// at(i) and store_at(i, p) one. The passes are written once over these, so every way of
+// holding the param adds its squares in the same order: "split", whose value is the master,
+// gets master_weights=True's trust ratios bit for bit.
+template <typename Param>
+struct OwnParam {
+  Param* param;
+  template <template <typename> class Lanes>
+  AMPFUSE_BF16_INLINE Lanes8 lanes(std::int64_t i) const { return Lanes<Param>::load(param + i); }
+  AMPFUSE_BF16_INLINE float at(std::int64_t i) const { return Element<Param>::load(param[i]); }
+  template <template <typename> class Lanes>
+  AMPFUSE_BF16_INLINE void store_lanes(std::int64_t i, Lanes8 p) const {
+    Lanes<Param>::store(param + i, p);
   }
-  sums.param += param_sq;
-  sums.update += update_sq;
-}
-
-template <bool kMaster, typename Param>
-inline void lamb_apply_loop(Param* __restrict param, const float* __restrict exp_avg,
-                            const float* __restrict exp_avg_sq, float* __restrict master,
-                            std::int64_t n, const LambStep& step, float ratio) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    float p = kMaster ? master[i] : Element<Param>::load(param[i]);
-    lamb_apply(p, exp_avg[i], exp_avg_sq[i], ratio, step);
-    if (kMaster) master[i] = p;
+  AMPFUSE_BF16_INLINE void store_at(std::int64_t i, float p) const {
     param[i] = Element<Param>::store(p);
   }
+};
+
+template <typename Param>
+struct MasterParam {
+  Param* param;
+  float* master;
+  template <template <typename> class Lanes>
+  AMPFUSE_BF16_INLINE Lanes8 lanes(std::int64_t i) const { return Lanes<float>::load(master + i); }
+  AMPFUSE_BF16_INLINE float at(std::int64_t i) const { return master[i]; }
+  template <template <typename> class Lanes>
+  AMPFUSE_BF16_INLINE void store_lanes(std::int64_t i, Lanes8 p) const {
+    Lanes<float>::store(master + i, p);
+    Lanes<Param>::store(param + i, p);
+  }
+  AMPFUSE_BF16_INLINE void store_at(std::int64_t i, float p) const {
+    master[i] = p;
+    param[i] = Element<Param>::store(p);
+  }
+};
+
+// A bf16 param in mode kMode (bf16_span.h). Its lanes go one element at a time: the modes are
+// integer work on each element's bits, and they exist to save memory, not time.
+template <MasterMode kMode>
+struct Bf16ModeParam {
+  std::uint16_t* param;
+  std::uint16_t* extra;  // null in kStochastic
+  RoundingKey key;       // the span's chunk_key (kStochastic)
+  std::uint32_t first_lo;
+  template <template <typename> class Lanes>
+  AMPFUSE_BF16_INLINE Lanes8 lanes(std::int64_t i) const {
+    Lanes8 p;
+    for (int k = 0; k < 8; ++k) p.v[k] = at(i + k);
+    return p;
+  }
+  AMPFUSE_BF16_INLINE float at(std::int64_t i) const {
+    return load_bf16_param<kMode>(param, extra, i);
+  }
+  template <template <typename> class Lanes>
+  AMPFUSE_BF16_INLINE void store_lanes(std::int64_t i, Lanes8 p) const {
+    for (int k = 0; k < 8; ++k) store_at(i + k, p.v[k]);
+  }
+  AMPFUSE_BF16_INLINE void store_at(std::int64_t i, float p) const {
+    store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
+  }
+};
+
+template <bool kMaster, typename Param>
+AMPFUSE_BF16_INLINE auto param_source(Param* param, float* master) {
+  if constexpr (kMaster) {
+    return MasterParam<Param>{param, master};
+  } else {
+    return OwnParam<Param>{param};
+  }
 }
 
-template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, typename Param,
-          typename Grad>
+template <MasterMode kMode>
+AMPFUSE_BF16_INLINE Bf16ModeParam<kMode> bf16_source(std::uint16_t* param, const Bf16Span& bf16) {
+  return {param, bf16.extra, chunk_key(bf16.key, bf16.first_index),
+          static_cast<std::uint32_t>(bf16.first_index)};
+}
+
+template <template <typename> class Lanes, bool kWriteGrad, typename Source, typename Grad>
 inline __attribute__((always_inline)) void lamb_moments_lanes(
-    const Param* param, Grad* grad, float* exp_avg, float* exp_avg_sq, const float* master,
-    std::int64_t n, const LambStep& step_in, SquareSums& sums) {
+    const Source& param, Grad* grad, float* exp_avg, float* exp_avg_sq, std::int64_t n,
+    const LambStep& step_in, SquareSums& sums) {
   const LambStep step = step_in;  // a copy, for the reason adam_lanes gives
   const std::int64_t whole = n - n % 8;
   double param_lanes[8] = {}, update_lanes[8] = {};
@@ -65,7 +117,7 @@ inline __attribute__((always_inline)) void lamb_moments_lanes(
     for (std::int64_t i = start; i < end; i += 8) {
       Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
       if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
-      const Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
+      const Lanes8 p = param.template lanes<Lanes>(i);
       Lanes8 m = Lanes<float>::load(exp_avg + i), v = Lanes<float>::load(exp_avg_sq + i);
       const Lanes8 u = lamb_moments(g, p, m, v, step);
       Lanes<float>::store(exp_avg + i, m);
@@ -82,44 +134,58 @@ inline __attribute__((always_inline)) void lamb_moments_lanes(
     sums.param += param_lanes[k];
     sums.update += update_lanes[k];
   }
-  lamb_moments_loop<kMaster, kWriteGrad>(param + whole, grad + whole, exp_avg + whole,
-                                         exp_avg_sq + whole, kMaster ? master + whole : nullptr,
-                                         n - whole, step, sums);
+  // The last n % 8 elements one at a time, their squares added in fp32 and then to the sums.
+  float param_sq = 0.0f, update_sq = 0.0f;
+  for (std::int64_t i = whole; i < n; ++i) {
+    const float g = unscale_grad(Element<Grad>::load(grad[i]), step.grad_scale);
+    if (kWriteGrad) grad[i] = Element<Grad>::store(g);
+    const float p = param.at(i);
+    const float u = lamb_moments(g, p, exp_avg[i], exp_avg_sq[i], step);
+    param_sq += p * p;
+    update_sq += u * u;
+  }
+  sums.param += param_sq;
+  sums.update += update_sq;
 }
 
-template <template <typename> class Lanes, bool kMaster, typename Param>
-inline __attribute__((always_inline)) void lamb_apply_lanes(Param* param, const float* exp_avg,
+template <template <typename> class Lanes, typename Source>
+inline __attribute__((always_inline)) void lamb_apply_lanes(const Source& param,
+                                                            const float* exp_avg,
                                                             const float* exp_avg_sq,
-                                                            float* master, std::int64_t n,
+                                                            std::int64_t n,
                                                             const LambStep& step_in,
                                                             float ratio) {
   const LambStep step = step_in;
   const std::int64_t whole = n - n % 8;
   for (std::int64_t i = 0; i < whole; i += 8) {
-    Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
+    Lanes8 p = param.template lanes<Lanes>(i);
     lamb_apply(p, Lanes<float>::load(exp_avg + i), Lanes<float>::load(exp_avg_sq + i), ratio,
                step);
-    if (kMaster) Lanes<float>::store(master + i, p);
-    Lanes<Param>::store(param + i, p);
+    param.template store_lanes<Lanes>(i, p);
   }
-  lamb_apply_loop<kMaster>(param + whole, exp_avg + whole, exp_avg_sq + whole,
-                           kMaster ? master + whole : nullptr, n - whole, step, ratio);
+  for (std::int64_t i = whole; i < n; ++i) {
+    float p = param.at(i);
+    lamb_apply(p, exp_avg[i], exp_avg_sq[i], ratio, step);
+    param.store_at(i, p);
+  }
 }
 
 // The runtime-dtype entry points of one implementation, whose typed loops are the static
-// member templates Kernels::moments<kMaster, kWriteGrad>(param, grad, exp_avg, exp_avg_sq,
-// master, n, step, sums) and Kernels::apply<kMaster>(param, exp_avg, exp_avg_sq, master, n,
-// step, ratio). The span's sums are formed from zero and then added to *param_sq, *update_sq.
+// member templates Kernels::moments<kWriteGrad>(source, grad, exp_avg, exp_avg_sq, n, step,
+// sums) and Kernels::apply(source, exp_avg, exp_avg_sq, n, step, ratio). The span's sums are
+// formed from zero and then added to *param_sq, *update_sq.
 template <typename Kernels>
 void lamb_moments_any(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                       bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
                       std::int64_t n, const LambStep& step, double* param_sq,
                       double* update_sq) {
   SquareSums sums;
+  // The first pass only reads the param and the master.
   with_span_types(const_cast<void*>(param), param_dtype, grad, grad_dtype, master != nullptr,
                   write_grad, [&](auto* p, auto* g, auto has_master, auto write) {
-                    Kernels::template moments<has_master, write>(p, g, exp_avg, exp_avg_sq,
-                                                                 master, n, step, sums);
+                    Kernels::template moments<write>(
+                        param_source<has_master>(p, const_cast<float*>(master)), g, exp_avg,
+                        exp_avg_sq, n, step, sums);
                   });
   *param_sq += sums.param;
   *update_sq += sums.update;
@@ -131,7 +197,7 @@ void lamb_apply_any(void* param, DType param_dtype, const float* exp_avg,
                     const LambStep& step, float ratio) {
   with_storage(param_dtype, param, [&](auto* p) {
     with_flag(master != nullptr, [&](auto has_master) {
-      Kernels::template apply<has_master>(p, exp_avg, exp_avg_sq, master, n, step, ratio);
+      Kernels::apply(param_source<has_master>(p, master), exp_avg, exp_avg_sq, n, step, ratio);
     });
   });
 }
@@ -144,19 +210,19 @@ namespace {
 // The 8-lane loops with software conversions, cloned for AVX2 (fp32 then runs on AVX registers)
 // and the baseline (fp16/bf16 on CPUs without F16C, and every dtype off x86).
 struct Kernels {
-  template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
-  AMPFUSE_CPU_CLONES static void moments(const Param* param, Grad* grad, float* exp_avg,
-                                         float* exp_avg_sq, const float* master, std::int64_t n,
-                                         const LambStep& step, SquareSums& sums) {
-    lamb_moments_lanes<PortableLanes, kMaster, kWriteGrad>(param, grad, exp_avg, exp_avg_sq,
-                                                          master, n, step, sums);
+  template <bool kWriteGrad, typename Source, typename Grad>
+  AMPFUSE_CPU_CLONES static void moments(Source param, Grad* grad, float* exp_avg,
+                                         float* exp_avg_sq, std::int64_t n, const LambStep& step,
+                                         SquareSums& sums) {
+    lamb_moments_lanes<PortableLanes, kWriteGrad>(param, grad, exp_avg, exp_avg_sq, n, step,
+                                                  sums);
   }
 
-  template <bool kMaster, typename Param>
-  AMPFUSE_CPU_CLONES static void apply(Param* param, const float* exp_avg,
-                                       const float* exp_avg_sq, float* master, std::int64_t n,
+  template <typename Source>
+  AMPFUSE_CPU_CLONES static void apply(Source param, const float* exp_avg,
+                                       const float* exp_avg_sq, std::int64_t n,
                                        const LambStep& step, float ratio) {
-    lamb_apply_lanes<PortableLanes, kMaster>(param, exp_avg, exp_avg_sq, master, n, step, ratio);
+    lamb_apply_lanes<PortableLanes>(param, exp_avg, exp_avg_sq, n, step, ratio);
   }
 };
 
@@ -181,19 +247,16 @@ namespace avx2 {
 namespace {
 
 struct Kernels {
-  template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
-  AMPFUSE_AVX2 static void moments(const Param* param, Grad* grad, float* exp_avg,
-                                   float* exp_avg_sq, const float* master, std::int64_t n,
-                                   const LambStep& step, SquareSums& sums) {
-    lamb_moments_lanes<F16cLanes, kMaster, kWriteGrad>(param, grad, exp_avg, exp_avg_sq, master,
-                                                      n, step, sums);
+  template <bool kWriteGrad, typename Source, typename Grad>
+  AMPFUSE_AVX2 static void moments(Source param, Grad* grad, float* exp_avg, float* exp_avg_sq,
+                                   std::int64_t n, const LambStep& step, SquareSums& sums) {
+    lamb_moments_lanes<F16cLanes, kWriteGrad>(param, grad, exp_avg, exp_avg_sq, n, step, sums);
   }
 
-  template <bool kMaster, typename Param>
-  AMPFUSE_AVX2 static void apply(Param* param, const float* exp_avg, const float* exp_avg_sq,
-                                 float* master, std::int64_t n, const LambStep& step,
-                                 float ratio) {
-    lamb_apply_lanes<F16cLanes, kMaster>(param, exp_avg, exp_avg_sq, master, n, step, ratio);
+  template <typename Source>
+  AMPFUSE_AVX2 static void apply(Source param, const float* exp_avg, const float* exp_avg_sq,
+                                 std::int64_t n, const LambStep& step, float ratio) {
+    lamb_apply_lanes<F16cLanes>(param, exp_avg, exp_avg_sq, n, step, ratio);
   }
 };
 
@@ -238,6 +301,32 @@ void lamb_apply_span(void* param, DType param_dtype, const float* exp_avg, const
   }
 #endif
   portable::lamb_apply(param, param_dtype, exp_avg, exp_avg_sq, master, n, step, ratio);
+}
+
+// The bf16 modes convert with shifts and need no F16C: they run the portable loops, whose AVX2
+// clone runs where the processor has AVX2. Lanes add in the same order in both variants, so
+// "split" matches master_weights=True whichever variant that one ran.
+void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
+                            DType grad_dtype, bool write_grad, float* exp_avg,
+                            float* exp_avg_sq, std::int64_t n, const LambStep& step,
+                            double* param_sq, double* update_sq) {
+  SquareSums sums;
+  with_bf16_span_types(bf16, grad, grad_dtype, write_grad, [&](auto mode, auto* g, auto write) {
+    portable::Kernels::moments<write>(
+        bf16_source<decltype(mode)::value>(const_cast<std::uint16_t*>(param), bf16), g, exp_avg,
+        exp_avg_sq, n, step, sums);
+  });
+  *param_sq += sums.param;
+  *update_sq += sums.update;
+}
+
+void lamb_apply_bf16_span(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
+                          const float* exp_avg_sq, std::int64_t n, const LambStep& step,
+                          float ratio) {
+  with_bf16_mode(bf16.mode, [&](auto mode) {
+    portable::Kernels::apply(bf16_source<decltype(mode)::value>(param, bf16), exp_avg,
+                             exp_avg_sq, n, step, ratio);
+  });
 }
 
 }  // namespace ampfuse::kernels::cpu

@@ -4,39 +4,10 @@
 // math is the same optimizer_math.h / adagrad_math.h code. bf16 converts with shifts, so these
 // scalar loops (with their AVX2 clone) vectorize; options that are off are bit selects here (see
 // choose()).
-#include "../bf16_modes.h"
-#include "cpu_kernels.h"
-#include "optimizer_variants.h"
+#include "bf16_span.h"
 
 namespace ampfuse::kernels::cpu {
 namespace {
-
-// Reads element i's grad (unscaled, written back with kWriteGrad) and the value its update
-// starts from; `extra` is not read in kStochastic, which has none.
-template <MasterMode kMode, bool kWriteGrad, typename Grad>
-AMPFUSE_BF16_INLINE float load_bf16_param_and_grad(const std::uint16_t* __restrict param,
-                                      const std::uint16_t* __restrict extra,
-                                      Grad* __restrict grad, std::int64_t i, float grad_scale,
-                                      float& g) {
-  g = unscale_grad(Element<Grad>::load(grad[i]), grad_scale);
-  if (kWriteGrad) grad[i] = Element<Grad>::store(g);
-  return Bf16Param<kMode>::load(param[i], kMode == MasterMode::kStochastic ? 0 : extra[i]);
-}
-
-// `key` is the span's chunk_key and `first_lo` the low word of its first element's index.
-template <MasterMode kMode>
-AMPFUSE_BF16_INLINE void store_bf16_param(float p, std::uint16_t* __restrict param,
-                                          std::uint16_t* __restrict extra, std::int64_t i,
-                                          const RoundingKey& key, std::uint32_t first_lo) {
-  std::uint16_t new_param, new_extra;
-  const std::uint32_t random16 =
-      kMode == MasterMode::kStochastic
-          ? rounding_bits(key, first_lo + static_cast<std::uint32_t>(i))
-          : 0u;
-  Bf16Param<kMode>::store(p, new_param, new_extra, random16);
-  param[i] = new_param;
-  if constexpr (kMode != MasterMode::kStochastic) extra[i] = new_extra;
-}
 
 template <MasterMode kMode, bool kWriteGrad, bool kAmsgrad, typename Grad>
 AMPFUSE_CPU_CLONES void adam_bf16_loop(std::uint16_t* __restrict param,
@@ -88,17 +59,6 @@ AMPFUSE_CPU_CLONES void adagrad_bf16_loop(std::uint16_t* __restrict param,
     adagrad_update(p, g, sum[i], step);
     store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
   }
-}
-
-// Calls f(mode, typed grad, write_grad) for one span.
-template <typename F>
-void with_bf16_span_types(const Bf16Span& bf16, void* grad, DType grad_dtype, bool write_grad,
-                          F&& f) {
-  with_bf16_mode(bf16.mode, [&](auto mode) {
-    with_storage(grad_dtype, grad, [&](auto* g) {
-      with_flag(write_grad, [&](auto write) { f(mode, g, write); });
-    });
-  });
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-"""What FusedAdam and FusedSGD share: grouping parameters into op calls, the shared step count,
-fp32 master weights, device-side learning rates, the GradScaler protocol, and a state_dict in
+"""What the fused optimizers (FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad) share:
+grouping parameters into op calls, the shared step count, fp32 master weights or the bf16
+master-free modes, device-side learning rates, the GradScaler protocol, and a state_dict in
 torch.optim's layout.
 
 FusedOptimizer is assembled from one module per concern; this one holds the step launcher

@@ -120,14 +120,14 @@ class ParamGroupsMixin:
                 )
 
     def _check_fp32_masters_only(self, index, group):
-        """master_weights of the optimizers without the bf16 master-free modes (FusedLAMB,
-        FusedNovoGrad): True (fp32 masters) or False."""
+        """master_weights of the optimizers without the bf16 master-free modes (FusedNovoGrad):
+        True (fp32 masters) or False."""
         if not (group["master_weights"] is True or group["master_weights"] is False):
             raise ValueError(
                 f"{type(self).__name__}: param_groups[{index}] has "
                 f"master_weights={group['master_weights']!r}; {type(self).__name__} takes True "
                 "(fp32 masters) or False. The bf16 modes ('stochastic', 'kahan', 'split') are "
-                "FusedAdam's, FusedSGD's and FusedAdagrad's."
+                "FusedAdam's, FusedSGD's, FusedAdagrad's and FusedLAMB's."
             )
 
     def _check_nonnegative(self, index, group, key):

@@ -1,6 +1,6 @@
 """FusedLAMB: apex.optimizers.FusedLAMB's LAMB (layer-wise adaptive moments, You et al. 2019)
-over whole param lists, with optional fp32 master weights, on top of
-torch.ops.ampfuse.fused_lamb_."""
+over whole param lists, with optional fp32 master weights or the master-free bf16 modes, on top
+of torch.ops.ampfuse.fused_lamb_."""
 
 from __future__ import annotations
 
@@ -31,8 +31,14 @@ class FusedLAMB(FusedOptimizer):
             with is always the global one.
         amsgrad: must be False (LAMB has no AMSGrad variant; apex refuses it too).
         master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
-            masters), False updates params in place. The bf16 modes of FusedAdam ("stochastic",
-            "kahan", "split") are not offered here.
+            masters), False updates params in place. For bf16 params without fp32 masters,
+            "stochastic", "kahan" and "split" as in FusedAdam (README, "Master-free bf16"):
+            both passes see the value the mode holds (the param plus its compensation, or the
+            master the param and its low half make up), so the trust ratio's ||param|| is that
+            value's norm, and "split" steps exactly as True does (masters, moments and trust
+            ratios bit for bit). fp16 params are refused by these modes.
+        rounding_seed: the seed of master_weights="stochastic", as in FusedAdam; the random bits
+            are keyed as FusedAdam's and FusedSGD's (seed, step, param index, element).
         set_grad_none, write_unscaled_grads, skip_nonfinite, capturable: as in FusedAdam.
 
     Differences from apex: moments are fp32 for fp16 params too (apex kept them in the param's
@@ -66,6 +72,7 @@ class FusedLAMB(FusedOptimizer):
         capturable=False,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        rounding_seed=0,
     ):
         if amsgrad:
             raise ValueError("FusedLAMB: amsgrad=True has no LAMB variant; leave it False.")
@@ -84,6 +91,7 @@ class FusedLAMB(FusedOptimizer):
             "capturable": capturable,
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
+            "rounding_seed": rounding_seed,
         }
         # The step's global grad norm per device, set by _before_launches.
         self._grad_norms = {}
@@ -110,7 +118,6 @@ class FusedLAMB(FusedOptimizer):
                 f"{name}: param_groups[{index}] has max_grad_norm={clip!r}; it must be a finite "
                 "number >= 0, or None (0 and None turn the global grad-norm clipping off)."
             )
-        self._check_fp32_masters_only(index, group)
 
     def _state_keys(self, group):
         return ("exp_avg", "exp_avg_sq")
@@ -157,6 +164,7 @@ class FusedLAMB(FusedOptimizer):
             grad_scale,
             found_inf,
             write_unscaled_grads=bool(group["write_unscaled_grads"]),
+            **call.master_args(group),
         )
 
     # ---- state_dict -----------------------------------------------------------------------
