@@ -157,7 +157,7 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
 }
 
 // The bf16 modes (bf16_modes.h): f(i, p) on every element i of a chunk of a bf16 param, p its
-// value read through Bf16Param<kMode> and written back so once f changed it. `extra` (list
+// value read through Bf16Param<kMode>, and written back through it once f has changed it. `extra` (list
 // `extra_list` of the table) holds the kahan compensations or split low halves, and is not
 // touched in kStochastic, whose random bits are keyed by the param id the launcher put in the
 // table's list_index. One element per access: a pack of 4 bf16s is only 8 bytes, and these
