@@ -1,5 +1,6 @@
-"""What each master_weights value of FusedAdamW (or FusedAdagrad, FusedLAMB) costs per step on
-bf16 params, against fp32 masters (master_weights=True), side by side in one run.
+"""What each master_weights value of FusedAdamW (or FusedAdagrad, FusedLAMB, FusedNovoGrad)
+costs per step on bf16 params, against fp32 masters (master_weights=True), side by side in one
+run.
 
 Bytes a step moves per bf16 param without a scaler (grad read 2, moments read and written 16,
 param read or written): True 28 (the master read and written, the param only written),
@@ -10,14 +11,17 @@ F16C-staged loops; on CUDA the bf16 modes move one element per access where True
 16-byte packs. For FusedAdagrad (--optimizer adagrad; one fp32 sum instead of two moments) each
 figure is 8 bytes less: True 20, False 14, "stochastic" 14, "kahan" 18, "split" 18. FusedLAMB
 (--optimizer lamb) reads the param (or its mode's state) and the moments twice, once per pass,
-and clips by the global grad norm, which reads the grads once more.
+and clips by the global grad norm, which reads the grads once more. FusedNovoGrad (--optimizer
+novograd; one fp32 moment, the grads read by both passes, the param only by the second): True
+22, False 16, "stochastic" 16, "kahan" 20, "split" 20.
 
 The calls are interleaved (interleaved.py's method): in each pair the two steps alternate call by
 call on rotated argument sets, and the fastest call of each is reported next to the median. The
 first pair, True against True, shows the noise of the comparison itself.
 
     PYTHONPATH=python python benchmarks/bench_master_modes.py [--device cpu|cuda]
-        [--optimizer adamw|adagrad|lamb] [--total-elements 1e7] [--repeats 30] [--json PATH]
+        [--optimizer adamw|adagrad|lamb|novograd] [--total-elements 1e7] [--repeats 30]
+        [--json PATH]
 """
 
 import argparse
@@ -28,10 +32,11 @@ from _timing import element_count, generator, model_like_shapes, report, synchro
 from bench_adam import LR, half_model
 from interleaved import add_interleaved_args, interleave
 
-from ampfuse.optimizers import FusedAdagrad, FusedAdamW, FusedLAMB
+from ampfuse.optimizers import FusedAdagrad, FusedAdamW, FusedLAMB, FusedNovoGrad
 
 MODES = (True, False, "stochastic", "kahan", "split")
-OPTIMIZERS = {"adamw": FusedAdamW, "adagrad": FusedAdagrad, "lamb": FusedLAMB}
+OPTIMIZERS = {"adamw": FusedAdamW, "adagrad": FusedAdagrad, "lamb": FusedLAMB,
+              "novograd": FusedNovoGrad}
 MODE_NAMES = {True: "True", False: "False"}
 
 

@@ -66,7 +66,8 @@ void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorL
                         bool init_zero, const c10::optional<at::Tensor>& grad_scale,
                         const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                         const c10::optional<at::Tensor>& tensor_reductions,
-                        c10::string_view part);
+                        c10::string_view part, c10::string_view master_mode,
+                        at::IntArrayRef param_ids, int64_t seed);
 
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cpu(const at::Tensor& input, const at::Tensor& scale,
@@ -141,7 +142,8 @@ void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::Tensor
                          bool init_zero, const c10::optional<at::Tensor>& grad_scale,
                          const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                          const c10::optional<at::Tensor>& tensor_reductions,
-                         c10::string_view part);
+                         c10::string_view part, c10::string_view master_mode,
+                         at::IntArrayRef param_ids, int64_t seed);
 // FP8 (csrc/ops/fp8.cpp, csrc/ops/fp8_gemm.cpp).
 at::Tensor fp8_cast_amax_cuda(const at::Tensor& input, const at::Tensor& scale,
                               const at::Tensor& amax, at::ScalarType dtype);

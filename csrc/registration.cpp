@@ -86,8 +86,8 @@ TORCH_LIBRARY(ampfuse, m) {
   // sqrt(beta2 * avg^2 + (1 - beta2) * ||g||^2), max norms (norm_type=0) linearly), starting
   // from the first step's norm unless init_zero; the first moment takes the grad divided by
   // the bias-corrected running norm (reg_inside_moment) or the step divides by it after.
-  // fp32 moments and optional fp32 masters; grads, step, found_inf and write_unscaled_grads
-  // as for Adam. part="norms" leaves each tensor's reduction of its grads (sum of squares or
+  // fp32 moments and optional fp32 masters; grads, step, found_inf, write_unscaled_grads and
+  // the master modes as for Adam (a bf16 mode touches the second pass only). part="norms" leaves each tensor's reduction of its grads (sum of squares or
   // max |g|) in tensor_reductions (float64 [n]) and stops; part="apply" takes them from there
   // and runs the rest; a sharded (FSDP2) step combines them over the shards in between.
   m.def(
@@ -96,7 +96,8 @@ TORCH_LIBRARY(ampfuse, m) {
       "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
       "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
       "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False, "
-      "Tensor(h!)? tensor_reductions=None, str part=\"both\") -> ()");
+      "Tensor(h!)? tensor_reductions=None, str part=\"both\", str master_mode=\"fp32\", "
+      "int[] param_ids=[], int seed=0) -> ()");
   // FP8 (delayed scaling). input * scale saturated to dtype's range (e4m3fn or e5m2) and
   // cast; amax = max(amax, max |input|), nan propagating, in the same pass.
   m.def("fp8_cast_amax(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> Tensor");

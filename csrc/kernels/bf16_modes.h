@@ -1,8 +1,8 @@
 // bf16 params updated without an fp32 master (master_weights="stochastic", "kahan" and "split"
-// of FusedAdam, FusedSGD, FusedAdagrad and FusedLAMB): how an update reads the value it starts
-// from and writes its result back, written once for the CPU and CUDA kernels. Everything here is
-// integer and bit work on fp32/bf16 patterns (no rounding mode of the FPU is involved), so both
-// give the same bits.
+// of every fused optimizer: FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB and FusedNovoGrad): how
+// an update reads the value it starts from and writes its result back, written once for the CPU
+// and CUDA kernels. Everything here is integer and bit work on fp32/bf16 patterns (no rounding
+// mode of the FPU is involved), so both give the same bits.
 #pragma once
 
 #include <cstdint>

@@ -111,7 +111,8 @@ std::int64_t novograd_scratch_chunks(const std::vector<TensorRef>& params);
 
 // NovoGrad (novograd_math.h) over lists of equal length: params (any float dtype), grads (any),
 // exp_avgs (fp32, shaped as the params), norm_avgs (fp32, ONE element per tensor: its running
-// grad norm), masters (fp32) optional (empty vector when absent). A one-thread prologue fills
+// grad norm), masters (fp32) optional (empty vector when absent) or a bf16 mode's extra arrays
+// (`master_mode`, read and written by the second pass only). A one-thread prologue fills
 // `constants` (device memory for one NovoGradStep) and advances the step count unless
 // *scalars.found_inf != 0 (not in kNorms, which leaves that to kApply); the first pass reduces
 // each chunk's unscaled grads into chunk_partials/chunk_owner; a finishing kernel adds (or
@@ -127,6 +128,7 @@ void novograd(const std::vector<TensorRef>& params, const std::vector<TensorRef>
               const std::vector<TensorRef>& masters, const NovoGradConfig& config,
               const StepScalars& scalars, bool write_grads, NovoGradStep* constants,
               float* chunk_partials, std::int32_t* chunk_owner, double* tensor_reductions,
-              StreamHandle stream, NovoGradPart part = NovoGradPart::kBoth);
+              StreamHandle stream, NovoGradPart part = NovoGradPart::kBoth,
+              const MasterListMode& master_mode = {});
 
 }  // namespace ampfuse::kernels::cuda

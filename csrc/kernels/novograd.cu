@@ -17,6 +17,10 @@
 // The constants are those of kBoth in either half (the count moves only in the second), and
 // kBoth blends from the very double it leaves in tensor_reductions, so on one device the two
 // halves with tensor_reductions passed unchanged are kBoth bit for bit.
+//
+// bf16 params without fp32 masters (master_mode "stochastic", "kahan", "split"; bf16_modes.h):
+// the first pass reads only the grads, so only the second pass changes: it reads the value the
+// mode holds and writes the param (and its compensation or low half) through the mode.
 #include <stdexcept>
 
 #include "optimizer_step.cuh"
@@ -28,7 +32,10 @@ namespace {
 constexpr int kNovoGradNormsDepth = 1;
 // Finishing lists: 0 norm_avgs (one element each, so one block per tensor).
 constexpr int kNovoGradFinishDepth = 1;
-// Second pass lists: 0 params, 1 grads, 2 exp_avgs, 3 masters (params if none), 4 norm_avgs.
+// Second pass lists: 0 params, 1 grads, 2 exp_avgs, 3 masters (params if none): fp32 masters,
+// or in a bf16 mode the compensations or low halves (nothing in kStochastic), 4 norm_avgs. The
+// running norms come through the table, not by list_index, which holds the param id that keys
+// stochastic rounding in kStochastic (launch_multi_tensor_with_ids).
 constexpr int kNovoGradApplyDepth = 5;
 
 // As lamb_prologue_kernel: the count advances only with `advance` (not in kNorms: kApply
@@ -162,30 +169,48 @@ struct NovoGradFinishFunctor {
 };
 
 // The second pass: the first moment and the param from the unscaled grad and the tensor's new
-// running norm; writes the master (when there is one), the param rounded to its dtype and,
-// with write_grads, the unscaled grad. The running norms were written by the finishing launch
+// running norm; writes the master (when there is one), the param rounded to its dtype (or in a
+// bf16 mode the param and its compensation or low half through the mode) and, with
+// write_grads, the unscaled grad. The running norms were written by the finishing launch
 // before this one started, and nothing writes them here.
+//
+// kBf16Modes: a launch in a bf16 mode (`mode` one of them) or in kFp32. They are two kernels
+// so that the fp32 path keeps its 3 blocks per SM (40 registers, no spills on sm_80 and sm_90,
+// as before the modes): one kernel with both paths needs 62 registers, and at 40 spills about
+// 300-400 bytes. The modes alone take 48 registers at the default 2 blocks per SM (no spills,
+// no stack frame; at 3 they need an 8-byte stack frame), as Adagrad's and Adam's kernels run.
+template <bool kBf16Modes>
 struct NovoGradApplyFunctor {
-  static constexpr int kMinBlocksPerSm = 3;  // 40 registers, no spills on sm_80 and sm_90
+  static constexpr int kMinBlocksPerSm = kBf16Modes ? 2 : 3;
   __device__ void operator()(const ChunkTable<kNovoGradApplyDepth>& table, StepScalars scalars,
-                             const NovoGradStep* constants, bool has_master,
-                             bool write_grads) const {
+                             const NovoGradStep* constants, bool has_master, bool write_grads,
+                             MasterMode mode, std::uint64_t seed) const {
     if (step_is_skipped(scalars)) return;
     const NovoGradStep step = *constants;
     const BlockChunk chunk = block_chunk(table);
     // One element per tensor: not offset by the chunk's start.
     const float norm_avg = static_cast<const float*>(table.addresses[4][chunk.slot])[0];
     const float denom = novograd_denominator(norm_avg, step);
+    const auto update = [&](float& p, float g, float* s) {
+      novograd_update(p, g, s[0], denom, step);
+    };
     float* exp_avg = fp32_list(table, chunk, 2);
-    float* master = has_master ? fp32_list(table, chunk, 3) : nullptr;
-    with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
-      constexpr bool kWrite = decltype(write)::value;
+    if constexpr (kBf16Modes) {
+      // The same step count as fused_adam_'s keys: the bits a param draws do not depend on
+      // which optimizer steps it.
+      const ChunkState<1> moments{{exp_avg}, nullptr};
+      with_bf16_chunk(table, chunk, write_grads, mode, [&](auto* grad, auto write, auto m) {
+        update_bf16_chunk<decltype(m)::value, 1, decltype(write)::value>(
+            table, chunk, grad, 3, moments, seed, step.steps_taken, step.grad_scale, update);
+      });
+    } else {
+      float* master = has_master ? fp32_list(table, chunk, 3) : nullptr;
       const ChunkState<1> state{{exp_avg}, master};
-      update_chunk<1, kWrite>(param, grad, state, chunk.size, step.grad_scale,
-                              [&](float& p, float g, float* s) {
-                                novograd_update(p, g, s[0], denom, step);
-                              });
-    });
+      with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
+        update_chunk<1, decltype(write)::value>(param, grad, state, chunk.size, step.grad_scale,
+                                                update);
+      });
+    }
   }
 };
 
@@ -200,7 +225,7 @@ void novograd(const std::vector<TensorRef>& params, const std::vector<TensorRef>
               const std::vector<TensorRef>& masters, const NovoGradConfig& config,
               const StepScalars& scalars, bool write_grads, NovoGradStep* constants,
               float* chunk_partials, std::int32_t* chunk_owner, double* tensor_reductions,
-              StreamHandle stream, NovoGradPart part) {
+              StreamHandle stream, NovoGradPart part, const MasterListMode& master_mode) {
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   const bool reduce = part != NovoGradPart::kApply;
   const bool apply = part != NovoGradPart::kNorms;
@@ -216,8 +241,9 @@ void novograd(const std::vector<TensorRef>& params, const std::vector<TensorRef>
   const std::int64_t chunks = total_chunks(params);
   const NovoGradStep* step = constants;
 
-  // list_index is each tensor's index in the lists (no ids are given), which is what
-  // chunk_owner and tensor_reductions are indexed by.
+  // In the first pass and the finishing launch list_index is each tensor's index in the lists
+  // (no ids are given), which is what chunk_owner and tensor_reductions are indexed by; in the
+  // second pass it is the param id in kStochastic (and unread otherwise).
   if (reduce && chunks > 0) {
     const std::vector<TensorRef>* norm_lists[kNovoGradNormsDepth] = {&grads};
     launch_multi_tensor<kNovoGradNormsDepth>("fused_novograd_ (grad norms)", norm_lists, stream,
@@ -234,12 +260,21 @@ void novograd(const std::vector<TensorRef>& params, const std::vector<TensorRef>
       static_cast<const std::int32_t*>(chunk_owner), chunks, tensor_reductions, reduce, apply);
   if (!apply || chunks == 0) return;
 
-  const bool has_master = !masters.empty();
+  const bool has_master = master_mode.mode == MasterMode::kFp32 && !masters.empty();
   const std::vector<TensorRef>* apply_lists[kNovoGradApplyDepth] = {
       &params, &grads, &exp_avgs, or_params(masters, params), &norm_avgs};
-  launch_multi_tensor<kNovoGradApplyDepth>("fused_novograd_ (apply)", apply_lists, stream,
-                                           NovoGradApplyFunctor{}, scalars, step, has_master,
-                                           write_grads);
+  const bool stochastic = master_mode.mode == MasterMode::kStochastic;
+  const auto launch = [&](auto functor) {
+    launch_multi_tensor_with_ids<kNovoGradApplyDepth>(
+        "fused_novograd_ (apply)", apply_lists, stochastic ? &master_mode.param_ids : nullptr,
+        stream, functor, scalars, step, has_master, write_grads, master_mode.mode,
+        master_mode.seed);
+  };
+  if (master_mode.mode == MasterMode::kFp32) {
+    launch(NovoGradApplyFunctor<false>{});
+  } else {
+    launch(NovoGradApplyFunctor<true>{});
+  }
 }
 
 }  // namespace ampfuse::kernels::cuda

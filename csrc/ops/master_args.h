@@ -1,6 +1,6 @@
-// The master_params list of fused_adam_, fused_sgd_, fused_adagrad_ and fused_lamb_ under each
-// master_mode (see kernels/bf16_modes.h): its checks, and what the CPU spans need to run a bf16
-// mode.
+// The master_params list of fused_adam_, fused_sgd_, fused_adagrad_, fused_lamb_ and
+// fused_novograd_ under each master_mode (see kernels/bf16_modes.h): its checks, and what the
+// CPU spans need to run a bf16 mode.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,9 @@
 // fused_novograd_: validation, then the two CPU span passes with each tensor's running norm
 // blended between them, or the CUDA launcher (csrc/kernels/novograd.cu). part="norms" /
 // "apply" run one pass each, with each tensor's reduction of its grads in tensor_reductions
-// between them (FSDP2 combines them over the shards there: ampfuse.distributed).
+// between them (FSDP2 combines them over the shards there: ampfuse.distributed). master_mode,
+// param_ids and seed as for fused_adam_ (master_args.h): the first pass reads only the grads, so
+// a bf16 mode changes the second pass alone, which reads and writes the param through it.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "master_args.h"
 #include "optimizer_args.h"
 
 namespace ampfuse::ops {
@@ -22,7 +25,8 @@ namespace {
 constexpr const char* kNovoGrad = "fused_novograd_";
 
 struct NovoGradArgs {
-  std::vector<kernels::TensorRef> params, grads, exp_avgs, norm_avgs, masters;
+  std::vector<kernels::TensorRef> params, grads, exp_avgs, norm_avgs;
+  MasterArgs masters;
   kernels::NovoGradConfig config;
   kernels::StepScalars scalars;
   kernels::NovoGradPart part;
@@ -95,7 +99,8 @@ NovoGradArgs check_novograd(at::TensorList params, at::TensorList grads, at::Ten
                             const c10::optional<at::Tensor>& found_inf,
                             bool write_unscaled_grads,
                             const c10::optional<at::Tensor>& tensor_reductions,
-                            c10::string_view part) {
+                            c10::string_view part, c10::string_view master_mode,
+                            at::IntArrayRef param_ids, int64_t seed) {
   check_moment_hyperparameters(kNovoGrad, beta1, beta2, eps);
   TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kNovoGrad, ": weight_decay must be >= 0, got ",
               weight_decay, ".");
@@ -111,13 +116,13 @@ NovoGradArgs check_novograd(at::TensorList params, at::TensorList grads, at::Ten
   a.write_grads = a.part != kernels::NovoGradPart::kNorms &&
                   writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kNovoGrad, grads, params, a.write_grads, a.keep_alive, a.copy_back);
-  const auto state = [&](at::TensorList list, const char* name, bool optional) {
-    return companion_refs(kNovoGrad, list, name, params, Access::kWrite, /*fp32_only=*/true,
-                          optional, a.keep_alive);
-  };
-  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
+  a.exp_avgs = companion_refs(kNovoGrad, exp_avgs, "exp_avgs", params, Access::kWrite,
+                              /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
   a.norm_avgs = norm_avg_refs(norm_avgs, params, home, a.keep_alive);
-  a.masters = state(master_params, "master_params", /*optional=*/true);
+  // Checked in every part, though kNorms does not read it: both halves of a step take the
+  // same arguments.
+  a.masters = master_args(kNovoGrad, master_mode, params, master_params, param_ids, seed,
+                          a.keep_alive);
   a.config = {beta1,          beta2,             eps,      weight_decay, bias_correction,
               grad_averaging, reg_inside_moment, max_norm, init_zero};
   return a;
@@ -133,12 +138,13 @@ void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorL
                         bool init_zero, const c10::optional<at::Tensor>& grad_scale,
                         const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                         const c10::optional<at::Tensor>& tensor_reductions,
-                        c10::string_view part) {
+                        c10::string_view part, c10::string_view master_mode,
+                        at::IntArrayRef param_ids, int64_t seed) {
   const NovoGradArgs a =
       check_novograd(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
                      eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
                      norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads,
-                     tensor_reductions, part);
+                     tensor_reductions, part, master_mode, param_ids, seed);
   if (cpu_step_skipped(a.scalars)) return;
   const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
   const kernels::NovoGradStep novograd_step = kernels::make_novograd_constants(
@@ -181,10 +187,18 @@ void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorL
     const Span& span = spans[s];
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
+    if (a.masters.is_bf16_mode()) {
+      kernels::cpu::novograd_bf16_span(
+          static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+          a.masters.span(span, novograd_step.steps_taken), element_ptr(grad, span.offset),
+          grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span), span.size,
+          novograd_step, denominators[span.tensor]);
+      return;
+    }
     kernels::cpu::novograd_apply_span(element_ptr(param, span.offset), param.dtype,
                                       element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                                       optional_fp32_ptr(a.exp_avgs, span),
-                                      optional_fp32_ptr(a.masters, span), span.size,
+                                      optional_fp32_ptr(a.masters.list, span), span.size,
                                       novograd_step, denominators[span.tensor]);
   });
   finish_copy_back(a.copy_back);
@@ -200,12 +214,13 @@ void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::Tensor
                          bool init_zero, const c10::optional<at::Tensor>& grad_scale,
                          const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                          const c10::optional<at::Tensor>& tensor_reductions,
-                         c10::string_view part) {
+                         c10::string_view part, c10::string_view master_mode,
+                         at::IntArrayRef param_ids, int64_t seed) {
   const NovoGradArgs a =
       check_novograd(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
                      eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
                      norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads,
-                     tensor_reductions, part);
+                     tensor_reductions, part, master_mode, param_ids, seed);
   check_cuda_step(kNovoGrad, step);
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::NovoGradStep>(step.device());
@@ -224,12 +239,12 @@ void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::Tensor
         at::empty({static_cast<std::int64_t>(a.params.size())}, scratch.dtype(at::kDouble));
     reductions = own_reductions.data_ptr<double>();
   }
-  kernels::cuda::novograd(a.params, a.grads, a.exp_avgs, a.norm_avgs, a.masters, a.config,
+  kernels::cuda::novograd(a.params, a.grads, a.exp_avgs, a.norm_avgs, a.masters.list, a.config,
                           a.scalars, a.write_grads,
                           static_cast<kernels::NovoGradStep*>(constants.data_ptr()),
                           chunk_partials.data_ptr<float>(),
                           chunk_owner.data_ptr<std::int32_t>(), reductions,
-                          current_stream(step.device()), a.part);
+                          current_stream(step.device()), a.part, a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif

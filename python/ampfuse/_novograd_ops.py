@@ -10,6 +10,7 @@ import torch
 from ampfuse._ops import (
     _check_companions,
     _check_list,
+    _check_master_mode,
     _check_scalar,
     _check_step_scalars,
     _dtensor_rules,
@@ -24,7 +25,7 @@ def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr,
                     eps, weight_decay, bias_correction=True, grad_averaging=True,
                     reg_inside_moment=False, norm_type=2, init_zero=False, grad_scale=None,
                     found_inf=None, write_unscaled_grads=False, tensor_reductions=None,
-                    part="both") -> None:
+                    part="both", master_mode="fp32", param_ids=(), seed=0) -> None:
     """One NovoGrad step over lists, in apex.optimizers.FusedNovoGrad's math.
 
     norm_avgs holds each param's running grad norm (a one-element float32 tensor, 0 before the
@@ -33,14 +34,16 @@ def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr,
     alone (sum of squares, or max |g|) into tensor_reductions (torch.float64, shape
     (len(params),)); part="apply" blends the running norms from them, updates the params and
     advances step. For DTensor params (FSDP2) ampfuse.distributed runs the two halves with the
-    reductions combined over the shards in between."""
+    reductions combined over the shards in between. The master modes (master_mode, param_ids,
+    seed) as for fused_adam_; a bf16 mode changes the second half only (the first reads only
+    the grads), but both halves take the same arguments."""
     lr = _lr_tensor(lr, step)
     _dtensor_rules()
     torch.ops.ampfuse.fused_novograd_(
         list(params), list(grads), list(exp_avgs), list(norm_avgs), list(master_params), step,
         lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
         norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads, tensor_reductions,
-        part,
+        part, master_mode, list(param_ids), seed,
     )
 
 
@@ -48,7 +51,8 @@ def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr,
 def _novograd_fake(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
                    eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
                    norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads=False,
-                   tensor_reductions=None, part="both"):
+                   tensor_reductions=None, part="both", master_mode="fp32", param_ids=(),
+                   seed=0):
     op = "fused_novograd_"
     if part not in NOVOGRAD_PARTS:
         raise RuntimeError(f"ampfuse.{op}: part={part!r} is not one of 'both', 'norms', 'apply'.")
@@ -60,7 +64,7 @@ def _novograd_fake(params, grads, exp_avgs, norm_avgs, master_params, step, lr, 
     device = _check_list(op, "params", params)
     _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
     _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
-    _check_companions(op, params, "master_params", master_params, fp32_only=True, optional=True)
+    _check_master_mode(op, params, master_params, master_mode, param_ids)
     _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
     if len(norm_avgs) != len(params):
         raise RuntimeError(

@@ -1,9 +1,11 @@
 // cuda::novograd's step against the CPU NovoGrad spans (see cuda_novograd_slots.h for how they
-// are compared): in one call, and in two halves (the norms, then the apply) as FSDP2 runs it.
+// are compared): in one call, in two halves (the norms, then the apply) as FSDP2 runs it, and in
+// the bf16 master modes.
 #include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cuda_kernels.h"
@@ -147,4 +149,75 @@ TEST_CASE("CUDA NovoGrad in two halves (norms, then apply) is the one-call step 
     REQUIRE(step_b.get() == steps_taken + 1.0f);
     REQUIRE(download_slots(two) == before);
   });
+}
+
+// The bf16 master modes: bf16 params, the mode's extra array (kahan compensations, or split's
+// low halves, here any bf16 bit patterns) and, for stochastic, param ids keying the bits; the
+// norms pass is the fp32 path's. From the GPU's reductions, the CPU's blend and
+// novograd_bf16_span (with the same key per param) give its running norms, moments, grads,
+// params and extra arrays bit for bit. A skipped step writes nothing.
+TEST_CASE("CUDA NovoGrad's bf16 modes are bit-identical to the CPU spans, and skip on overflow") {
+  const std::vector<std::int32_t> ids = {11, 12, 13, 14};
+  for (const MasterMode mode : {MasterMode::kStochastic, MasterMode::kKahan, MasterMode::kSplit}) {
+    INFO("mode " << static_cast<int>(mode));
+    const bool stochastic = mode == MasterMode::kStochastic;
+    Slots slots;
+    slots.emplace_back(new NovoGradSlot(DType::kBFloat16, DType::kFloat16, 3 * 65536 + 5, 0, 10));
+    slots.emplace_back(new NovoGradSlot(DType::kBFloat16, DType::kFloat32, 65536 + 3, 1, 20));
+    slots.emplace_back(new NovoGradSlot(DType::kBFloat16, DType::kBFloat16, 7, 0, 30));
+    slots.emplace_back(new NovoGradSlot(DType::kBFloat16, DType::kBFloat16, 0, 0, 40));
+    NovoGradLists lists(slots, false);
+    std::vector<std::unique_ptr<DeviceTensor>> extras;
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      extras.emplace_back(new DeviceTensor(DType::kBFloat16, slots[t]->n + slots[t]->offset,
+                                           static_cast<std::uint32_t>(50 + t), -1e-3f, 1e-3f));
+      if (!stochastic) lists.W.push_back(slots[t]->at(*extras[t]));
+    }
+    const MasterListMode how{mode, 9, stochastic ? ids : std::vector<std::int32_t>{}};
+    const std::size_t n = slots.size();
+    const std::int64_t chunks = cuda::novograd_scratch_chunks(lists.P);
+    DeviceArray<float> chunk_partials(chunks);
+    DeviceArray<std::int32_t> chunk_owner(chunks);
+    DeviceArray<double> reductions(static_cast<std::int64_t>(n));
+    DeviceScalar<NovoGradStep> constants(NovoGradStep{});
+    DeviceScalar<float> step(3.0f), lr(kLr), scale(kLossScale), found(0.0f);
+    const StepScalars scalars{step.device, lr.device, scale.device, found.device};
+    const auto run = [&] {
+      cuda::novograd(lists.P, lists.G, lists.M, lists.A, lists.W, kNovoGradConfigs[0], scalars,
+                     true, constants.device, chunk_partials.device, chunk_owner.device,
+                     reductions.device, nullptr, NovoGradPart::kBoth, how);
+      check(cudaDeviceSynchronize());
+    };
+    run();
+    const NovoGradStep used = constants.get();
+    const std::vector<double> device_reductions = download_array(reductions.device, n);
+    for (std::size_t t = 0; t < n; ++t) {
+      NovoGradSlot& s = *slots[t];
+      std::vector<unsigned char> p = s.param.host, g = s.grad.host, m = s.m.host,
+                                 x = extras[t]->host;
+      const auto bits = [&](std::vector<unsigned char>& h) {
+        return reinterpret_cast<std::uint16_t*>(s.host_at(h, DType::kBFloat16));
+      };
+      const float norm = novograd_blend(initial_norm(s), device_reductions[t], used);
+      const cpu::Bf16Span span{mode, stochastic ? nullptr : bits(x),
+                               stochastic ? rounding_key(9, 3.0f, ids[t]) : RoundingKey{0u, 0u},
+                               0};
+      cpu::novograd_bf16_span(bits(p), span, s.host_at(g, s.grad.dtype), s.grad.dtype, true,
+                              reinterpret_cast<float*>(s.host_at(m, DType::kFloat32)), s.n, used,
+                              novograd_denominator(norm, used));
+      INFO("tensor " << t);
+      REQUIRE(download_norm(s) == norm);
+      REQUIRE(s.param.download() == p);
+      REQUIRE(s.grad.download() == g);
+      REQUIRE(s.m.download() == m);
+      REQUIRE(extras[t]->download() == x);
+    }
+    std::vector<std::vector<unsigned char>> before = download_slots(slots);
+    for (const auto& e : extras) before.push_back(e->download());
+    found.set(1.0f);
+    run();
+    std::vector<std::vector<unsigned char>> after = download_slots(slots);
+    for (const auto& e : extras) after.push_back(e->download());
+    REQUIRE(after == before);
+  }
 }

@@ -4,12 +4,14 @@
 // bf16 params and grads, with and without masters and grad write-back; an inf or NaN grad must
 // reach its own element and no other. (These run the variant the public span picks: on a CPU
 // with F16C, the F16C lanes for fp16/bf16; test_novograd_variants.cpp holds the
-// software-converting lanes to the same bits.)
+// software-converting lanes to the same bits.) The bf16 master-free modes' span
+// (novograd_bf16_span) is held to the fp32-master span bit for bit in "split".
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <iomanip>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -312,5 +314,66 @@ TEST_CASE("NovoGrad apply span: an inf or NaN grad reaches its own param and no 
       check_nonfinite_apply<Bf16Bits, Bf16Bits>(n, o);
       check_nonfinite_apply<Bf16Bits, float>(n, o);
     }
+  }
+}
+
+// "split" reads the master its param and low half make up and writes it back so: over steps
+// of every option (decay reads the param, reg_inside_moment is a template flag of the bf16
+// loop), sizes around the fp32-master span's 8 lanes and grad write-back, its masters, moments
+// and written grads are the fp32-master span's bit for bit. Stochastic's bits follow the
+// element's index, not the span it is stepped in (the op splits params into spans by load).
+TEST_CASE("NovoGrad bf16 spans: split equals the fp32-master span; spans do not move bits",
+          "[novograd]") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (const std::int64_t n : kApplySizes) {
+    const std::int64_t half = n / 2;
+    std::vector<float> master(n), m1(n, 0.0f), m2(n, 0.0f), m3(n, 0.0f), m4(n, 0.0f);
+    std::vector<float> grad(n), grad1(n), grad2(n);
+    std::vector<std::uint16_t> param1(n), param2(n), low(n, 0), whole(n), parts(n);
+    for (std::int64_t i = 0; i < n; ++i) {
+      param1[i] = param2[i] = whole[i] = parts[i] = float_to_bf16(dist(rng));
+      master[i] = bf16_to_float(param1[i]);
+    }
+    int t = 0;
+    for (const bool reg_inside_moment : {false, true}) {
+      for (const double weight_decay : {0.0, 0.01}) {
+        for (const bool write_grad : {false, true}) {
+          const NovoGradConfig config{0.95, 0.98, 1e-8, weight_decay, true, true,
+                                      reg_inside_moment, false, false};
+          const NovoGradStep step =
+              make_novograd_constants(config, static_cast<float>(t), 1e-2f, kGradScale);
+          const float denom = novograd_denominator(0.5f + 0.1f * static_cast<float>(t), step);
+          for (std::int64_t i = 0; i < n; ++i) {
+            grad[i] = grad1[i] = grad2[i] = dist(rng) * kGradScale;
+          }
+          novograd_apply_span(param1.data(), DType::kBFloat16, grad1.data(), DType::kFloat32,
+                              write_grad, m1.data(), master.data(), n, step, denom);
+          novograd_bf16_span(param2.data(), {MasterMode::kSplit, low.data(), {0u, 0u}, 0},
+                             grad2.data(), DType::kFloat32, write_grad, m2.data(), n, step,
+                             denom);
+          const RoundingKey key = rounding_key(3, static_cast<float>(t), 5);
+          novograd_bf16_span(whole.data(), {MasterMode::kStochastic, nullptr, key, 0},
+                             grad.data(), DType::kFloat32, false, m3.data(), n, step, denom);
+          novograd_bf16_span(parts.data(), {MasterMode::kStochastic, nullptr, key, 0},
+                             grad.data(), DType::kFloat32, false, m4.data(), half, step, denom);
+          novograd_bf16_span(parts.data() + half, {MasterMode::kStochastic, nullptr, key, half},
+                             grad.data() + half, DType::kFloat32, false, m4.data() + half,
+                             n - half, step, denom);
+          ++t;
+        }
+      }
+    }
+    Mismatches bits;
+    for (std::int64_t i = 0; i < n; ++i) {
+      bits.bits("split master", i, Bf16Param<MasterMode::kSplit>::load(param2[i], low[i]),
+                master[i]);
+      bits.bits("split exp_avg", i, m2[i], m1[i]);
+      bits.bits("split grad", i, grad2[i], grad1[i]);
+      bits.bits("stochastic param", i, bf16_to_float(parts[i]), bf16_to_float(whole[i]));
+      bits.bits("stochastic exp_avg", i, m4[i], m3[i]);
+    }
+    INFO("n = " << n << "\n" << bits.report());
+    CHECK(bits.count() == 0);
   }
 }

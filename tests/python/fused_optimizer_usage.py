@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 import ampfuse
-from ampfuse.optimizers._precision import EXTRA_KEYS, param_mode
+from ampfuse.optimizers._precision import EXTRA_KEYS, param_mode, precise_value
 from helpers import raises_naming
+from tolerances import assert_close_report
 from test_adam import clone_params, make_params, set_grads, step_grads
 
 
@@ -162,6 +163,56 @@ def check_dtensor_params_step_like_plain_ones(make, grad_scale=1.0, dtype=torch.
     for p, q in zip(plain, sharded):
         assert torch.equal(p.detach(), q.detach().full_tensor())
     return plain, sharded, opts
+
+
+def check_dtensor_state_is_the_plain_state(plain, sharded, opts):
+    """After check_dtensor_params_step_like_plain_ones: every state tensor of the sharded run is
+    the plain run's. One rank: the local shard is the whole tensor (gloo gathers no int16)."""
+    for p, q in zip(plain, sharded):
+        for key, value in opts[0].state[p].items():
+            other = opts[1].state[q][key]
+            assert torch.equal(value, other.to_local() if hasattr(other, "to_local")
+                               else other), key
+
+
+def check_split_steps_exactly_as_fp32_masters(make, state_keys, shapes, device):
+    """`make(params, master_weights)`: over five steps of grads of norm ~800, "split"'s masters
+    and `state_keys` of each param's state are True's bit for bit; the param is the master's
+    high half."""
+    params = make_params(shapes, torch.bfloat16, device)
+    twin = clone_params(params)
+    opts = (make(params, True), make(twin, "split"))
+    for s in range(5):
+        grads = step_grads(params, s, scale=3.0)
+        for ps, opt in zip((params, twin), opts):
+            set_grads(ps, grads)
+            opt.step()
+        for i, (p, q) in enumerate(zip(params, twin)):
+            want, got = opts[0].state[p], opts[1].state[q]
+            assert_close_report(precise_value(q, got), want["master_param"], exact=True,
+                                msg=f"step {s}: master {i}")
+            for key in state_keys:
+                assert_close_report(got[key], want[key], exact=True, msg=f"step {s}: {key} {i}")
+    for p, q in zip(params, twin):
+        high = (opts[0].state[p]["master_param"].view(torch.int32) >> 16).to(torch.int16)
+        assert torch.equal(q.detach().view(torch.int16), high)
+
+
+def check_cuda_steps_are_the_cpu_steps(make):
+    """`make(params)` (one bf16 mode): three steps on the GPU give the CPU's params and state
+    bit for bit."""
+    params = make_params([(300,), (65537,), (4, 5)], torch.bfloat16, "cpu")
+    on_cuda = [p.detach().cuda().requires_grad_() for p in params]
+    optimizers = [make(ps) for ps in (params, on_cuda)]
+    for s in range(3):
+        for ps, optimizer in zip((params, on_cuda), optimizers):
+            set_grads(ps, step_grads(ps, s))
+            optimizer.step()
+    for i, (c, g) in enumerate(zip(params, on_cuda)):
+        assert_close_report(g.detach().cpu(), c.detach(), exact=True, msg=f"param {i}")
+        for key, value in optimizers[0].state[c].items():
+            assert_close_report(optimizers[1].state[g][key].cpu(), value, exact=True,
+                                msg=f"{key} of param {i}")
 
 
 def check_bad_options_are_refused_by_name(cls, options, patterns):

@@ -8,6 +8,7 @@ refused); here is what is Adagrad's own, with test_bf16_master_ops.py's op helpe
 import pytest
 import torch
 
+from fused_optimizer_usage import check_cuda_steps_are_the_cpu_steps
 from helpers import POSITIONS, clone_args, position_index, raises_naming
 from test_adam import make_params, set_grads, step_grads
 from test_bf16_master_modes import (
@@ -133,18 +134,7 @@ def test_cuda_matches_cpu_bit_for_bit(mode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", BF16_MODES)
 def test_cuda_optimizer_matches_cpu_bit_for_bit(mode):
-    params = make_params([(300,), (65537,), (4, 5)], torch.bfloat16, "cpu")
-    on_cuda = [p.detach().cuda().requires_grad_() for p in params]
-    optimizers = [make_adagrad(ps, mode, 1e-2) for ps in (params, on_cuda)]
-    for s in range(3):
-        for ps, optimizer in zip((params, on_cuda), optimizers):
-            set_grads(ps, step_grads(ps, s))
-            optimizer.step()
-    for i, (c, g) in enumerate(zip(params, on_cuda)):
-        assert_close_report(g.detach().cpu(), c.detach(), exact=True, msg=f"param {i}")
-        for key, value in optimizers[0].state[c].items():
-            assert_close_report(optimizers[1].state[g][key].cpu(), value, exact=True,
-                                msg=f"{key} of param {i}")
+    check_cuda_steps_are_the_cpu_steps(lambda ps: make_adagrad(ps, mode, 1e-2))
 
 
 # master_args' refusals (csrc/ops/master_args.h) as fused_adagrad_ reports them: (the mode of

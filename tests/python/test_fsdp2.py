@@ -82,17 +82,21 @@ OPTIMIZERS = {
     "FusedLAMB (no masters, split)": lambda params: ampfuse.optimizers.FusedLAMB(
         params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, master_weights="split"
     ),
-    # Not element-wise either: each param's grad norm (L2: sums of squares added over the
-    # shards; max norm: maxima over the shards) blends into its running norm.
     "FusedAdagrad": lambda params: ampfuse.optimizers.FusedAdagrad(
         params, lr=1e-2, lr_decay=0.01, weight_decay=0.1, master_weights=True
     ),
+    # Not element-wise either: each param's grad norm (L2: sums of squares added over the
+    # shards; max norm: maxima over the shards) blends into its running norm.
     "FusedNovoGrad": lambda params: ampfuse.optimizers.FusedNovoGrad(
         params, lr=1e-2, weight_decay=0.1, master_weights=True
     ),
     "FusedNovoGrad (max norm)": lambda params: ampfuse.optimizers.FusedNovoGrad(
         params, lr=1e-2, weight_decay=0.1, norm_type=0, reg_inside_moment=True,
         master_weights=True
+    ),
+    # Its second pass reads the master that each shard's params and low halves make up.
+    "FusedNovoGrad (no masters, split)": lambda params: ampfuse.optimizers.FusedNovoGrad(
+        params, lr=1e-2, weight_decay=0.1, master_weights="split"
     ),
 }
 

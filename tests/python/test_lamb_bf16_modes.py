@@ -14,7 +14,9 @@ from ampfuse.optimizers import FusedLAMB
 from ampfuse.optimizers._precision import _joined, precise_value
 from fused_optimizer_usage import (
     check_dtensor_params_step_like_plain_ones,
+    check_dtensor_state_is_the_plain_state,
     check_skip_nonfinite_leaves_everything_as_it_was,
+    check_split_steps_exactly_as_fp32_masters,
 )
 from helpers import POSITIONS, clone_args, raises_naming
 from test_adam import clone_params, make_params, set_grads, step_grads
@@ -177,23 +179,8 @@ def test_cuda_matches_the_cpu(mode):
 def test_split_steps_exactly_as_fp32_masters(device):
     """Masters and moments of "split" are True's at every step (with decay, so trust ratios,
     and grads of norm ~800 clipped to 1); the param is the master's high half."""
-    params = make_params(SHAPES, torch.bfloat16, device)
-    twin = clone_params(params)
-    opts = (make_lamb(params, True), make_lamb(twin, "split"))
-    for s in range(5):
-        grads = step_grads(params, s, scale=3.0)
-        for ps, opt in zip((params, twin), opts):
-            set_grads(ps, grads)
-            opt.step()
-        for i, (p, q) in enumerate(zip(params, twin)):
-            want, got = opts[0].state[p], opts[1].state[q]
-            assert_close_report(precise_value(q, got), want["master_param"], exact=True,
-                                msg=f"step {s}: master {i}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert_close_report(got[key], want[key], exact=True, msg=f"step {s}: {key} {i}")
-    for p, q in zip(params, twin):
-        high = (opts[0].state[p]["master_param"].view(torch.int32) >> 16).to(torch.int16)
-        assert torch.equal(q.detach().view(torch.int16), high)
+    check_split_steps_exactly_as_fp32_masters(make_lamb, ("exp_avg", "exp_avg_sq"), SHAPES,
+                                              device)
 
 
 @pytest.mark.parametrize("source, target", [(True, "split"), ("split", True)], ids=mode_id)
@@ -229,11 +216,5 @@ def test_skip_nonfinite_leaves_everything_as_it_was(mode, position, bad):
 @pytest.mark.parametrize("mode", BF16_MODES)
 def test_dtensor_params_step_like_plain_ones(one_rank, mode):
     """The DTensor rule runs the two halves with the mode's arguments (ampfuse.distributed)."""
-    plain, sharded, opts = check_dtensor_params_step_like_plain_ones(
-        lambda ps: make_lamb(ps, mode), grad_scale=4.0, dtype=torch.bfloat16)
-    for p, q in zip(plain, sharded):
-        for key, value in opts[0].state[p].items():
-            other = opts[1].state[q][key]
-            # One rank: the local shard is the whole tensor (gloo gathers no int16).
-            assert torch.equal(value, other.to_local() if hasattr(other, "to_local")
-                               else other), key
+    check_dtensor_state_is_the_plain_state(*check_dtensor_params_step_like_plain_ones(
+        lambda ps: make_lamb(ps, mode), grad_scale=4.0, dtype=torch.bfloat16))

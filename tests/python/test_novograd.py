@@ -230,7 +230,7 @@ BAD_OPTIONS = {
     "norm_type": ({"norm_type": 1}, ["norm_type=1", "2 .the L2 norm. or 0"]),
     "norm_type_inf": ({"norm_type": float("inf")}, ["norm_type=inf"]),
     "bool_norm_type": ({"norm_type": True}, ["norm_type=True"]),
-    "kahan": ({"master_weights": "kahan"}, ["master_weights", "FusedAdam"]),
+    "master_weights": ({"master_weights": "Kahan"}, ["master_weights='Kahan'", "'kahan'"]),
     "beta": ({"betas": (0.9, 1.0)}, ["betas", r"\[0, 1\)"]),
     "flag": ({"init_zero": 1}, ["init_zero", "True or False"]),
     "negative_decay": ({"weight_decay": -1.0}, ["weight_decay", ">= 0"]),

@@ -136,8 +136,6 @@ OPTIMIZERS = {
     "adamw": lambda master: (
         lambda params: FusedAdamW(params, lr=0.01, weight_decay=0.1, master_weights=master)
     ),
-    # The bf16 master-free modes are Adam's and SGD's only: the precisions below skip them for the
-# others.
     "lamb": lambda master: (
         lambda params: FusedLAMB(params, lr=0.01, weight_decay=0.1, max_grad_norm=0.5,
                                  master_weights=master)
@@ -163,11 +161,8 @@ PRECISIONS = {
 }
 
 
-# Every optimizer with every precision it takes: FusedAdagrad, FusedLAMB and FusedNovoGrad
-# have no master-free bf16 modes.
-OPTIMIZER_PRECISIONS = [(name, precision) for name in OPTIMIZERS for precision in PRECISIONS
-                        if not (name in ("adagrad", "lamb", "novograd")
-                                and isinstance(PRECISIONS[precision][1], str))]
+# Every optimizer with every precision: all of them take the master-free bf16 modes.
+OPTIMIZER_PRECISIONS = [(name, precision) for name in OPTIMIZERS for precision in PRECISIONS]
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

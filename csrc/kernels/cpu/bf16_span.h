@@ -1,5 +1,5 @@
 // Reading and writing one element of a bf16 param in a master-free mode (Bf16Span,
-// bf16_modes.h) from the CPU span loops: shared by the Adam, SGD and Adagrad loops
+// bf16_modes.h) from the CPU span loops: shared by the Adam, SGD, Adagrad and NovoGrad loops
 // (optimizer_bf16_kernels.cpp) and LAMB's two passes (lamb_kernels.cpp), so that every
 // optimizer loads the same value and draws the same stochastic bits for an element.
 #pragma once

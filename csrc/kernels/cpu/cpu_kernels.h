@@ -99,6 +99,12 @@ void sgd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType
 void adagrad_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
                        bool write_grad, float* sum, std::int64_t n, const AdagradStep& step);
 
+// novograd_apply_span for such a param (NovoGrad's first pass reads only the grads, so it has
+// no bf16 variant): the same grads, first moment and denominator.
+void novograd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                        bool write_grad, float* exp_avg, std::int64_t n, const NovoGradStep& step,
+                        float denom);
+
 // lamb_moments_span and lamb_apply_span for such a param: the first pass reads the value its
 // mode holds (param and compensation, or param and low half) and writes only the moments; the
 // second writes the param (and its compensation or low half) through its mode.

@@ -1,7 +1,7 @@
-// CPU Adam/AdamW, SGD and Adagrad span kernels for bf16 params without an fp32 master
-// (master_weights="stochastic", "kahan" and "split"; bf16_modes.h). The loops are
+// CPU Adam/AdamW, SGD, Adagrad and NovoGrad (second pass) span kernels for bf16 params without
+// an fp32 master (master_weights="stochastic", "kahan" and "split"; bf16_modes.h). The loops are
 // optimizer_variants.h's with the param read and written through Bf16Param<kMode>: the update
-// math is the same optimizer_math.h / adagrad_math.h code. bf16 converts with shifts, so these
+// math is the same optimizer_math.h / adagrad_math.h / novograd_math.h code. bf16 converts with shifts, so these
 // scalar loops (with their AVX2 clone) vectorize; options that are off are bit selects here (see
 // choose()).
 #include "bf16_span.h"
@@ -61,6 +61,24 @@ AMPFUSE_CPU_CLONES void adagrad_bf16_loop(std::uint16_t* __restrict param,
   }
 }
 
+// As adagrad_bf16_loop, for novograd_update's reg_inside_moment branch.
+template <MasterMode kMode, bool kWriteGrad, bool kRegInsideMoment, typename Grad>
+AMPFUSE_CPU_CLONES void novograd_bf16_loop(std::uint16_t* __restrict param,
+                                           std::uint16_t* __restrict extra,
+                                           Grad* __restrict grad, float* __restrict exp_avg,
+                                           std::int64_t n, const RoundingKey key,
+                                           std::uint32_t first_lo, NovoGradStep step,
+                                           float denom) {
+  step.reg_inside_moment = kRegInsideMoment;
+  for (std::int64_t i = 0; i < n; ++i) {
+    float g;
+    float p = load_bf16_param_and_grad<kMode, kWriteGrad>(param, extra, grad, i,
+                                                           step.grad_scale, g);
+    novograd_update(p, g, exp_avg[i], denom, step);
+    store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
+  }
+}
+
 }  // namespace
 
 void adam_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
@@ -95,6 +113,18 @@ void adagrad_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, D
       adagrad_bf16_loop<decltype(mode)::value, write, decoupled>(
           param, bf16.extra, g, sum, n, chunk_key(bf16.key, bf16.first_index),
           static_cast<std::uint32_t>(bf16.first_index), step);
+    });
+  });
+}
+
+void novograd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+                        bool write_grad, float* exp_avg, std::int64_t n, const NovoGradStep& step,
+                        float denom) {
+  with_bf16_span_types(bf16, grad, grad_dtype, write_grad, [&](auto mode, auto* g, auto write) {
+    with_flag(step.reg_inside_moment, [&](auto inside) {
+      novograd_bf16_loop<decltype(mode)::value, write, inside>(
+          param, bf16.extra, g, exp_avg, n, chunk_key(bf16.key, bf16.first_index),
+          static_cast<std::uint32_t>(bf16.first_index), step, denom);
     });
   });
 }

@@ -119,17 +119,6 @@ class ParamGroupsMixin:
                     "must be in [0, 1)."
                 )
 
-    def _check_fp32_masters_only(self, index, group):
-        """master_weights of the optimizers without the bf16 master-free modes (FusedNovoGrad):
-        True (fp32 masters) or False."""
-        if not (group["master_weights"] is True or group["master_weights"] is False):
-            raise ValueError(
-                f"{type(self).__name__}: param_groups[{index}] has "
-                f"master_weights={group['master_weights']!r}; {type(self).__name__} takes True "
-                "(fp32 masters) or False. The bf16 modes ('stochastic', 'kahan', 'split') are "
-                "FusedAdam's, FusedSGD's, FusedAdagrad's and FusedLAMB's."
-            )
-
     def _check_nonnegative(self, index, group, key):
         if not group[key] >= 0.0:
             raise ValueError(

@@ -1,6 +1,6 @@
 """FusedNovoGrad: apex.optimizers.FusedNovoGrad's NovoGrad (layer-wise adaptive moments, Ginsburg
 et al. 2019; the optimizer of Jasper and QuartzNet) over whole param lists, with optional fp32
-master weights, on top of torch.ops.ampfuse.fused_novograd_."""
+master weights or the master-free bf16 modes, on top of torch.ops.ampfuse.fused_novograd_."""
 
 from __future__ import annotations
 
@@ -42,13 +42,23 @@ class FusedNovoGrad(FusedOptimizer):
             defaults.
         amsgrad: must be False (apex refuses it too).
         master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
-            masters), False updates params in place.
+            masters), False updates params in place. For bf16 params without fp32 masters,
+            "stochastic", "kahan" and "split" as in FusedAdam (README, "Master-free bf16"). The
+            running norms come from the grads alone, so a mode changes only how the update is
+            applied: the value it starts from (the param plus its compensation, or the master
+            the param and its low half make up) and how the result is stored. "split" steps
+            exactly as True does (masters, moments and running norms bit for bit). fp16 params
+            are refused by these modes.
+        rounding_seed: the seed of master_weights="stochastic", as in FusedAdam; the random bits
+            are keyed as FusedAdam's (seed, step, param index, element).
         set_grad_none, write_unscaled_grads, skip_nonfinite, capturable: as in FusedAdam.
 
     Differences from apex: the first moment is fp32 for fp16 params too (apex kept it in the
     param's dtype), bf16 params work (apex refused them), and the step count and running norm
     are kept per param, as torch.optim keeps state: a param without a grad in some step neither
-    counts that step nor breaks the next (apex asserted that every param had a grad).
+    counts that step nor breaks the next (apex asserted that every param had a grad). The saved
+    per-param 'step' also keys master_weights="stochastic"'s random bits, so a resumed run draws
+    the same ones.
     state_dict() also writes apex's per-group 'step' and 'exp_avg_sq' (the running norms of the
     group's fp16 and fp32 params) where every param of the group has state, and
     load_state_dict() reads them from apex's checkpoints. fp16 grads may come scaled
@@ -81,6 +91,7 @@ class FusedNovoGrad(FusedOptimizer):
         capturable=False,
         write_unscaled_grads=True,
         skip_nonfinite=False,
+        rounding_seed=0,
     ):
         if amsgrad:
             raise ValueError("FusedNovoGrad: amsgrad=True has no NovoGrad variant (apex refuses "
@@ -100,6 +111,7 @@ class FusedNovoGrad(FusedOptimizer):
             "capturable": capturable,
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
+            "rounding_seed": rounding_seed,
         }
         super().__init__(params, defaults, set_grad_none)
 
@@ -120,7 +132,6 @@ class FusedNovoGrad(FusedOptimizer):
                 f"{name}: param_groups[{index}] has norm_type={norm_type!r}; use 2 (the L2 "
                 "norm) or 0 (the max norm), as apex.optimizers.FusedNovoGrad."
             )
-        self._check_fp32_masters_only(index, group)
 
     def _state_keys(self, group):
         return ("exp_avg", "norm_avg")
@@ -158,6 +169,7 @@ class FusedNovoGrad(FusedOptimizer):
             grad_scale,
             found_inf,
             write_unscaled_grads=bool(group["write_unscaled_grads"]),
+            **call.master_args(group),
         )
 
     # ---- state_dict -----------------------------------------------------------------------
