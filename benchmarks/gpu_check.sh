@@ -16,9 +16,11 @@
 # Each stage prints the seconds since the start, so a run cut off by the device tool's 600 s
 # limit still says how far it got and what took the time. GPU_CHECK_STAGES picks stages for a
 # follow-up call (the build always runs): any of "ctest pytest bench fp8 train profile
-# apex_optimizers"; the default is the first six, in that order. apex_optimizers (bench_lamb and
-# bench_novograd against their foreach versions) is asked for by name, so that the default run
-# stays within one call; its tables are appended to bench_table.txt.
+# apex_optimizers master_modes"; the default is the first six, in that order. apex_optimizers
+# (bench_lamb and bench_novograd against their foreach versions) and master_modes (the bf16
+# master-free modes of FusedAdagrad, FusedLAMB and FusedNovoGrad against fp32 masters; AdamW's
+# are in the bench stage) are asked for by name, so that the default run stays within one call;
+# their tables are appended to bench_table.txt.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -27,9 +29,9 @@ mkdir -p "$out"
 stages=" ${GPU_CHECK_STAGES:-ctest pytest bench fp8 train profile} "
 for stage in $stages; do
   case "$stage" in
-    ctest | pytest | bench | fp8 | train | profile | apex_optimizers) ;;
+    ctest | pytest | bench | fp8 | train | profile | apex_optimizers | master_modes) ;;
     *)
-      echo "gpu_check: unknown stage '$stage' in GPU_CHECK_STAGES; the stages are: ctest pytest bench fp8 train profile apex_optimizers"
+      echo "gpu_check: unknown stage '$stage' in GPU_CHECK_STAGES; the stages are: ctest pytest bench fp8 train profile apex_optimizers master_modes"
       exit 2
       ;;
   esac
@@ -98,6 +100,14 @@ if wanted apex_optimizers; then
   for bench in bench_lamb bench_novograd; do
     PYTHONPATH=python python3 "benchmarks/$bench.py" --device cuda >>"$out/bench_table.txt" 2>&1 ||
       bench_status=$?
+  done
+fi
+if wanted master_modes; then
+  # bf16 params without fp32 masters: each mode's step against master_weights=True, interleaved.
+  started "master-free bf16 modes of Adagrad, LAMB and NovoGrad (bench_master_modes.py)"
+  for optimizer in adagrad lamb novograd; do
+    PYTHONPATH=python python3 benchmarks/bench_master_modes.py --device cuda \
+      --optimizer "$optimizer" >>"$out/bench_table.txt" 2>&1 || bench_status=$?
   done
 fi
 if wanted profile; then
