@@ -61,7 +61,7 @@ import dataclasses
 import sys
 
 import torch
-from _checks import Checks
+from _checks import Checks, hyperparameters
 from _task import CLASSES, quadrant_images
 import torch.nn.functional as F
 
@@ -203,11 +203,6 @@ def check_fast_norm():
     rms = fast_norm.fast_rms_norm(x, [64], weight, 1e-5)
     check(torch.allclose(rms, F.rms_norm(x, (64,), weight, 1e-5), atol=1e-5),
           "fast_rms_norm (apex path) matches F.rms_norm")
-
-
-def hyperparameters(optimizer):
-    """Each param group's settings (all but its params), in group order."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def check_novograd_factory():

@@ -46,7 +46,7 @@ import textwrap
 
 import torch
 import torch.nn.functional as F
-from _checks import Checks
+from _checks import Checks, hyperparameters
 from _task import quadrant_images, small_cnn
 
 from ampfuse.apex_compat import install_apex_alias
@@ -191,10 +191,6 @@ def train(model, optimizer):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
-
-
-def hyperparameters(optimizer):
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def check_optimizer(name):
