@@ -49,13 +49,17 @@ catch2:
 	  apt-get update -qq && apt-get install -y -qq catch2 >/dev/null; } || { \
 	  echo "error: the C++ tests need Catch2 2.x: run 'apt-get install catch2' as root"; exit 1; }
 
-# The GPU machine has no network and no Catch2: this downloads Debian's catch2 package into
-# .gpu/ (git-ignored) for benchmarks/gpu_check.sh, which unpacks it there with dpkg -x.
+# The GPU machine has no network, no Catch2 and no expecttest (which torch.testing._internal,
+# and so two of the CUDA test files, import): this downloads Debian's catch2 package and
+# expecttest's wheel into .gpu/ (git-ignored) for benchmarks/gpu_check.sh, which unpacks the one
+# with dpkg -x and installs the other into a folder of its own.
 .PHONY: gpu-deps
-gpu-deps:
+gpu-deps: env
 	mkdir -p .gpu
-	rm -f .gpu/catch2_*.deb
+	rm -f .gpu/catch2_*.deb .gpu/expecttest-*.whl
 	cd .gpu && apt-get download catch2
+	$(VPY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --dest .gpu expecttest
 
 clean:
 	rm -rf build python/ampfuse/_C*.so

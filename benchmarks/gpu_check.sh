@@ -72,6 +72,14 @@ fi
 
 tests_status=0
 if wanted pytest; then
+  # torch.testing._internal (test_torch_optim_*.py) imports expecttest, which the image lacks.
+  expecttest_whl=$(ls .gpu/expecttest-*.whl 2>/dev/null | head -n 1)
+  if [[ -n "$expecttest_whl" ]]; then
+    python3 -m pip install --quiet --no-index --no-deps --target .gpu/site "$expecttest_whl" &&
+      export PYTHONPATH=".gpu/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_check: no .gpu/expecttest-*.whl: run 'make gpu-deps' (two CUDA test files need it)"
+  fi
   started "CUDA tests: python3 -m pytest -m cuda -q tests/python"
   python3 -m pytest -m cuda -q -rfE tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
   tests_status=${PIPESTATUS[0]}
