@@ -1,7 +1,7 @@
 // Device buffers for the CUDA kernel tests (host code: the CUDA runtime API only): a tensor of
 // raw element bits with its device copy, an optimizer's param, grad and first moment viewed
-// part of the way into theirs, a device array and a device scalar; and comparisons, in units in
-// the last place, of what they download. Every CUDA call is a REQUIRE.
+// part of the way into theirs, a device array and a device scalar; and a comparison of floats in
+// units in the last place. Every CUDA call is a REQUIRE.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -133,43 +133,17 @@ struct DeviceScalar {
   }
 };
 
-// Distance in units in the last place between two floats of `dtype` held as raw bits: the bit
-// patterns mapped onto one ordered integer line (so -0 and +0 are 0 apart).
-inline std::int64_t ulps_apart(const unsigned char* a, const unsigned char* b, DType dtype) {
-  const auto ordered = [&](const unsigned char* x) -> std::int64_t {
-    if (dtype == DType::kFloat32) {
-      std::uint32_t bits;
-      std::memcpy(&bits, x, 4);
-      const std::int64_t magnitude = bits & 0x7fffffffu;
-      return bits & 0x80000000u ? -magnitude : magnitude;
-    }
-    std::uint16_t bits;
-    std::memcpy(&bits, x, 2);
-    const std::int64_t magnitude = bits & 0x7fffu;
-    return bits & 0x8000u ? -magnitude : magnitude;
+// Whether two floats are within `ulps` units in the last place: their bit patterns mapped onto
+// one ordered integer line (so -0 and +0 are 0 apart).
+inline bool floats_within_ulps(float a, float b, std::int64_t ulps) {
+  const auto ordered = [](float x) -> std::int64_t {
+    std::uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const std::int64_t magnitude = bits & 0x7fffffffu;
+    return bits & 0x80000000u ? -magnitude : magnitude;
   };
   const std::int64_t d = ordered(a) - ordered(b);
-  return d < 0 ? -d : d;
-}
-
-// The largest distance in ulps between two element arrays of `dtype` (raw bits).
-inline std::int64_t max_ulps(const std::vector<unsigned char>& a,
-                             const std::vector<unsigned char>& b, DType dtype) {
-  REQUIRE(a.size() == b.size());
-  const std::size_t size = static_cast<std::size_t>(element_size(dtype));
-  std::int64_t worst = 0;
-  for (std::size_t i = 0; i < a.size(); i += size) {
-    const std::int64_t d = ulps_apart(&a[i], &b[i], dtype);
-    if (d > worst) worst = d;
-  }
-  return worst;
-}
-
-inline bool floats_within_ulps(float a, float b, std::int64_t ulps) {
-  unsigned char x[4], y[4];
-  std::memcpy(x, &a, 4);
-  std::memcpy(y, &b, 4);
-  return ulps_apart(x, y, DType::kFloat32) <= ulps;
+  return (d < 0 ? -d : d) <= ulps;
 }
 
 }  // namespace ampfuse::kernels::test
