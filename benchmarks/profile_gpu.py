@@ -13,7 +13,9 @@ The benchmarks (run.py) give one time per call or step. This splits it:
   cost); wall near kernels: the kernels are the cost, and their bandwidth is the question.
 - train: per training step of bench_train's models (torch amp, ampfuse O1, O2): wall time,
   host time to issue the step, summed kernel time and count, how much of it is copy/cast
-  kernels, and the largest kernels.
+  kernels, the synchronizing CUDA calls per step (torch's sync debug mode in "warn", counted;
+  torch's GradScaler makes one), and the largest kernels. Host time near wall time means the
+  step is host-bound or waits on the device: the syncs column tells which.
 On the CPU the kernel columns are empty ("-"): the host figures still compare ampfuse's
 per-call cost with torch's. Figures from a GPU go in RESULTS.md with the command.
 """
@@ -21,6 +23,7 @@ per-call cost with torch's. Figures from a GPU go in RESULTS.md with the command
 import argparse
 import statistics
 import time
+import warnings
 
 import torch
 from torch.autograd import DeviceType
@@ -118,6 +121,21 @@ def _fmt(value, spec):
     return f"{value:{spec}}" if value is not None else f"{'-':>{spec.split('.')[0]}}"
 
 
+def _syncs_per_step(step, batches, steps):
+    """Synchronizing CUDA calls per training step: torch warns on each one in sync debug mode
+    "warn" (a warning per call, raised again in this thread for the backward's engine thread).
+    The caller has synchronized, and nothing here synchronizes itself."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for i in range(steps):
+                step(batches[i % len(batches)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught) / steps
+
+
 def profile_train(args):
     train_args = bench_train.finish_args(
         bench_train.parse_args(["--device", args.device, *args.train_argv]))
@@ -127,7 +145,7 @@ def profile_train(args):
         print(f"# train {name} on {args.device}: ms per step, mean of {args.steps} profiled "
               "steps after warm-up")
         print(f"{'impl':>11} {'wall':>8} {'host':>8} {'kernels':>8} {'launches':>9} "
-              f"{'copy ms':>8} {'copies':>7}  largest kernels (ms per step)")
+              f"{'copy ms':>8} {'copies':>7} {'syncs':>6}  largest kernels (ms per step)")
         for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
             step, _, _ = bench_train.make_step(impl, workload, bench_train.AMP_DTYPES["fp16"]
                                                if args.device == "cuda" else torch.bfloat16)
@@ -155,11 +173,13 @@ def profile_train(args):
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:3]
             largest = "; ".join(f"{v / args.steps / 1e3:.2f} {k[:48]}" for k, v in top)
             on_gpu = args.device == "cuda"
+            syncs = _syncs_per_step(step, batches, args.steps) if on_gpu else None
             print(f"{impl:>11} {wall:8.2f} {statistics.mean(host_s) * 1e3:8.2f} "
                   f"{_fmt(busy if on_gpu else None, '8.2f')} "
                   f"{_fmt(len(kernels) / args.steps if on_gpu else None, '9.0f')} "
                   f"{_fmt(copy_ms if on_gpu else None, '8.2f')} "
-                  f"{_fmt(len(copies) / args.steps if on_gpu else None, '7.0f')}  {largest}")
+                  f"{_fmt(len(copies) / args.steps if on_gpu else None, '7.0f')} "
+                  f"{_fmt(syncs, '6.1f')}  {largest}")
             del step
             if args.device == "cuda":
                 torch.cuda.empty_cache()
