@@ -236,9 +236,15 @@ def torch_adamw(params, device):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True), "foreach"
 
 
+def _no_mark(part):
+    pass
+
+
 def make_step(impl, workload, dtype):
-    """Builds a fresh model and optimizer for `impl`; returns (step(batch) -> loss, optimizer
-    description, parameter count)."""
+    """Builds a fresh model and optimizer for `impl`; returns (step(batch, mark) -> loss,
+    optimizer description, parameter count). The step calls mark("forward") after zero_grad,
+    forward and loss, mark("backward") after the backward, and mark("step") after the optimizer
+    step with its unscale and loss-scale update: profile_gpu.py times the parts by it."""
     device = workload.args.device
     torch.manual_seed(workload.args.seed)
     model = workload.model()
@@ -248,11 +254,14 @@ def make_step(impl, workload, dtype):
     if impl == "fp32":
         opt, kind = torch_adamw(model.parameters(), device)
 
-        def step(batch):
+        def step(batch, mark=_no_mark):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(batch[0]), batch[1])
+            mark("forward")
             loss.backward()
+            mark("backward")
             opt.step()
+            mark("step")
             return loss
 
         return step, f"AdamW({kind})", count
@@ -261,13 +270,16 @@ def make_step(impl, workload, dtype):
         opt, kind = torch_adamw(model.parameters(), device)
         scaler = torch.amp.GradScaler(device)
 
-        def step(batch):
+        def step(batch, mark=_no_mark):
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device, dtype=dtype):
                 loss = loss_fn(model(batch[0]), batch[1])
+            mark("forward")
             scaler.scale(loss).backward()
+            mark("backward")
             scaler.step(opt)
             scaler.update()
+            mark("step")
             return loss
 
         return step, f"AdamW({kind}) + GradScaler", count
@@ -283,12 +295,15 @@ def make_step(impl, workload, dtype):
                                     fp8=fp8)
         name = "FusedAdam (fp32 masters)" + (", FP8" if fp8 else "")
 
-    def step(batch):
+    def step(batch, mark=_no_mark):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(batch[0]), batch[1])
+        mark("forward")
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
+            mark("backward")
         opt.step()
+        mark("step")
         return loss
 
     return step, name, count

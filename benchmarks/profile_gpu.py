@@ -14,8 +14,10 @@ The benchmarks (run.py) give one time per call or step. This splits it:
 - train: per training step of bench_train's models (torch amp, ampfuse O1, O2): wall time,
   host time to issue the step, summed kernel time and count, how much of it is copy/cast
   kernels, the synchronizing CUDA calls per step (torch's sync debug mode in "warn", counted;
-  torch's GradScaler makes one), and the largest kernels. Host time near wall time means the
-  step is host-bound or waits on the device: the syncs column tells which.
+  torch's GradScaler makes one), the host time of each part of the step (forward with loss,
+  backward, and the optimizer step with its unscale and scale update; unprofiled steps), and
+  the largest kernels. Host time near wall time means the step is host-bound or waits on the
+  device: the syncs column tells which, and the parts where.
 On the CPU the kernel columns are empty ("-"): the host figures still compare ampfuse's
 per-call cost with torch's. Figures from a GPU go in RESULTS.md with the command.
 """
@@ -136,6 +138,24 @@ def _syncs_per_step(step, batches, steps):
     return sum("synchronizing" in str(w.message) for w in caught) / steps
 
 
+def _host_ms_per_part(step, batches, steps, device):
+    """Mean host milliseconds of each part of a step, from its marks (bench_train.make_step),
+    over unprofiled steps that start on an idle device."""
+    totals = dict.fromkeys(("forward", "backward", "step"), 0.0)
+    for i in range(steps):
+        synchronize(device)
+        last = time.perf_counter()
+
+        def mark(part):
+            nonlocal last
+            now = time.perf_counter()
+            totals[part] += now - last
+            last = now
+
+        step(batches[i % len(batches)], mark)
+    return {part: seconds / steps * 1e3 for part, seconds in totals.items()}
+
+
 def profile_train(args):
     train_args = bench_train.finish_args(
         bench_train.parse_args(["--device", args.device, *args.train_argv]))
@@ -145,7 +165,8 @@ def profile_train(args):
         print(f"# train {name} on {args.device}: ms per step, mean of {args.steps} profiled "
               "steps after warm-up")
         print(f"{'impl':>11} {'wall':>8} {'host':>8} {'kernels':>8} {'launches':>9} "
-              f"{'copy ms':>8} {'copies':>7} {'syncs':>6}  largest kernels (ms per step)")
+              f"{'copy ms':>8} {'copies':>7} {'syncs':>6} {'host fwd':>8} {'bwd':>6} "
+              f"{'step':>6}  largest kernels (ms per step)")
         for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
             step, _, _ = bench_train.make_step(impl, workload, bench_train.AMP_DTYPES["fp16"]
                                                if args.device == "cuda" else torch.bfloat16)
@@ -174,12 +195,14 @@ def profile_train(args):
             largest = "; ".join(f"{v / args.steps / 1e3:.2f} {k[:48]}" for k, v in top)
             on_gpu = args.device == "cuda"
             syncs = _syncs_per_step(step, batches, args.steps) if on_gpu else None
+            parts = _host_ms_per_part(step, batches, args.steps, args.device)
             print(f"{impl:>11} {wall:8.2f} {statistics.mean(host_s) * 1e3:8.2f} "
                   f"{_fmt(busy if on_gpu else None, '8.2f')} "
                   f"{_fmt(len(kernels) / args.steps if on_gpu else None, '9.0f')} "
                   f"{_fmt(copy_ms if on_gpu else None, '8.2f')} "
                   f"{_fmt(len(copies) / args.steps if on_gpu else None, '7.0f')} "
-                  f"{_fmt(syncs, '6.1f')}  {largest}")
+                  f"{_fmt(syncs, '6.1f')} {parts['forward']:8.2f} {parts['backward']:6.2f} "
+                  f"{parts['step']:6.2f}  {largest}")
             del step
             if args.device == "cuda":
                 torch.cuda.empty_cache()
