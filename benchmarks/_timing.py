@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -263,6 +264,15 @@ def copy_bandwidth(nbytes, device, warmup, repeats):
 # --- one comparison ----------------------------------------------------------------------------
 
 
+def error_text(error):
+    """The first line of a torch row's error, for its table cell. torch's dispatch errors name
+    the kernel first, as in "_amp_foreach_non_finite_check_and_unscale_cuda" not implemented
+    for 'BFloat16', so a narrow cell would show only the name: the reason goes first."""
+    line = (str(error).strip() or type(error).__name__).splitlines()[0]
+    match = re.fullmatch(r'"(\w+)" (not implemented for .+)', line)
+    return (f"{match[2]}: {match[1]}" if match else line)[:120]
+
+
 def compare(
     *,
     op,
@@ -304,7 +314,7 @@ def compare(
     try:
         torch_times = timed(torch_call)
     except (NotImplementedError, RuntimeError) as error:
-        torch_error = str(error).splitlines()[0][:120]
+        torch_error = error_text(error)
     second = timed(ampfuse_call)
     sets.clear()  # free the sets before the copy measurement allocates its own
     copy_bps = copy_bandwidth(floor_bytes, device, args.warmup, args.repeats)

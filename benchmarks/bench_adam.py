@@ -28,6 +28,14 @@ bytes:
                             and found_inf given as GradScaler does; it writes the unscaled grads
                             back too. Floor 32.
 
+Where torch has no fused kernel of the optimizer for the device (Adagrad on CUDA: torch 2.11's
+Adagrad(fused=True) takes CPU tensors only), the two torch rows step with foreach=True instead
+and say so: "torch foreach masters" and "torch foreach fp32". A foreach step cannot skip on
+found_inf without a host sync (GradScaler reads found_inf on the host first), so these rows step
+unconditionally and the fp32 one leaves the grads scaled: they time less than torch's AMP step
+does, a lower bound of its cost. The fp32 row's floor is then 4 bytes/param less (grads only
+read); the masters pipeline's is the same.
+
 Rows whose step writes the grads back are given a loss scale of 1, so that the same data is
 timed at every call (the division and the write are the same work for any scale); the others
 use 1024.
@@ -41,10 +49,10 @@ never asserts a time.
 
 import argparse
 import dataclasses
+import functools
 import statistics
 
 import torch
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 import ampfuse
 from ampfuse.optimizers import FusedAdamW
@@ -54,6 +62,7 @@ from _timing import (
     budget_s,
     copy_bandwidth,
     element_count,
+    error_text,
     finish_args,
     generator,
     model_like_shapes,
@@ -136,32 +145,44 @@ def ampfuse_adam(dtype, device, unscale_first, write_unscaled_grads=True):
                             write_unscaled_grads)
 
 
-def torch_optimizer(params, cls=torch.optim.AdamW, **kwargs):
-    """cls(fused=True), or foreach where this torch has no fused kernel for the device (the
-    foreach path cannot skip on the device, so it is then given no found_inf)."""
-    if params[0].device.type in _get_fused_kernels_supported_devices():
-        return cls(params, fused=True, **kwargs), True
-    return cls(params, foreach=True, **kwargs), False
+@functools.cache
+def has_fused(cls, device):
+    """Whether cls(fused=True) can step on `device`. torch's list of fused devices
+    (_get_fused_kernels_supported_devices) is not per optimizer: Adagrad's fused kernel is CPU
+    only in torch 2.11 and raises at the first step on CUDA. So one step on one element tells."""
+    p = torch.zeros(1, device=device, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    try:
+        cls([p], fused=True).step()
+    except RuntimeError:
+        return False
+    return True
+
+
+def torch_optimizer(params, fused, cls=torch.optim.AdamW, **kwargs):
+    """cls(fused=True), or cls(foreach=True) when not `fused` (see has_fused)."""
+    return cls(params, fused=True, **kwargs) if fused else cls(params, foreach=True, **kwargs)
 
 
 def torch_masters(dtype, device, baseline, floor_per_param=None, **optimizer):
     """copy up + unscale + fused step on the fp32 masters + copy down; `optimizer` picks the torch
     class and its hyperparameters (AdamW by default)."""
     optimizer = optimizer or dict(lr=LR, weight_decay=0.01)
+    fused = has_fused(optimizer.get("cls", torch.optim.AdamW), device)
 
     def make(shapes, gen):
         model = half_model(shapes, dtype, device, gen)
         masters = [p.detach().float() for p in model]
         for m in masters:
             m.grad = torch.empty_like(m)
-        opt, fused = torch_optimizer(masters, **optimizer)
+        opt = torch_optimizer(masters, fused, **optimizer)
         grad_scale, found_inf = scalars(device)
-        return opt, fused, model, [p.grad for p in model], masters, [m.grad for m in masters], \
+        return opt, model, [p.grad for p in model], masters, [m.grad for m in masters], \
             torch.reciprocal(grad_scale), found_inf
 
     @torch.no_grad()
     def call(s):
-        opt, fused, model, grads, masters, master_grads, inv_scale, found_inf = s
+        opt, model, grads, masters, master_grads, inv_scale, found_inf = s
         torch._foreach_copy_(master_grads, grads)
         torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
         if fused:
@@ -170,15 +191,19 @@ def torch_masters(dtype, device, baseline, floor_per_param=None, **optimizer):
         torch._foreach_copy_(model, masters)
 
     floor = 44 + 2 * dtype.itemsize if floor_per_param is None else floor_per_param
-    return Pipeline("torch masters pipeline", floor, make, call, baseline)
+    label = "torch masters pipeline" if fused else "torch foreach masters"
+    return Pipeline(label, floor, make, call, baseline)
 
 
 def torch_fp32(device, baseline, floor_per_param=32, **optimizer):
+    """The step on a plain fp32 model; floor_per_param is the fused step's, which writes the
+    grads back (a foreach step only reads them: 4 bytes less)."""
     optimizer = optimizer or dict(lr=LR, weight_decay=0.01)
+    fused = has_fused(optimizer.get("cls", torch.optim.AdamW), device)
 
     def make(shapes, gen):
         params = half_model(shapes, torch.float32, device, gen)
-        opt, fused = torch_optimizer(params, **optimizer)
+        opt = torch_optimizer(params, fused, **optimizer)
         if fused:
             # torch's fused step writes the unscaled grads back: a scale of 1 keeps them.
             opt.grad_scale, opt.found_inf = scalars(device, 1.0)
@@ -187,7 +212,9 @@ def torch_fp32(device, baseline, floor_per_param=32, **optimizer):
     def call(opt):
         opt.step()
 
-    return Pipeline("torch fused fp32", floor_per_param, make, call, baseline)
+    if fused:
+        return Pipeline("torch fused fp32", floor_per_param, make, call, baseline)
+    return Pipeline("torch foreach fp32", floor_per_param - 4, make, call, baseline)
 
 
 def time_pipeline(pipeline, shapes, device, args):
@@ -199,7 +226,7 @@ def time_pipeline(pipeline, shapes, device, args):
     synchronize(device)
     times = time_calls(lambda i: pipeline.call(sets[i % sets_n]), device, max(args.warmup, sets_n),
                        args.repeats, budget_s(device))
-    del sets
+    sets.clear()  # frees the sets' tensors (the lambda still names the list) before empty_cache
     if device == "cuda":
         torch.cuda.empty_cache()
     return times, sets_n
@@ -218,7 +245,7 @@ def compare_pipelines(op, pipelines, shapes, dtype_name, args):
         try:
             results[p.label] = time_pipeline(p, shapes, device, args)
         except (RuntimeError, NotImplementedError) as error:
-            results[p.label] = str(error).splitlines()[0][:120]
+            results[p.label] = error_text(error)
     second = {p.label: time_pipeline(p, shapes, device, args) for p in ampfuse_rows}
 
     rows = []
@@ -300,7 +327,7 @@ def parse_args(description, argv=None):
 
 def format_rows(rows, env):
     columns = [("dtype", "{}", 5), ("tensors", "{}", 7), ("elements", "{:,}", 12),
-               ("impl", "{}", 26), ("ms", "{:.3f}", 9), ("noise%", "{:.1f}", 6),
+               ("impl", "{}", 29), ("ms", "{:.3f}", 9), ("noise%", "{:.1f}", 6),
                ("B/param", "{}", 7), ("GB/s", "{:.1f}", 7), ("%copy", "{:.0f}", 5),
                ("torch/ampfuse", "{:.2f}", 13)]
     keys = {"ms": "median_s", "noise%": "noise_pct", "B/param": "bytes_per_param", "GB/s": "gbps",

@@ -1,5 +1,7 @@
 """Times ampfuse.multi_tensor_unscale_ against torch._amp_foreach_non_finite_check_and_unscale_
-on model-shaped gradient lists. Byte floor: every gradient read once and written once.
+on model-shaped gradient lists. Byte floor: every gradient read once and written once. torch
+2.11 has no bf16 kernel of its op on CUDA (so GradScaler cannot unscale bf16 grads there): the
+bf16 torch row then says "not implemented for 'BFloat16'", and ampfuse's row has no ratio.
 
 Overflow attribution, side by side: rows "unscale_ flags" and "check flags" time the unscale
 and the read-only check (multi_tensor_nonfinite_check_) with a fresh tensor_flags each call, as
