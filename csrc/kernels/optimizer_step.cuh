@@ -96,6 +96,47 @@ __device__ __forceinline__ void update_element(const ChunkState<K>& state, int i
   for (int k = 0; k < K; ++k) state.arrays[k][i] = s[k];
 }
 
+// The kPack grads at i with the loss scale divided out, into g; stored back so with kWriteGrad.
+// Called before the state packs are loaded, so the grad pack is dead while the update runs:
+// that keeps Adam with AMSGrad and write-back within 64 registers (2 blocks of 512 threads per
+// SM) without spilling.
+template <bool kWriteGrad, int kPack, typename Grad>
+__device__ __forceinline__ void unscaled_grad_pack(Grad* grad, int i, float grad_scale,
+                                                   float (&g)[kPack]) {
+  Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
+#pragma unroll
+  for (int j = 0; j < kPack; ++j) {
+    g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), grad_scale);
+    if (kWriteGrad) gg.v[j] = DeviceElement<Grad>::store(g[j]);
+  }
+  if (kWriteGrad) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
+}
+
+// update(p, g[j], s) for each element j of the pack at i: the K state packs loaded before and
+// stored after, p from param(j) and handed back through store_param(j, p).
+template <int K, int kPack, typename Update, typename Param, typename StoreParam>
+__device__ __forceinline__ void update_pack(const ChunkState<K>& state, int i,
+                                            const float (&g)[kPack], Update& update,
+                                            Param&& param, StoreParam&& store_param) {
+  using F4 = Pack<float, kPack>;
+  F4 ss[K > 0 ? K : 1];
+#pragma unroll
+  for (int k = 0; k < K; ++k) ss[k] = *reinterpret_cast<const F4*>(state.arrays[k] + i);
+#pragma unroll
+  for (int j = 0; j < kPack; ++j) {
+    float p = param(j);
+    float s[K > 0 ? K : 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) s[k] = ss[k].v[j];
+    update(p, g[j], s);
+#pragma unroll
+    for (int k = 0; k < K; ++k) ss[k].v[j] = s[k];
+    store_param(j, p);
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) *reinterpret_cast<F4*>(state.arrays[k] + i) = ss[k];
+}
+
 // Runs update(p, g, s) on every element of a chunk: p the fp32 param (its master when there is
 // one), g the unscaled grad, s[0..K) the state values. Writes back the state, the master, the
 // param rounded to its dtype and, with kWriteGrad, the unscaled grad in its own dtype. Chunks
@@ -113,40 +154,21 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
     if (has_master) state.master[i] = p;
     param[i] = DeviceElement<Param>::store(p);
   };
-  // The grads are unscaled (and written back) before the state is loaded, so the grad pack is
-  // dead while the update runs: that keeps Adam with AMSGrad and write-back within 64
-  // registers (2 blocks of 512 threads per SM) without spilling.
   const auto pack = [&](int i) {
-    Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
     float g[kPack];
-#pragma unroll
-    for (int j = 0; j < kPack; ++j) {
-      g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), grad_scale);
-      if (kWriteGrad) gg.v[j] = DeviceElement<Grad>::store(g[j]);
-    }
-    if (kWriteGrad) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
+    unscaled_grad_pack<kWriteGrad>(grad, i, grad_scale, g);
     // With a master the param is only written: its old value is not read.
     Pack<Param, kPack> pp = has_master ? Pack<Param, kPack>{}
                                        : *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
     F4 ww = has_master ? *reinterpret_cast<const F4*>(state.master + i) : F4{};
-    F4 ss[K > 0 ? K : 1];
-#pragma unroll
-    for (int k = 0; k < K; ++k) ss[k] = *reinterpret_cast<const F4*>(state.arrays[k] + i);
-#pragma unroll
-    for (int j = 0; j < kPack; ++j) {
-      float p = has_master ? ww.v[j] : DeviceElement<Param>::load(pp.v[j]);
-      float s[K > 0 ? K : 1];
-#pragma unroll
-      for (int k = 0; k < K; ++k) s[k] = ss[k].v[j];
-      update(p, g[j], s);
-#pragma unroll
-      for (int k = 0; k < K; ++k) ss[k].v[j] = s[k];
-      ww.v[j] = p;
-      pp.v[j] = DeviceElement<Param>::store(p);
-    }
+    update_pack(
+        state, i, g, update,
+        [&](int j) { return has_master ? ww.v[j] : DeviceElement<Param>::load(pp.v[j]); },
+        [&](int j, float p) {
+          ww.v[j] = p;
+          pp.v[j] = DeviceElement<Param>::store(p);
+        });
     *reinterpret_cast<Pack<Param, kPack>*>(param + i) = pp;
-#pragma unroll
-    for (int k = 0; k < K; ++k) *reinterpret_cast<F4*>(state.arrays[k] + i) = ss[k];
     if (has_master) *reinterpret_cast<F4*>(state.master + i) = ww;
   };
   bool aligned = is_aligned_16(param) && is_aligned_16(grad) &&
@@ -156,44 +178,108 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
   visit_chunk<kPack>(n, aligned, pack, element);
 }
 
-// The bf16 modes (bf16_modes.h): f(i, p) on every element i of a chunk of a bf16 param, p its
-// value read through Bf16Param<kMode>, and written back through it once f has changed it. `extra` (list
-// `extra_list` of the table) holds the kahan compensations or split low halves, and is not
-// touched in kStochastic, whose random bits are keyed by the param id the launcher put in the
-// table's list_index. One element per access: a pack of 4 bf16s is only 8 bytes, and these
-// modes exist to save memory, not time.
+// A chunk of a bf16 param in one of the bf16 modes (bf16_modes.h): the param, and `extra` (list
+// `extra_list` of the table) holding the kahan compensations or split low halves, untouched in
+// kStochastic, whose random bits are keyed by the param id the launcher put in the table's
+// list_index and by the element's index in the tensor.
+template <MasterMode kMode>
+struct Bf16Chunk {
+  static constexpr bool kStochastic = kMode == MasterMode::kStochastic;
+  std::uint16_t* param;
+  std::uint16_t* extra;
+  RoundingKey key;
+  std::uint32_t first_lo;  // the chunk's first element in the tensor
+
+  template <int Depth>
+  __device__ Bf16Chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk, int extra_list,
+                       std::uint64_t seed, float steps_taken)
+      : param(static_cast<std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start),
+        extra(static_cast<std::uint16_t*>(table.addresses[extra_list][chunk.slot]) +
+              chunk.start),
+        key(chunk_key(rounding_key(seed, steps_taken,
+                                   static_cast<std::uint32_t>(table.list_index[chunk.slot])),
+                      chunk.start)),
+        first_lo(static_cast<std::uint32_t>(chunk.start)) {}
+
+  // The value element i holds; its bits for `param`, `extra`, given the new value.
+  __device__ float value(std::uint16_t param_bits, std::uint16_t extra_bits) const {
+    return Bf16Param<kMode>::load(param_bits, kStochastic ? std::uint16_t{0} : extra_bits);
+  }
+  __device__ void bits(float x, int i, std::uint16_t& param_bits,
+                       std::uint16_t& extra_bits) const {
+    Bf16Param<kMode>::store(x, param_bits, extra_bits,
+                            kStochastic ? rounding_bits(key, first_lo + i) : 0u);
+  }
+  // Element i read, changed by f(p), and written back.
+  template <typename F>
+  __device__ void update(int i, F&& f) const {
+    float p = value(param[i], kStochastic ? std::uint16_t{0} : extra[i]);
+    f(p);
+    std::uint16_t new_param, new_extra;
+    bits(p, i, new_param, new_extra);
+    param[i] = new_param;
+    if constexpr (!kStochastic) extra[i] = new_extra;
+  }
+};
+
+// f(i, p) on every element i of a chunk of a bf16 param in a bf16 mode, p its value, written
+// back once f has changed it; one element per access (LAMB's apply pass, which reads its trust
+// ratio per tensor).
 template <MasterMode kMode, int Depth, typename F>
 __device__ void visit_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
                                  int extra_list, std::uint64_t seed, float steps_taken, F&& f) {
-  auto* param = static_cast<std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start;
-  auto* extra = static_cast<std::uint16_t*>(table.addresses[extra_list][chunk.slot]) + chunk.start;
-  const RoundingKey key = chunk_key(
-      rounding_key(seed, steps_taken, static_cast<std::uint32_t>(table.list_index[chunk.slot])),
-      chunk.start);
-  const auto first_lo = static_cast<std::uint32_t>(chunk.start);
+  const Bf16Chunk<kMode> bf16(table, chunk, extra_list, seed, steps_taken);
   for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
-    constexpr bool stochastic = kMode == MasterMode::kStochastic;
-    float p = Bf16Param<kMode>::load(param[i], stochastic ? std::uint16_t{0} : extra[i]);
-    f(i, p);
-    std::uint16_t new_param, new_extra;
-    Bf16Param<kMode>::store(p, new_param, new_extra,
-                            stochastic ? rounding_bits(key, first_lo + i) : 0u);
-    param[i] = new_param;
-    if constexpr (!stochastic) extra[i] = new_extra;
+    bf16.update(i, [&](float& p) { f(i, p); });
   }
 }
 
 // update(p, g, s) on every element of such a chunk, as update_chunk does for the others: g the
-// unscaled grad (stored back so with kWriteGrad), s[0..K) the state values.
+// unscaled grad (stored back so with kWriteGrad), s[0..K) the state values. Where the param, the
+// extra array, the grads and the state are all aligned to their packs, 4 elements move per
+// access (8 bytes of each 16-bit array, 16 of each fp32 one), as update_chunk's packs do: one
+// 2-byte access per element kept too few bytes in flight per thread, and the H100 ran "split",
+// which moves fewer bytes than fp32 masters, at 1.27x their time. Each element's arithmetic and
+// random bits are the same in both paths, so the results are too. With three state arrays
+// (AMSGrad) the packs would spill at Adam's 64 registers, so that case keeps the element loop.
 template <MasterMode kMode, int K, bool kWriteGrad, int Depth, typename Grad, typename Update>
 __device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
                                   Grad* grad, int extra_list, const ChunkState<K>& state,
                                   std::uint64_t seed, float steps_taken, float grad_scale,
                                   Update&& update) {
-  visit_bf16_chunk<kMode>(table, chunk, extra_list, seed, steps_taken, [&](int i, float& p) {
+  constexpr int kPack = 4;
+  constexpr bool stochastic = Bf16Chunk<kMode>::kStochastic;
+  using Bits = Pack<std::uint16_t, kPack>;
+  using GradPack = Pack<Grad, kPack>;
+  const Bf16Chunk<kMode> bf16(table, chunk, extra_list, seed, steps_taken);
+
+  const auto element = [&](int i) {
     const float g = unscaled_grad<kWriteGrad>(grad, i, grad_scale);
-    update_element(state, i, p, g, update);
-  });
+    bf16.update(i, [&](float& p) { update_element(state, i, p, g, update); });
+  };
+  const auto pack = [&](int i) {
+    float g[kPack];
+    unscaled_grad_pack<kWriteGrad>(grad, i, grad_scale, g);
+    Bits pp = *reinterpret_cast<const Bits*>(bf16.param + i);
+    Bits ee = stochastic ? Bits{} : *reinterpret_cast<const Bits*>(bf16.extra + i);
+    update_pack(
+        state, i, g, update, [&](int j) { return bf16.value(pp.v[j], ee.v[j]); },
+        [&](int j, float p) { bf16.bits(p, i + j, pp.v[j], ee.v[j]); });
+    *reinterpret_cast<Bits*>(bf16.param + i) = pp;
+    if constexpr (!stochastic) *reinterpret_cast<Bits*>(bf16.extra + i) = ee;
+  };
+  const auto aligned_to = [](const void* p, std::size_t bytes) {
+    return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+  };
+  if constexpr (K > 2) {
+    for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) element(i);
+  } else {
+    bool aligned = aligned_to(bf16.param, sizeof(Bits)) && aligned_to(grad, sizeof(GradPack)) &&
+                   (stochastic || aligned_to(bf16.extra, sizeof(Bits)));
+#pragma unroll
+    for (int k = 0; k < K; ++k) aligned = aligned && is_aligned_16(state.arrays[k]);
+    visit_chunk<kPack>(chunk.size, aligned, pack, element);
+  }
 }
 
 // Calls f(param, grad, write_grad, mode) like with_param_and_grad for a chunk of a bf16 mode

@@ -14,8 +14,15 @@ SHAPES = [(5,), (65537,), (3, 4), (0,)]
 MODES = ["stochastic", "kahan", "split"]
 
 
-def _args(device, mode, seed=0, shapes=SHAPES):
+def _args(device, mode, seed=0, shapes=SHAPES, offset=0):
+    """The ops' arguments; with `offset`, every tensor is a view that many elements into a
+    flat allocation of its own (unaligned for offset 1: the CUDA loops' one-element path)."""
     gen = torch.Generator().manual_seed(seed)
+    if offset:
+        inner = _args(device, mode, seed, shapes)
+        for key in ("params", "grads", "state", "state2", "extra"):
+            inner[key] = [_offset_view(t, offset) for t in inner[key]]
+        return inner
     params = [torch.randn(s, generator=gen).to(device=device, dtype=torch.bfloat16)
               for s in shapes]
     grads = [torch.randn(s, generator=gen).to(device=device, dtype=d)
@@ -37,6 +44,14 @@ def _args(device, mode, seed=0, shapes=SHAPES):
         lr=torch.full((1,), 1e-2, device=device),
         ids=[11, 12, 13, 14] if mode == "stochastic" else [],
     )
+
+
+def _offset_view(t, offset):
+    """A copy of t viewed `offset` elements into a flat buffer of its dtype and device."""
+    flat = torch.zeros(t.numel() + offset, dtype=t.dtype, device=t.device)
+    view = flat[offset:].view(t.shape)
+    view.copy_(t)
+    return view
 
 
 def _adam(a, mode, found_inf=None, seed=5, write_grads=True):
@@ -130,13 +145,15 @@ def test_overflow_writes_nothing(device, op, mode):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("op", ["adam", "sgd"])
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_matches_cpu_bit_for_bit(op, mode):
-    """Same update math, same bit-level rounding, same counter-based random bits."""
+def test_cuda_matches_cpu_bit_for_bit(op, mode, offset):
+    """Same update math, same bit-level rounding, same counter-based random bits; in the CUDA
+    loops' 4-element packs (aligned) and one element at a time (unaligned)."""
     results = []
     for device in ("cpu", "cuda"):
-        a = _args(device, mode)
+        a = _args(device, mode, offset=offset)
         for _ in range(3):
             (_adam if op == "adam" else _sgd)(a, mode)
         results.append(a)
