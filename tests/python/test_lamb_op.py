@@ -196,20 +196,32 @@ def test_opcheck_halves(device, part):
 @pytest.mark.cuda
 @pytest.mark.parametrize("masters", [True, False])
 def test_cuda_matches_the_cpu(masters):
+    """The first half gives the same moments and grads, and each tensor's sums of squares of
+    param and update to their last bits (the GPU adds them in another order); from the same
+    sums the second half writes the same params and masters. Comparing params after each
+    side's own sums cannot be tight: a trust ratio a few ulps apart moves a 16-bit param that
+    sits near a rounding boundary by a whole ulp, and an fp32 param whose update nearly
+    cancels it by thousands of its own ulps (the C++ CUDA test met the latter on an H100).
+    test_the_two_halves_give_the_whole_step_bit_for_bit holds the one-call step to the
+    halves on each device."""
     cpu = _lamb_args("cpu", masters=masters)
     cuda = {k: ([t.cuda() for t in v] if isinstance(v, list) else v.cuda())
             for k, v in clone_args(cpu).items()}
-    for args in (cpu, cuda):
-        _call(args, grad_scale=torch.full((1,), 2.0, device=args["step"].device),
-              write_grads=True)
+    cpu_sums, cuda_sums = _sums(cpu), _sums(cuda)
+    for args, sums in ((cpu, cpu_sums), (cuda, cuda_sums)):
+        _call(args, grad_scale=torch.full((1,), 2.0, device=sums.device), write_grads=True,
+              sums=sums, part="moments")
     for key in ("exp_avgs", "exp_avg_sqs", "grads"):
         for x, y in zip(cpu[key], cuda[key]):
             assert torch.equal(x, y.cpu()), key
-    # The trust ratio's norms add in another order on the GPU: the last bits may differ.
+    torch.testing.assert_close(cuda_sums.cpu(), cpu_sums, rtol=1e-6, atol=0)
+    for args, sums in ((cpu, cuda_sums.cpu()), (cuda, cuda_sums)):
+        _call(args, grad_scale=torch.full((1,), 2.0, device=sums.device), sums=sums,
+              part="apply", grad_norm=None)
     for key in ("params", "master_params"):
-        for x, y in zip(cpu[key], cuda[key]):
-            torch.testing.assert_close(y.cpu().float(), x.float(), rtol=2e-6, atol=1e-7)
-    assert float(cuda["step"]) == 4.0
+        for i, (x, y) in enumerate(zip(cpu[key], cuda[key])):
+            assert torch.equal(x, y.cpu()), f"{key}[{i}]"
+    assert float(cpu["step"]) == float(cuda["step"]) == 4.0
 
 
 ERRORS = {
