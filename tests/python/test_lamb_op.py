@@ -196,21 +196,23 @@ def test_opcheck_halves(device, part):
 @pytest.mark.cuda
 @pytest.mark.parametrize("masters", [True, False])
 def test_cuda_matches_the_cpu(masters):
-    """The first half gives the same moments and grads, and each tensor's sums of squares of
-    param and update to their last bits (the GPU adds them in another order); from the same
-    sums the second half writes the same params and masters. Comparing params after each
-    side's own sums cannot be tight: a trust ratio a few ulps apart moves a 16-bit param that
-    sits near a rounding boundary by a whole ulp, and an fp32 param whose update nearly
-    cancels it by thousands of its own ulps (the C++ CUDA test met the latter on an H100).
-    test_the_two_halves_give_the_whole_step_bit_for_bit holds the one-call step to the
-    halves on each device."""
+    """From one grad norm, the first half gives the same moments and grads, and each tensor's
+    sums of squares of param and update to their last bits (the GPU adds them in another
+    order); from the same sums the second half writes the same params and masters. Comparing
+    params after each side's own sums cannot be tight: a trust ratio a few ulps apart moves a
+    16-bit param that sits near a rounding boundary by a whole ulp, and an fp32 param whose
+    update nearly cancels it by thousands of its own ulps (the C++ CUDA test met the latter on
+    an H100). test_the_two_halves_give_the_whole_step_bit_for_bit holds the one-call step to
+    the halves on each device."""
     cpu = _lamb_args("cpu", masters=masters)
     cuda = {k: ([t.cuda() for t in v] if isinstance(v, list) else v.cuda())
             for k, v in clone_args(cpu).items()}
+    # The clip's global grad norm is a sum the GPU adds in another order too: one for both.
+    norm = ampfuse._ops.multi_tensor_l2norm(cpu["grads"], False)[0]
     cpu_sums, cuda_sums = _sums(cpu), _sums(cuda)
     for args, sums in ((cpu, cpu_sums), (cuda, cuda_sums)):
         _call(args, grad_scale=torch.full((1,), 2.0, device=sums.device), write_grads=True,
-              sums=sums, part="moments")
+              sums=sums, part="moments", grad_norm=norm.to(sums.device))
     for key in ("exp_avgs", "exp_avg_sqs", "grads"):
         for x, y in zip(cpu[key], cuda[key]):
             assert torch.equal(x, y.cpu()), key
