@@ -226,6 +226,38 @@ __global__ void ratios_from_sums_kernel(const double* tensor_sums, std::int64_t 
   }
 }
 
+// The second pass over a chunk of a bf16 param in a bf16 mode: 4 elements per access where the
+// param, the mode's extra array and the moments are aligned to their packs, as in
+// update_bf16_chunk (the same per-element arithmetic and random bits either way).
+template <MasterMode kMode>
+__device__ void apply_bf16_chunk(const Bf16Chunk<kMode>& bf16, const float* m, const float* v,
+                                 int n, float ratio, const LambStep& step) {
+  constexpr int kPack = 4;
+  constexpr bool stochastic = Bf16Chunk<kMode>::kStochastic;
+  using Bits = Pack<std::uint16_t, kPack>;
+  using F4 = Pack<float, kPack>;
+  const auto element = [&](int i) {
+    bf16.update(i, [&](float& p) { lamb_apply(p, m[i], v[i], ratio, step); });
+  };
+  const auto pack = [&](int i) {
+    Bits pp = *reinterpret_cast<const Bits*>(bf16.param + i);
+    Bits ee = stochastic ? Bits{} : *reinterpret_cast<const Bits*>(bf16.extra + i);
+    const F4 mm = *reinterpret_cast<const F4*>(m + i);
+    const F4 vv = *reinterpret_cast<const F4*>(v + i);
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      float p = bf16.value(pp.v[j], ee.v[j]);
+      lamb_apply(p, mm.v[j], vv.v[j], ratio, step);
+      bf16.bits(p, i + j, pp.v[j], ee.v[j]);
+    }
+    *reinterpret_cast<Bits*>(bf16.param + i) = pp;
+    if constexpr (!stochastic) *reinterpret_cast<Bits*>(bf16.extra + i) = ee;
+  };
+  const bool aligned =
+      bf16.template packs_aligned<kPack>() && is_aligned_16(m) && is_aligned_16(v);
+  visit_chunk<kPack>(n, aligned, pack, element);
+}
+
 // The second pass: p -= ratio * update, with the update recomputed from the stored moments;
 // writes the master (when there is one) and the param rounded to its dtype, or in a bf16 mode
 // the param and its compensation or low half through the mode.
@@ -245,10 +277,9 @@ struct LambApplyFunctor {
       // The same step count as the first pass and as fused_adam_'s keys: the bits a param
       // draws do not depend on which optimizer steps it.
       with_bf16_mode(mode, [&](auto kind) {
-        visit_bf16_chunk<decltype(kind)::value>(table, chunk, 3, seed, step.steps_taken,
-                                                [&](int i, float& p) {
-                                                  lamb_apply(p, m[i], v[i], ratio, step);
-                                                });
+        constexpr MasterMode kMode = decltype(kind)::value;
+        apply_bf16_chunk(Bf16Chunk<kMode>(table, chunk, 3, seed, step.steps_taken), m, v,
+                         chunk.size, ratio, step);
       });
       return;
     }

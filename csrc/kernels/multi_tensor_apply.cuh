@@ -74,6 +74,12 @@ __device__ inline bool is_aligned_16(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
 }
 
+// Whether p can be read as a Pack<T, N> (its alignment is its size up to 16 bytes).
+template <typename T, int N>
+__device__ inline bool is_aligned_for_pack(const void* p) {
+  return reinterpret_cast<std::uintptr_t>(p) % alignof(Pack<T, N>) == 0;
+}
+
 // The chunk this block owns: its slot in the table, and the element range.
 struct BlockChunk {
   int slot;

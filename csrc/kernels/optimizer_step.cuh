@@ -201,6 +201,12 @@ struct Bf16Chunk {
                       chunk.start)),
         first_lo(static_cast<std::uint32_t>(chunk.start)) {}
 
+  // Whether the param and (outside kStochastic) the extra array read as packs of N elements.
+  template <int N>
+  __device__ bool packs_aligned() const {
+    return is_aligned_for_pack<std::uint16_t, N>(param) &&
+           (kStochastic || is_aligned_for_pack<std::uint16_t, N>(extra));
+  }
   // The value element i holds; its bits for `param`, `extra`, given the new value.
   __device__ float value(std::uint16_t param_bits, std::uint16_t extra_bits) const {
     return Bf16Param<kMode>::load(param_bits, kStochastic ? std::uint16_t{0} : extra_bits);
@@ -222,18 +228,6 @@ struct Bf16Chunk {
   }
 };
 
-// f(i, p) on every element i of a chunk of a bf16 param in a bf16 mode, p its value, written
-// back once f has changed it; one element per access (LAMB's apply pass, which reads its trust
-// ratio per tensor).
-template <MasterMode kMode, int Depth, typename F>
-__device__ void visit_bf16_chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk,
-                                 int extra_list, std::uint64_t seed, float steps_taken, F&& f) {
-  const Bf16Chunk<kMode> bf16(table, chunk, extra_list, seed, steps_taken);
-  for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) {
-    bf16.update(i, [&](float& p) { f(i, p); });
-  }
-}
-
 // update(p, g, s) on every element of such a chunk, as update_chunk does for the others: g the
 // unscaled grad (stored back so with kWriteGrad), s[0..K) the state values. Where the param, the
 // extra array, the grads and the state are all aligned to their packs, 4 elements move per
@@ -250,7 +244,6 @@ __device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChu
   constexpr int kPack = 4;
   constexpr bool stochastic = Bf16Chunk<kMode>::kStochastic;
   using Bits = Pack<std::uint16_t, kPack>;
-  using GradPack = Pack<Grad, kPack>;
   const Bf16Chunk<kMode> bf16(table, chunk, extra_list, seed, steps_taken);
 
   const auto element = [&](int i) {
@@ -268,14 +261,11 @@ __device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChu
     *reinterpret_cast<Bits*>(bf16.param + i) = pp;
     if constexpr (!stochastic) *reinterpret_cast<Bits*>(bf16.extra + i) = ee;
   };
-  const auto aligned_to = [](const void* p, std::size_t bytes) {
-    return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
-  };
   if constexpr (K > 2) {
     for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) element(i);
   } else {
-    bool aligned = aligned_to(bf16.param, sizeof(Bits)) && aligned_to(grad, sizeof(GradPack)) &&
-                   (stochastic || aligned_to(bf16.extra, sizeof(Bits)));
+    bool aligned = bf16.template packs_aligned<kPack>() &&
+                   is_aligned_for_pack<Grad, kPack>(grad);
 #pragma unroll
     for (int k = 0; k < K; ++k) aligned = aligned && is_aligned_16(state.arrays[k]);
     visit_chunk<kPack>(chunk.size, aligned, pack, element);
