@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from _timing import environment, synchronize
 from ampfuse import amp
 from ampfuse.optimizers import FusedSGD
-from bench_train import Block
+from train_workloads import Block
 from torch import nn
 
 LR, MOMENTUM = 0.01, 0.9

@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import bench_train
+from train_workloads import Workload
 from _timing import default_device, generator, model_like_shapes, random_tensors, synchronize
 
 OPS = ("unscale_", "nonfinite_check_", "l2norm", "scale_")
@@ -160,7 +161,7 @@ def profile_train(args):
     train_args = bench_train.finish_args(
         bench_train.parse_args(["--device", args.device, *args.train_argv]))
     for name in args.models:
-        workload = bench_train.Workload(name, train_args)
+        workload = Workload(name, train_args)
         batches = workload.batches()
         print(f"# train {name} on {args.device}: ms per step, mean of {args.steps} profiled "
               "steps after warm-up")
