@@ -50,16 +50,17 @@ catch2:
 	  echo "error: the C++ tests need Catch2 2.x: run 'apt-get install catch2' as root"; exit 1; }
 
 # The GPU machine has no network, no Catch2 and no expecttest (which torch.testing._internal,
-# and so two of the CUDA test files, import): this downloads Debian's catch2 package and
-# expecttest's wheel into .gpu/ (git-ignored) for benchmarks/gpu_check.sh, which unpacks the one
-# with dpkg -x and installs the other into a folder of its own.
+# and so two of the CUDA test files, import): this downloads Debian's catch2 package and the
+# wheels of expecttest and of pytest-xdist (with execnet: the CUDA tests in 4 processes) into
+# .gpu/ (git-ignored) for benchmarks/gpu_check.sh, which unpacks the package with dpkg -x and
+# installs the wheels into a folder of its own.
 .PHONY: gpu-deps
 gpu-deps: env
 	mkdir -p .gpu
-	rm -f .gpu/catch2_*.deb .gpu/expecttest-*.whl
+	rm -f .gpu/catch2_*.deb .gpu/*.whl
 	cd .gpu && apt-get download catch2
 	$(VPY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
-	  --dest .gpu expecttest
+	  --dest .gpu expecttest pytest-xdist execnet
 
 clean:
 	rm -rf build python/ampfuse/_C*.so

@@ -97,16 +97,24 @@ fi
 
 tests_status=0
 if runs pytest; then
-  # torch.testing._internal (test_torch_optim_*.py) imports expecttest, which the image lacks.
-  expecttest_whl=$(ls .gpu/expecttest-*.whl 2>/dev/null | head -n 1)
-  if [[ -n "$expecttest_whl" ]]; then
-    python3 -m pip install --quiet --no-index --no-deps --target .gpu/site "$expecttest_whl" &&
+  # torch.testing._internal (test_torch_optim_*.py) imports expecttest, which the image lacks;
+  # pytest-xdist (with execnet) runs the tests in 4 processes, when its wheels came along.
+  wheels=$(ls .gpu/*.whl 2>/dev/null)
+  if [[ -n "$wheels" ]]; then
+    # shellcheck disable=SC2086  # one argument per wheel
+    python3 -m pip install --quiet --no-index --no-deps --target .gpu/site $wheels &&
       export PYTHONPATH=".gpu/site${PYTHONPATH:+:$PYTHONPATH}"
-  else
-    echo "gpu_check: no .gpu/expecttest-*.whl: run 'make gpu-deps' (two CUDA test files need it)"
   fi
-  started "CUDA tests: python3 -m pytest -m cuda -q tests/python"
-  python3 -m pytest -m cuda -q -rfE tests/python 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
+  if ! python3 -c 'import expecttest' 2>/dev/null; then
+    echo "gpu_check: no expecttest: run 'make gpu-deps' (two CUDA test files need it)"
+  fi
+  parallel=()
+  if python3 -c 'import xdist' 2>/dev/null; then
+    parallel=(-n 4)
+  fi
+  started "CUDA tests: python3 -m pytest -m cuda -q ${parallel[*]} tests/python"
+  python3 -m pytest -m cuda -q -rfE "${parallel[@]}" tests/python 2>&1 | tee "$out/pytest_cuda.log" |
+    tail -n 40
   tests_status=${PIPESTATUS[0]}
 fi
 
