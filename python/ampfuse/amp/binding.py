@@ -269,6 +269,8 @@ class Binding:
 
     # ---- the optimizer's step -------------------------------------------------------------
 
+    # Outside Dynamo, as AmpHandle.before_backward and after_backward (handle.py says why).
+    @torch._disable_dynamo
     def _before_step(self, optimizer, args, kwargs):
         if self.delayed:
             raise RuntimeError(
@@ -278,6 +280,7 @@ class Binding:
             )
         self.follow_model()
 
+    @torch._disable_dynamo
     def _after_step(self, optimizer, args, kwargs):
         if self.kind == "masters" and self.masters:
             models = [p for p, _ in self.masters]
@@ -326,6 +329,7 @@ class Binding:
 
     # ---- clipping -----------------------------------------------------------------------
 
+    @torch._disable_dynamo  # sets attributes of the optimizer (see _before_step)
     def materialize_unscaled_grads(self):
         """Makes the grads readable and changeable unscaled before the step (apex's
         clip_grad_norm_(amp.master_params(opt)) recipe). "fold": fp32 grads on the masters for

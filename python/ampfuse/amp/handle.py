@@ -157,7 +157,13 @@ class AmpHandle:
                 b.follow_model()
 
     # ---- scale_loss -----------------------------------------------------------------------
+    # The bookkeeping around a loss's backward and an optimizer's step (Binding._before_step,
+    # _after_step) runs outside Dynamo: inside a torch.compile'd training step it sets and
+    # deletes attributes of the optimizer, which Dynamo 2.11 cannot track on an optimizer
+    # reached through amp's objects (an AssertionError, not a graph break). Each call is a
+    # graph break instead, and runs as in eager mode.
 
+    @torch._disable_dynamo
     def before_backward(self, bindings, loss_id):
         """Returns the scale to multiply this loss by: the scale of the grads a fused
         optimizer already accumulated in this step (so that like adds to like), else the
@@ -186,6 +192,7 @@ class AmpHandle:
             torch.ops.ampfuse.multi_tensor_unscale_(grads, torch.zeros_like(ratio), ratio)
         b.window = scale
 
+    @torch._disable_dynamo
     def after_backward(self, bindings, loss_id, scale, delayed):
         for b in bindings:
             b.delayed = delayed
