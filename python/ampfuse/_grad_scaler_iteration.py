@@ -190,6 +190,11 @@ class ScalerIterationMixin:
             retval = optimizer.step(*args, **kwargs)
         return retval
 
+    # Outside Dynamo: inside a torch.compile'd training step, setting grad_scale/found_inf on
+    # the optimizer raised an AssertionError from Dynamo 2.11 (it cannot track attribute
+    # mutation on an optimizer in some resumed frames, e.g. after unscale_() and clipping).
+    # The call is a graph break instead, and the optimizer steps as in eager mode.
+    @torch._disable_dynamo
     def _fused_step(self, optimizer, state, args, kwargs):
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             # torch's older contract: the optimizer gets the scaler and does the rest itself.
