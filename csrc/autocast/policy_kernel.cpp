@@ -9,8 +9,10 @@
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 
 namespace ampfuse::autocast {
@@ -18,6 +20,7 @@ namespace ampfuse::autocast {
 namespace {
 
 thread_local int64_t t_active_set = 0;
+std::atomic<int64_t> g_live_sets{0};
 
 // An op's arguments: the last values on its stack, cast there in place.
 struct Args {
@@ -139,12 +142,23 @@ Policy parse_policy(const std::string& name) {
 
 int64_t exchange_active_set(int64_t id) { return std::exchange(t_active_set, id); }
 
+void count_live_sets(int64_t change) { g_live_sets.fetch_add(change); }
+
 std::optional<Policy> OpPolicies::policy_of(int64_t set_id) const {
   std::shared_lock lock(mutex_);
   for (const auto& [id, policy] : policies_) {
     if (id == set_id) return policy;
   }
   return std::nullopt;
+}
+
+std::optional<Policy> OpPolicies::common_policy(int64_t live_sets, bool& agreed) const {
+  std::shared_lock lock(mutex_);
+  // A live set that does not list the op gives it torch's kernel. (More policies than live
+  // sets: a set being created or released on another thread.)
+  agreed = !policies_.empty() && static_cast<int64_t>(policies_.size()) >= live_sets;
+  for (const auto& entry : policies_) agreed = agreed && entry.second == policies_[0].second;
+  return agreed ? std::make_optional(policies_[0].second) : std::nullopt;
 }
 
 void OpPolicies::set_policy(int64_t set_id, Policy policy) {
@@ -174,10 +188,32 @@ PolicyKernel::PolicyKernel(std::shared_ptr<const OpPolicies> policies, c10::Devi
       device_(device),
       key_(at::autocast::get_autocast_dispatch_key_from_device_type(device)) {}
 
+// The policy of this call: the active set's. With no set active, a call made while the
+// autograd engine runs a backward node comes from a forward being run again for the backward:
+// activation checkpointing recomputing a checkpointed part of a model (torch.utils.checkpoint
+// restores torch's autocast state for it, not the O1 set) or a custom_bwd backward. The first
+// forward ran under its O1 model's set, so the second must too, or its dtypes differ (the
+// non-reentrant checkpoint then refuses the recomputed tensors, the reentrant one silently
+// computes other values). Which model it belongs to is not known here, so the live sets must
+// agree on the op; they nearly always do (one O1 model, or copies of it).
+std::optional<Policy> PolicyKernel::policy_for_call(const c10::OperatorHandle& op) const {
+  const int64_t active = t_active_set;
+  if (active != 0) return policies_->policy_of(active);
+  if (torch::autograd::get_current_node() == nullptr) return std::nullopt;
+  const int64_t live = g_live_sets.load();
+  bool agreed = false;
+  const std::optional<Policy> policy = policies_->common_policy(live, agreed);
+  TORCH_CHECK(agreed, "amp O1: ", op.schema().name(), " ran under autocast during a backward "
+              "pass (activation checkpointing recomputing part of a model's forward), where the ",
+              live, " O1 models alive cast it differently, so whose lists apply cannot be told. "
+              "To fix, give the O1 models the same custom lists, or do not checkpoint the parts "
+              "that call ", op.schema().name(), ".");
+  return policy;
+}
+
 void PolicyKernel::operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                               torch::jit::Stack* stack) {
-  const int64_t active = t_active_set;
-  const std::optional<Policy> policy = active == 0 ? std::nullopt : policies_->policy_of(active);
+  const std::optional<Policy> policy = policy_for_call(op);
   if (!policy) return run_as_torch(op, keys, stack);
   const Args args(stack, op.schema().arguments().size());
   switch (*policy) {

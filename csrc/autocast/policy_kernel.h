@@ -31,12 +31,18 @@ Policy parse_policy(const std::string& name);
 // and restored by its post-hook; returns the previous id.
 int64_t exchange_active_set(int64_t id);
 
+// How many policy sets are registered (one per O1 model and copy of one); kept by the registry.
+void count_live_sets(int64_t change);
+
 // What one op does under each policy set that lists it, and what torch does without one.
 class OpPolicies {
  public:
   explicit OpPolicies(c10::OperatorHandle op) : op_(std::move(op)) {}
 
   std::optional<Policy> policy_of(int64_t set_id) const;
+  // The policy every one of `live_sets` registered sets gives the op (none: torch's), or
+  // false in `agreed` when they differ.
+  std::optional<Policy> common_policy(int64_t live_sets, bool& agreed) const;
   void set_policy(int64_t set_id, Policy policy);
   // Returns true when no set lists the op any more.
   bool drop_set(int64_t set_id);
@@ -61,6 +67,7 @@ class PolicyKernel final : public c10::OperatorKernel {
                   torch::jit::Stack* stack);
 
  private:
+  std::optional<Policy> policy_for_call(const c10::OperatorHandle& op) const;
   void run_as_torch(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                     torch::jit::Stack* stack) const;
   void cast_and_call(Policy policy, const c10::OperatorHandle& op, torch::jit::Stack* stack) const;

@@ -71,6 +71,7 @@ class Registry {
       registration(ops[i], parsed[i].first).set_policy(id, parsed[i].second);
       members.push_back(ops[i]);
     }
+    count_live_sets(1);
     return id;
   }
 
@@ -79,6 +80,9 @@ class Registry {
     auto set = sets_.find(id);
     TORCH_CHECK_VALUE(set != sets_.end(), "ampfuse O1: no policy set ", id,
                       " (already released?).");
+    // Counted out before its policies go, as counted in after they came: a kernel running
+    // meanwhile sees at least as many policies as live sets (policy_kernel.cpp).
+    count_live_sets(-1);
     for (const std::string& name : set->second) {
       auto op = ops_.find(name);
       if (op->second.policies->drop_set(id)) ops_.erase(op);  // torch's kernels come back
