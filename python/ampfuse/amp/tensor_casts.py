@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -10,7 +11,9 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def cast_floats(value, dtype):
-    """Casts every floating tensor inside nested lists/tuples/dicts to `dtype`."""
+    """Casts every floating tensor inside nested lists/tuples/dicts to `dtype`. Containers keep
+    their type: a dict subclass (OrderedDict, defaultdict, Hugging Face's ModelOutput, whose
+    fields are read as attributes: outputs.loss) is copied and given the cast values."""
     if isinstance(value, torch.Tensor):
         # The dtype test first: it is an attribute read, is_floating_point() a call.
         return value.to(dtype) if value.dtype != dtype and value.is_floating_point() else value
@@ -18,7 +21,15 @@ def cast_floats(value, dtype):
         cast = [cast_floats(v, dtype) for v in value]
         return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
     if isinstance(value, dict):
-        return {k: cast_floats(v, dtype) for k, v in value.items()}
+        cast = {k: cast_floats(v, dtype) for k, v in value.items()}
+        if type(value) is dict:
+            return cast
+        if all(cast[k] is v for k, v in value.items()):
+            return value
+        out = copy.copy(value)
+        for k, v in cast.items():
+            out[k] = v  # ModelOutput's __setitem__ sets the attribute too
+        return out
     return value
 
 
