@@ -169,6 +169,14 @@ def clone_args(args):
             for k, v in args.items()}
 
 
+def assert_lists_equal(a, b, keys):
+    """torch.equal on every tensor of a[key] against b[key]'s (moved to its device), for each
+    key (dicts of tensor lists, as the optimizer-op tests build them)."""
+    for key in keys:
+        for i, (x, y) in enumerate(zip(a[key], b[key])):
+            assert torch.equal(x, y.to(x.device)), f"{key}[{i}]"
+
+
 def call_with_one_and_more_threads(call, one, more):
     """call(one) with one CPU thread and call(more) with at least two (the caller compares
     them: a CPU op's result must not depend on how its spans are spread over threads)."""

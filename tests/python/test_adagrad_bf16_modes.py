@@ -16,7 +16,7 @@ from test_bf16_master_modes import (
     make_optimizer,
 )
 from test_bf16_master_ops import _args
-from tolerances import assert_close_report
+from tolerances import assert_close_report, assert_lists_exact
 
 def make_adagrad(params, mode, lr, **extra):
     """test_bf16_master_modes' Adagrad (with L2 decay and an lr decay)."""
@@ -110,9 +110,7 @@ def test_op_found_inf_writes_nothing(device, mode):
     a = _args(device, mode)
     before = clone_args({k: v for k, v in a.items() if k != "ids"})
     _adagrad(a, mode, found_inf=torch.ones(1, device=device))
-    for key in ("params", "grads", "state", "extra"):
-        for i, (b, t) in enumerate(zip(before[key], a[key])):
-            assert_close_report(t, b, exact=True, msg=f"{key}[{i}]")
+    assert_lists_exact(a, before, ("params", "grads", "state", "extra"))
     assert torch.equal(a["step"], before["step"])
 
 
@@ -126,9 +124,8 @@ def test_cuda_matches_cpu_bit_for_bit(mode):
         for _ in range(3):
             _adagrad(a, mode)
         results.append(a)
-    for key in ("params", "grads", "state", "extra"):
-        for i, (c, g) in enumerate(zip(results[0][key], results[1][key])):
-            assert_close_report(g.cpu(), c, exact=True, msg=f"{key}[{i}] cuda vs cpu")
+    assert_lists_exact(results[1], results[0], ("params", "grads", "state", "extra"),
+                       " cuda vs cpu")
 
 
 @pytest.mark.cuda

@@ -8,7 +8,7 @@ import torch
 import ampfuse  # noqa: F401  (loads the ops)
 
 from helpers import raises_naming
-from tolerances import assert_close_report
+from tolerances import assert_close_report, assert_lists_exact
 
 SHAPES = [(5,), (65537,), (3, 4), (0,)]
 MODES = ["stochastic", "kahan", "split"]
@@ -157,9 +157,8 @@ def test_cuda_matches_cpu_bit_for_bit(op, mode, offset):
         for _ in range(3):
             (_adam if op == "adam" else _sgd)(a, mode)
         results.append(a)
-    for key in ("params", "grads", "state", "state2", "extra"):
-        for i, (c, g) in enumerate(zip(results[0][key], results[1][key])):
-            assert_close_report(g.cpu(), c, exact=True, msg=f"{key}[{i}] cuda vs cpu")
+    assert_lists_exact(results[1], results[0], ("params", "grads", "state", "state2", "extra"),
+                       " cuda vs cpu")
 
 
 def check_argument_errors(first, second):

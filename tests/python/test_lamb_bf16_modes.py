@@ -22,7 +22,7 @@ from helpers import POSITIONS, clone_args, raises_naming
 from test_adam import clone_params, make_params, set_grads, step_grads
 from test_bf16_master_modes import BF16_MODES, make_optimizer, mode_id
 from test_bf16_master_ops import _args, _sgd_one, check_argument_errors
-from tolerances import assert_close_report
+from tolerances import assert_close_report, assert_lists_exact
 
 # A chunk and one element (CUDA chunks, CPU spans), a tail of n % 8 (the CPU lanes), a 3-d one.
 SHAPES = [(64, 33), (65537,), (7,), (3, 5, 2)]
@@ -87,9 +87,7 @@ def test_the_two_halves_are_one_step_bit_for_bit(device, mode):
     sums = _sums(halves)
     _lamb(halves, mode, sums=sums, part="moments")
     _lamb(halves, mode, sums=sums, part="apply")
-    for key in ("params", "grads", "state", "state2", "extra"):
-        for i, (x, y) in enumerate(zip(both[key], halves[key])):
-            assert_close_report(y, x, exact=True, msg=f"{key}[{i}]")
+    assert_lists_exact(halves, both, ("params", "grads", "state", "state2", "extra"))
     assert torch.equal(both["step"], halves["step"])
 
 
@@ -163,9 +161,7 @@ def test_cuda_matches_the_cpu(mode):
         torch.testing.assert_close(cuda_sums.cpu(), cpu_sums, rtol=1e-6, atol=0)
         for a, sums in ((cpu, cuda_sums.cpu()), (cuda, cuda_sums)):
             _lamb(a, mode, sums=sums, part="apply")
-    for key in ("params", "extra", "grads", "state", "state2"):
-        for i, (c, g) in enumerate(zip(cpu[key], cuda[key])):
-            assert_close_report(g.cpu(), c, exact=True, msg=f"{key}[{i}] cuda vs cpu")
+    assert_lists_exact(cuda, cpu, ("params", "extra", "grads", "state", "state2"), " cuda vs cpu")
     assert torch.equal(cuda["step"].cpu(), cpu["step"])
 
 

@@ -8,6 +8,7 @@ import torch
 import ampfuse
 from helpers import (
     POSITIONS,
+    assert_lists_equal,
     call_with_one_and_more_threads,
     clone_args,
     position_index,
@@ -52,9 +53,7 @@ def _sums(a):
 
 
 def _assert_same(a, b, keys=("params", "grads", "exp_avgs", "exp_avg_sqs", "master_params")):
-    for key in keys:
-        for i, (x, y) in enumerate(zip(a[key], b[key])):
-            assert torch.equal(x, y), f"{key}[{i}]"
+    assert_lists_equal(a, b, keys)
 
 
 @pytest.mark.parametrize("write_grads", [True, False], ids=["write_grads", "read_grads"])
@@ -213,16 +212,12 @@ def test_cuda_matches_the_cpu(masters):
     for args, sums in ((cpu, cpu_sums), (cuda, cuda_sums)):
         _call(args, grad_scale=torch.full((1,), 2.0, device=sums.device), write_grads=True,
               sums=sums, part="moments", grad_norm=norm.to(sums.device))
-    for key in ("exp_avgs", "exp_avg_sqs", "grads"):
-        for x, y in zip(cpu[key], cuda[key]):
-            assert torch.equal(x, y.cpu()), key
+    _assert_same(cpu, cuda, keys=("exp_avgs", "exp_avg_sqs", "grads"))
     torch.testing.assert_close(cuda_sums.cpu(), cpu_sums, rtol=1e-6, atol=0)
     for args, sums in ((cpu, cuda_sums.cpu()), (cuda, cuda_sums)):
         _call(args, grad_scale=torch.full((1,), 2.0, device=sums.device), sums=sums,
               part="apply", grad_norm=None)
-    for key in ("params", "master_params"):
-        for i, (x, y) in enumerate(zip(cpu[key], cuda[key])):
-            assert torch.equal(x, y.cpu()), f"{key}[{i}]"
+    _assert_same(cpu, cuda, keys=("params", "master_params"))
     assert float(cpu["step"]) == float(cuda["step"]) == 4.0
 
 

@@ -21,7 +21,7 @@ from helpers import POSITIONS, raises_naming
 from test_bf16_master_modes import BF16_MODES, make_optimizer
 from test_bf16_master_ops import _args, check_argument_errors
 from test_lamb_bf16_modes import _clone
-from tolerances import assert_close_report
+from tolerances import assert_close_report, assert_lists_exact
 
 # A chunk and one element (CUDA chunks, CPU spans), a tail of n % 8 (the CPU lanes), a 3-d one.
 SHAPES = [(64, 33), (65537,), (7,), (3, 5, 2)]
@@ -99,9 +99,7 @@ def test_the_two_halves_are_one_step_bit_for_bit(device, mode):
     reductions = _reductions(halves)
     _novograd(halves, mode, reductions=reductions, part="norms")
     _novograd(halves, mode, reductions=reductions, part="apply")
-    for key in ("params", "grads", "state", "norms", "extra"):
-        for i, (x, y) in enumerate(zip(both[key], halves[key])):
-            assert_close_report(y, x, exact=True, msg=f"{key}[{i}]")
+    assert_lists_exact(halves, both, ("params", "grads", "state", "norms", "extra"))
     assert torch.equal(both["step"], halves["step"])
 
 
@@ -110,9 +108,7 @@ def test_found_inf_writes_nothing(device, mode):
     a = _novo_args(device, mode)
     before = _clone(a)
     _novograd(a, mode, found_inf=torch.ones(1, device=device))
-    for key in ("params", "grads", "state", "norms", "extra"):
-        for i, (x, y) in enumerate(zip(a[key], before[key])):
-            assert_close_report(x, y, exact=True, msg=f"{key}[{i}]")
+    assert_lists_exact(a, before, ("params", "grads", "state", "norms", "extra"))
     assert torch.equal(a["step"], before["step"])
 
 
@@ -163,9 +159,7 @@ def test_cuda_matches_the_cpu(mode, norm_type):
             torch.testing.assert_close(cuda_reductions.cpu(), cpu_reductions, rtol=1e-6, atol=0)
         for a, reductions in ((cpu, cuda_reductions.cpu()), (cuda, cuda_reductions)):
             _novograd(a, mode, norm_type=norm_type, reductions=reductions, part="apply")
-    for key in ("params", "grads", "state", "norms", "extra"):
-        for i, (c, g) in enumerate(zip(cpu[key], cuda[key])):
-            assert_close_report(g.cpu(), c, exact=True, msg=f"{key}[{i}] cuda vs cpu")
+    assert_lists_exact(cuda, cpu, ("params", "grads", "state", "norms", "extra"), " cuda vs cpu")
     assert torch.equal(cuda["step"].cpu(), cpu["step"])
 
 

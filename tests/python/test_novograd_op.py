@@ -11,6 +11,7 @@ import torch
 import ampfuse
 from helpers import (
     POSITIONS,
+    assert_lists_equal,
     call_with_one_and_more_threads,
     clone_args,
     position_index,
@@ -54,9 +55,7 @@ def _reductions(a):
 
 
 def _assert_same(a, b, keys=("params", "grads", "exp_avgs", "norm_avgs", "master_params")):
-    for key in keys:
-        for i, (x, y) in enumerate(zip(a[key], b[key])):
-            assert torch.equal(x, y), f"{key}[{i}]"
+    assert_lists_equal(a, b, keys)
 
 
 CONFIGS = {
@@ -299,9 +298,7 @@ def test_cuda_matches_the_cpu(masters, norm_type):
         for args, shared in ((cpu, cuda_reductions.cpu()), (cuda, cuda_reductions)):
             _call(args, config, grad_scale=torch.full((1,), 2.0, device=shared.device),
                   write_grads=True, reductions=shared, part="apply")
-    for key in ("params", "grads", "master_params", "exp_avgs", "norm_avgs"):
-        for i, (x, y) in enumerate(zip(cpu[key], cuda[key])):
-            assert torch.equal(x, y.cpu()), f"{key}[{i}]"
+    _assert_same(cpu, cuda)
     assert float(cpu["step"]) == float(cuda["step"]) == 2.0
 
 

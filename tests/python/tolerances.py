@@ -137,6 +137,14 @@ def assert_close_report(actual, expected, *, dtype=None, exact=False, rtol=None,
         )
 
 
+def assert_lists_exact(actual, expected, keys, msg=""):
+    """assert_close_report(exact=True) on every tensor of actual[key] against expected[key]'s,
+    for each key (dicts of tensor lists, as the optimizer-op tests build them)."""
+    for key in keys:
+        for i, (a, e) in enumerate(zip(actual[key], expected[key])):
+            assert_close_report(a, e, exact=True, msg=f"{key}[{i}]{msg}")
+
+
 def relative_error(actual, reference):
     """|actual - reference| / |reference| for scalars or 0-dim tensors, in float64."""
     a = float(actual)
