@@ -142,8 +142,24 @@ def _check_step(params, masters, reference):
     return None
 
 
+def _steps_like_torch(case, torch_optimizer, fused_step, state, device):
+    """Two steps of fused_step(found_inf, k) on the case's params beside torch_optimizer on
+    its fp32 reference (fed the same grads, rounded as the params' dtype rounds them), then
+    the skip contract on everything the op writes (`state`: its own state tensors)."""
+    params, masters, reference, grads = case
+    for k in range(2):
+        for i, (r, g) in enumerate(zip(reference, grads[k])):
+            r.grad = (g * 4).to(params[i].dtype).float() / 4
+        torch_optimizer.step()
+        fused_step(torch.zeros(1, device=device), k)
+        wrong = _check_step(params, masters, reference)
+        if wrong:
+            return f"after step {k + 1}: {wrong}"
+    return check_skipped(lambda f: fused_step(f, 0), params + masters + state, device)
+
+
 def _smoke_adam(ops, device):
-    params, masters, reference, grads = _optimizer_case(device)
+    case = params, masters, reference, grads = _optimizer_case(device)
     exp_avgs = [torch.zeros_like(m) for m in masters]
     exp_avg_sqs = [torch.zeros_like(m) for m in masters]
     step = torch.zeros(1, device=device)
@@ -157,20 +173,12 @@ def _smoke_adam(ops, device):
                         exp_avgs, exp_avg_sqs, [], masters, step, 0.1, 0.9, 0.999, 0.1, 0.1,
                         adam_w_mode=True, grad_scale=scale, found_inf=found_inf)
 
-    for k in range(2):
-        for i, (r, g) in enumerate(zip(reference, grads[k])):
-            r.grad = (g * 4).to(params[i].dtype).float() / 4
-        torch_adam.step()
-        fused_step(torch.zeros(1, device=device), k)
-        wrong = _check_step(params, masters, reference)
-        if wrong:
-            return f"after step {k + 1}: {wrong}"
-    return check_skipped(lambda f: fused_step(f, 0),
-                          params + masters + exp_avgs + exp_avg_sqs + [step], device)
+    return _steps_like_torch(case, torch_adam, fused_step, exp_avgs + exp_avg_sqs + [step],
+                             device)
 
 
 def _smoke_sgd(ops, device):
-    params, masters, reference, grads = _optimizer_case(device)
+    case = params, masters, reference, grads = _optimizer_case(device)
     buffers = [torch.zeros_like(m) for m in masters]
     step = torch.zeros(1, device=device)
     torch_sgd = torch.optim.SGD(reference, lr=1e-2, momentum=0.9, weight_decay=0.1, foreach=False)
@@ -181,15 +189,7 @@ def _smoke_sgd(ops, device):
                        masters, step, 1e-2, momentum=0.9, weight_decay=0.1, grad_scale=scale,
                        found_inf=found_inf)
 
-    for k in range(2):
-        for i, (r, g) in enumerate(zip(reference, grads[k])):
-            r.grad = (g * 4).to(params[i].dtype).float() / 4
-        torch_sgd.step()
-        fused_step(torch.zeros(1, device=device), k)
-        wrong = _check_step(params, masters, reference)
-        if wrong:
-            return f"after step {k + 1}: {wrong}"
-    return check_skipped(lambda f: fused_step(f, 0), params + masters + buffers + [step], device)
+    return _steps_like_torch(case, torch_sgd, fused_step, buffers + [step], device)
 
 
 SMOKE_TESTS = {
