@@ -37,14 +37,17 @@ AdagradArgs check_adagrad(at::TensorList params, at::TensorList grads, at::Tenso
               weight_decay, ".");
   TORCH_CHECK(eps >= 0.0, "ampfuse.", kAdagrad, ": eps must be >= 0, got ", eps, ".");
   AdagradArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kAdagrad, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
   const c10::optional<at::Device> device = list_device(kAdagrad, params, "params");
-  a.params = tensor_refs(kAdagrad, params, "params", /*mutated=*/true, a.keep_alive);
+  a.params = tensor_refs(kAdagrad, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kAdagrad, step, lr, grad_scale, found_inf, device);
   a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kAdagrad, grads, params, a.write_grads, a.keep_alive, a.copy_back);
-  a.state_sums = companion_refs(kAdagrad, state_sums, "state_sums", params, Access::kWrite,
+  a.grads = grad_refs(kAdagrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  a.state_sums = companion_refs(kAdagrad, state_sums, "state_sums", dense, Access::kWrite,
                                 /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
-  a.masters = master_args(kAdagrad, master_mode, params, master_params, param_ids, seed,
+  a.masters = master_args(kAdagrad, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {lr_decay, weight_decay, eps, decoupled_weight_decay, maximize};
   return a;

@@ -36,19 +36,22 @@ AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList 
   TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), "ampfuse.", kAdam,
               ": max_exp_avg_sqs must be empty when amsgrad is False.");
   AdamArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kAdam, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
   const c10::optional<at::Device> device = list_device(kAdam, params, "params");
-  a.params = tensor_refs(kAdam, params, "params", /*mutated=*/true, a.keep_alive);
+  a.params = tensor_refs(kAdam, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kAdam, step, lr, grad_scale, found_inf, device);
   a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kAdam, grads, params, a.write_grads, a.keep_alive, a.copy_back);
+  a.grads = grad_refs(kAdam, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   const auto state = [&](at::TensorList list, const char* name, bool optional) {
-    return companion_refs(kAdam, list, name, params, Access::kWrite, /*fp32_only=*/true, optional,
+    return companion_refs(kAdam, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
                           a.keep_alive);
   };
   a.exp_avgs = state(exp_avgs, "exp_avgs", false);
   a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
   a.max_exp_avg_sqs = state(max_exp_avg_sqs, "max_exp_avg_sqs", /*optional=*/!amsgrad);
-  a.masters = master_args(kAdam, master_mode, params, master_params, param_ids, seed,
+  a.masters = master_args(kAdam, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
   return a;

@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include <c10/core/ScalarType.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
@@ -83,6 +84,24 @@ kernels::TensorRef tensor_ref(const char* op, const at::Tensor& t, const ArgLabe
   return {dense.numel() == 0 ? nullptr : dense.data_ptr(), dense.numel(), dtype};
 }
 
+WrittenList::WrittenList(const char* op, at::TensorList list, const char* name,
+                         std::vector<CopyBack>& copy_back)
+    : list_(list) {
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    // Undefined and sparse tensors are left to tensor_refs, which refuses them.
+    if (!t.defined() || t.layout() != at::kStrided || t.is_non_overlapping_and_dense()) continue;
+    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "ampfuse.", op, ": ",
+                arg_label(name, static_cast<std::int64_t>(i)), " has strides ", t.strides(),
+                " for shape ", t.sizes(), ", so several of its elements share one memory "
+                "location (e.g. an expand()); it cannot be written in place. Pass a tensor with "
+                "its own memory (.clone()).");
+    if (staged_.empty()) staged_.assign(list.begin(), list.end());
+    staged_[i] = t.contiguous();
+    copy_back.push_back({t, staged_[i]});
+  }
+}
+
 std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list, const char* name,
                                             bool mutated, std::vector<at::Tensor>& keep_alive) {
   std::vector<kernels::TensorRef> refs;
@@ -120,7 +139,8 @@ std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList li
                 "torch.", c10::getDtypeNames(list[i].scalar_type()).first, ".");
     const bool same_layout = list[i].numel() <= 1 || list[i].strides() == params[i].strides();
     if (same_layout || !params[i].is_non_overlapping_and_dense()) {
-      // A non-dense param is refused by tensor_refs; its companions need no copy first.
+      // Params reach here dense (WrittenList): a non-dense one is a caller's mistake that
+      // tensor_refs refuses, and its companions need no copy first.
       refs.push_back(tensor_ref(op, list[i], label, mutated, keep_alive));
       continue;
     }

@@ -46,8 +46,8 @@ kernels::TensorRef tensor_ref(const char* op, const at::Tensor& t, const ArgLabe
 
 // Validates a list of floating tensors (dtype, one device) and returns kernel
 // views of them. Tensors that are written (`mutated`) must already be dense
-// (contiguous in some dimension order); read-only tensors that are not dense are
-// copied to a contiguous temporary kept alive in `keep_alive`.
+// (contiguous in some dimension order: pass WrittenList::tensors()); read-only tensors that
+// are not dense are copied to a contiguous temporary kept alive in `keep_alive`.
 std::vector<kernels::TensorRef> tensor_refs(const char* op, at::TensorList list, const char* name,
                                             bool mutated, std::vector<at::Tensor>& keep_alive);
 
@@ -59,6 +59,29 @@ c10::optional<at::Device> list_device(const char* op, at::TensorList list, const
 struct CopyBack {
   at::Tensor target;
   at::Tensor temporary;
+};
+
+inline void finish_copy_back(const std::vector<CopyBack>& copy_back) {
+  for (const CopyBack& c : copy_back) c.target.copy_(c.temporary);
+}
+
+// A list an op writes in place, as its kernels can take it. The kernels walk each tensor's
+// memory flat, so a tensor whose elements do not fill one block of memory (a strided slice
+// such as torch.randn(10, 5, 2)[..., 0], which torch.optim steps like any param) is written
+// through a contiguous temporary that finish_copy_back() copies into it after the kernel. A
+// tensor with overlapping elements (expand()) has no single value per element and is refused.
+// Dense tensors are used as they are, and the caller's list is copied only when one is not
+// dense (see tensor_ref on what a copy of an at::Tensor costs). Companions of the list (grads,
+// state) are then checked against tensors(): a contiguous temporary takes contiguous state.
+class WrittenList {
+ public:
+  WrittenList(const char* op, at::TensorList list, const char* name,
+              std::vector<CopyBack>& copy_back);
+  at::TensorList tensors() const { return staged_.empty() ? list_ : at::TensorList(staged_); }
+
+ private:
+  at::TensorList list_;
+  std::vector<at::Tensor> staged_;  // empty unless a tensor of list_ is not dense
 };
 
 // How an op uses a companion list.

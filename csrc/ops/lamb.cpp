@@ -81,6 +81,9 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
               ": max_grad_norm must be a finite number >= 0 (0 turns clipping off), got ",
               max_grad_norm, ".");
   LambArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kLamb, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
   a.part = parse_part(part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // The second half forms no clip: it needs no norm.
@@ -90,7 +93,7 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
               "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
               "the step), or max_grad_norm=0 for no clipping.");
   const c10::optional<at::Device> device = list_device(kLamb, params, "params");
-  a.params = tensor_refs(kLamb, params, "params", /*mutated=*/true, a.keep_alive);
+  a.params = tensor_refs(kLamb, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kLamb, step, lr, grad_scale, found_inf, device);
   a.tensor_sums = sums_ptr(tensor_sums, a.part, params.size(), device.value_or(step.device()));
   a.grad_norm = nullptr;
@@ -102,14 +105,14 @@ LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList 
   // Only the first pass reads (and may write back) the grads.
   a.write_grads = a.part != kernels::LambPart::kApply &&
                   writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kLamb, grads, params, a.write_grads, a.keep_alive, a.copy_back);
+  a.grads = grad_refs(kLamb, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   const auto state = [&](at::TensorList list, const char* name, bool optional) {
-    return companion_refs(kLamb, list, name, params, Access::kWrite, /*fp32_only=*/true, optional,
+    return companion_refs(kLamb, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
                           a.keep_alive);
   };
   a.exp_avgs = state(exp_avgs, "exp_avgs", false);
   a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
-  a.masters = master_args(kLamb, master_mode, params, master_params, param_ids, seed,
+  a.masters = master_args(kLamb, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
               adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
@@ -172,9 +175,11 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
       sums[2 * spans[s].tensor] += param_sq[s];
       sums[2 * spans[s].tensor + 1] += update_sq[s];
     }
-    finish_copy_back(a.copy_back);
     if (a.tensor_sums != nullptr) std::copy(sums.begin(), sums.end(), a.tensor_sums);
-    if (a.part == kernels::LambPart::kMoments) return;  // the count advances in the second half
+    if (a.part == kernels::LambPart::kMoments) {
+      finish_copy_back(a.copy_back);
+      return;  // the count advances in the second half
+    }
   }
   std::vector<float> ratios(n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -200,6 +205,7 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                                   optional_fp32_ptr(a.masters.list, span), span.size, lamb_step,
                                   ratios[span.tensor]);
   });
+  finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
 }
 

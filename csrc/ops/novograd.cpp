@@ -105,23 +105,26 @@ NovoGradArgs check_novograd(at::TensorList params, at::TensorList grads, at::Ten
   TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kNovoGrad, ": weight_decay must be >= 0, got ",
               weight_decay, ".");
   NovoGradArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kNovoGrad, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
   a.part = parse_part(part);
   const bool max_norm = parse_norm_type(norm_type);
   const c10::optional<at::Device> device = list_device(kNovoGrad, params, "params");
   const at::Device home = device.value_or(step.device());
-  a.params = tensor_refs(kNovoGrad, params, "params", /*mutated=*/true, a.keep_alive);
+  a.params = tensor_refs(kNovoGrad, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kNovoGrad, step, lr, grad_scale, found_inf, device);
   a.tensor_reductions = reductions_ptr(tensor_reductions, a.part, params.size(), home);
   // Only the second pass writes the grads back: the first reads them.
   a.write_grads = a.part != kernels::NovoGradPart::kNorms &&
                   writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kNovoGrad, grads, params, a.write_grads, a.keep_alive, a.copy_back);
-  a.exp_avgs = companion_refs(kNovoGrad, exp_avgs, "exp_avgs", params, Access::kWrite,
+  a.grads = grad_refs(kNovoGrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  a.exp_avgs = companion_refs(kNovoGrad, exp_avgs, "exp_avgs", dense, Access::kWrite,
                               /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
-  a.norm_avgs = norm_avg_refs(norm_avgs, params, home, a.keep_alive);
+  a.norm_avgs = norm_avg_refs(norm_avgs, dense, home, a.keep_alive);
   // Checked in every part, though kNorms does not read it: both halves of a step take the
   // same arguments.
-  a.masters = master_args(kNovoGrad, master_mode, params, master_params, param_ids, seed,
+  a.masters = master_args(kNovoGrad, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {beta1,          beta2,             eps,      weight_decay, bias_correction,
               grad_averaging, reg_inside_moment, max_norm, init_zero};

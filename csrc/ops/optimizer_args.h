@@ -59,10 +59,6 @@ inline std::vector<kernels::TensorRef> grad_refs(const char* op, at::TensorList 
                         /*fp32_only=*/false, /*optional=*/false, keep_alive, &copy_back);
 }
 
-inline void finish_copy_back(const std::vector<CopyBack>& copy_back) {
-  for (const CopyBack& c : copy_back) c.target.copy_(c.temporary);
-}
-
 // On the CPU the scalars are read directly: a skipped step writes nothing.
 inline bool cpu_step_skipped(const kernels::StepScalars& s) {
   return s.found_inf != nullptr && *s.found_inf != 0.0f;

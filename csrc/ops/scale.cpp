@@ -40,6 +40,7 @@ std::int32_t* tensor_flags_data(const char* op, const c10::optional<at::Tensor>&
 struct UnscaleArgs {
   std::vector<kernels::TensorRef> grads;
   std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;  // grads that are not dense (see WrittenList)
   std::int32_t* tensor_flags;
 };
 
@@ -50,7 +51,9 @@ UnscaleArgs check_unscale(at::TensorList grads, const at::Tensor& found_inf,
   check_scalar_tensor(kUnscale, found_inf, "found_inf", at::kFloat, device);
   check_scalar_tensor(kUnscale, inv_scale, "inv_scale", at::kFloat, device);
   UnscaleArgs args;
-  args.grads = tensor_refs(kUnscale, grads, "grads", /*mutated=*/true, args.keep_alive);
+  const WrittenList written(kUnscale, grads, "grads", args.copy_back);
+  args.grads = tensor_refs(kUnscale, written.tensors(), "grads", /*mutated=*/true,
+                           args.keep_alive);
   args.tensor_flags = tensor_flags_data(kUnscale, tensor_flags, grads.size(), "grads", found_inf);
   return args;
 }
@@ -76,6 +79,7 @@ struct ScaleArgs {
   std::vector<kernels::TensorRef> src;
   std::vector<kernels::TensorRef> dst;
   std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;  // destinations that are not dense (see WrittenList)
   std::int32_t* tensor_flags;
 };
 
@@ -91,7 +95,9 @@ ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& 
   check_scalar_tensor(kScale, scale, "scale", at::kFloat, device);
   check_scalar_tensor(kScale, found_inf, "found_inf", at::kFloat, device);
   ScaleArgs args;
-  args.dst = tensor_refs(kScale, dst, "dst", /*mutated=*/true, args.keep_alive);
+  const WrittenList written(kScale, dst, "dst", args.copy_back);
+  const at::TensorList dense_dst = written.tensors();
+  args.dst = tensor_refs(kScale, dense_dst, "dst", /*mutated=*/true, args.keep_alive);
   // Each source is read in the flat element order of its destination; a source
   // laid out differently (or not dense) is first copied into the destination's layout.
   args.src.reserve(src.size());
@@ -110,12 +116,12 @@ ScaleArgs check_scale(at::TensorList src, at::TensorList dst, const at::Tensor& 
                   "very same tensor for an in-place scale.");
     }
     const bool same_layout = src[i].is_non_overlapping_and_dense() &&
-                             (src[i].numel() <= 1 || src[i].strides() == dst[i].strides());
+                             (src[i].numel() <= 1 || src[i].strides() == dense_dst[i].strides());
     if (same_layout) {
       args.src.push_back(tensor_ref(kScale, src[i], label, /*mutated=*/false, args.keep_alive));
       continue;
     }
-    const at::Tensor copy = at::empty_like(dst[i], src[i].options()).copy_(src[i]);
+    const at::Tensor copy = at::empty_like(dense_dst[i], src[i].options()).copy_(src[i]);
     args.keep_alive.push_back(copy);
     args.src.push_back(tensor_ref(kScale, copy, label, /*mutated=*/false, args.keep_alive));
   }
@@ -136,6 +142,7 @@ void multi_tensor_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
     return kernels::cpu::unscale_span(element_ptr(t, spans[s].offset), t.dtype, spans[s].size,
                                       factor);
   });
+  finish_copy_back(args.copy_back);
   if (nonfinite) *found_inf.data_ptr<float>() = 1.0f;
 }
 
@@ -170,6 +177,7 @@ void multi_tensor_scale_cpu(at::TensorList src, at::TensorList dst, const at::Te
                                     element_ptr(to, spans[s].offset), to.dtype, spans[s].size,
                                     factor);
   });
+  finish_copy_back(args.copy_back);
   if (nonfinite) *found_inf.data_ptr<float>() = 1.0f;
 }
 
@@ -182,6 +190,7 @@ void multi_tensor_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf
   const c10::cuda::CUDAGuard guard(found_inf.device());
   kernels::cuda::unscale(args.grads, found_inf.data_ptr<float>(), inv_scale.data_ptr<float>(),
                          args.tensor_flags, current_stream(found_inf.device()));
+  finish_copy_back(args.copy_back);
 }
 
 void multi_tensor_nonfinite_check_cuda(at::TensorList tensors, const at::Tensor& found_inf,
@@ -201,6 +210,7 @@ void multi_tensor_scale_cuda(at::TensorList src, at::TensorList dst, const at::T
   const c10::cuda::CUDAGuard guard(found_inf.device());
   kernels::cuda::scale(args.src, args.dst, scale.data_ptr<float>(), found_inf.data_ptr<float>(),
                        args.tensor_flags, current_stream(found_inf.device()));
+  finish_copy_back(args.copy_back);
 }
 #endif
 

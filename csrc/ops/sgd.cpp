@@ -37,14 +37,17 @@ SgdArgs check_sgd(at::TensorList params, at::TensorList grads, at::TensorList mo
   TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), "ampfuse.", kSgd,
               ": pass one momentum buffer per param when momentum != 0, and none when it is 0.");
   SgdArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kSgd, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
   const c10::optional<at::Device> device = list_device(kSgd, params, "params");
-  a.params = tensor_refs(kSgd, params, "params", /*mutated=*/true, a.keep_alive);
+  a.params = tensor_refs(kSgd, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kSgd, step, lr, grad_scale, found_inf, device);
   a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kSgd, grads, params, a.write_grads, a.keep_alive, a.copy_back);
-  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", params,
+  a.grads = grad_refs(kSgd, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", dense,
                                       Access::kWrite, true, /*optional=*/true, a.keep_alive);
-  a.masters = master_args(kSgd, master_mode, params, master_params, param_ids, seed,
+  a.masters = master_args(kSgd, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {momentum, dampening, weight_decay, nesterov, maximize, wd_after_momentum};
   return a;

@@ -1,14 +1,12 @@
 """Unscaling an optimizer's gradients and checking them for inf/nan: which op takes which grad.
 
 ``GradScaler._unscale_grads_`` (torch's hook, same signature and result) lands here. Every
-gradient torch.amp.GradScaler accepts is accepted, through one of three paths:
+gradient torch.amp.GradScaler accepts is accepted, through one of two paths:
 
-- dense fp32, fp16 and bf16 grads on the CPU or on CUDA (the usual case, including
-  channels_last and transposed layouts) go to ``ampfuse.multi_tensor_unscale_``: one call per
-  device for all of them, whatever their dtypes;
-- non-dense views of those (a strided slice: its elements do not fill one block of memory, and
-  the op writes only tensors that do) are unscaled as dense copies in that same call and copied
-  back. Copies do not round, so the result is the one the op gives a dense grad;
+- fp32, fp16 and bf16 grads on the CPU or on CUDA (the usual case, in any layout: the op
+  writes a strided slice through a contiguous copy, which does not round) go to
+  ``ampfuse.multi_tensor_unscale_``: one call per device for all of them, whatever their
+  dtypes;
 - float64 grads, and grads on devices ampfuse has no kernels for, go to
   ``torch._amp_foreach_non_finite_check_and_unscale_`` grouped by device and dtype, the op
   torch's GradScaler itself uses, so they come out as with torch, bit for bit.
@@ -28,7 +26,7 @@ from ampfuse import _ops
 from ampfuse._ops import HELD_INF, HELD_NAN
 from ampfuse.optimizers._groups import param_name
 
-__all__ = ["unscale_grads_", "is_dense", "cuda_kernels_usable"]
+__all__ = ["unscale_grads_", "cuda_kernels_usable"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TORCH_DTYPES = (torch.float64,)
@@ -44,19 +42,6 @@ def _has_kernels(device):
     return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_usable())
 
 
-def is_dense(t):
-    """Whether t's elements fill one block of memory in some dimension order (contiguous,
-    channels_last, a transpose), which is what the ampfuse ops write in place."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _fp16_refused(name):
     return ValueError(
         f"ampfuse.GradScaler: Attempting to unscale FP16 gradients ({name} has an fp16 grad). "
@@ -68,10 +53,10 @@ def _fp16_refused(name):
 
 
 def _collect(optimizer, allow_fp16):
-    """The grads to unscale, sorted into the three paths of the module docstring, with the
+    """The grads to unscale, sorted into the two paths of the module docstring, with the
     checks torch makes (fp16, sparse) and a clear error for dtypes no scaler takes. Each path
     maps to a list of (grad, (group index, param index, param)) entries."""
-    ours, views, theirs = {}, {}, {}  # device -> entries; theirs: (device, dtype) -> entries
+    ours, theirs = {}, {}  # device -> entries; theirs: (device, dtype) -> entries
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             grad = param.grad
@@ -87,7 +72,7 @@ def _collect(optimizer, allow_fp16):
                 grad = grad._values()
             entry = (grad, (group_index, param_index, param))
             if grad.dtype in _KERNEL_DTYPES and _has_kernels(grad.device):
-                (ours if is_dense(grad) else views).setdefault(grad.device, []).append(entry)
+                ours.setdefault(grad.device, []).append(entry)
             elif grad.dtype in _KERNEL_DTYPES or grad.dtype in _TORCH_DTYPES:
                 theirs.setdefault((grad.device, grad.dtype), []).append(entry)
             else:
@@ -97,7 +82,7 @@ def _collect(optimizer, allow_fp16):
                     "torch.float16, torch.bfloat16 and torch.float64 gradients (as "
                     "torch.amp.GradScaler does)."
                 )
-    return ours, views, theirs
+    return ours, theirs
 
 
 def _torch_flags(grads):
@@ -115,7 +100,7 @@ def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
 
     record: an ampfuse.overflow.CheckRecord to fill with which grads held inf/nan; the kernels
     write those flags in the pass they make anyway."""
-    ours, views, theirs = _collect(optimizer, allow_fp16)
+    ours, theirs = _collect(optimizer, allow_fp16)
     per_device = {}  # device -> (found_inf, inv_scale) there
 
     def on(device):
@@ -127,18 +112,14 @@ def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
         return per_device[device]
 
     with torch.no_grad():
-        for device in {*ours, *views}:
+        for device, entries in ours.items():
             flag, factor = on(device)
-            dense, strided = ours.get(device, []), views.get(device, [])
-            copies = [g.contiguous() for g, _ in strided]
-            grads = [g for g, _ in dense] + copies
+            grads = [g for g, _ in entries]
             tensor_flags = None
             if record is not None:
                 tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
-                record.add([where for _, where in dense + strided], tensor_flags)
+                record.add([where for _, where in entries], tensor_flags)
             _ops.multi_tensor_unscale_(grads, flag, factor, tensor_flags)
-            for (grad, _), copy in zip(strided, copies):
-                grad.copy_(copy)
         for (device, _), entries in theirs.items():
             flag, factor = on(device)
             grads = [g for g, _ in entries]

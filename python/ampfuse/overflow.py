@@ -152,7 +152,7 @@ class CheckRecord:
                     name = known.get(id(param)) or position_name(group_index, param_index)
                     entry = held.setdefault(name, [(group_index, param_index), 0])
                     entry[1] |= bits
-        # Calls go by device and path (dense, strided, float64): report in optimizer order.
+        # Calls go by device and path (ours, float64 to torch's): report in optimizer order.
         ordered = sorted(held.items(), key=lambda item: item[1][0])
         return OverflowReport(self.step, [name for name, _ in ordered],
                               [_KINDS[bits] for _, (_, bits) in ordered])

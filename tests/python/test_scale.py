@@ -397,11 +397,36 @@ def test_rejects_tensor_on_another_device(device, which):
         scale_(src, dst, scale, found_inf)
 
 
-def test_rejects_non_dense_dst(device):
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_non_dense_dst_is_written_through_its_view(device, dtype):
+    # A destination that is a strided slice (every other column of a buffer) gets the product,
+    # and the buffer's elements outside the view are not written.
+    gen = make_generator(24)
+    src, dst, scale, found_inf = _valid_call(device, gen)
+    base = random_values((8, 12), dtype, device, gen)
+    dst[1] = base[:, ::2]
+    src[1] = random_values((8, 6), torch.float16, device, gen)
+    outside = base[:, 1::2].clone()
+    scale_(src, dst, scale, found_inf)
+    assert_scaled(dst, src, scale)
+    assert_close_report(base[:, 1::2], outside, exact=True, msg="the buffer outside the view")
+    assert found_inf.item() == 0.0
+
+
+def test_in_place_scale_of_a_non_dense_tensor(device):
+    gen = make_generator(25)
+    t = non_dense_2d(torch.bfloat16, device, gen)
+    before = t.clone()
+    found_inf = scalar_tensor(0.0, device)
+    scale_([t], [t], scalar_tensor(0.5, device), found_inf)
+    assert_scaled([t], [before], scalar_tensor(0.5, device))
+
+
+def test_rejects_dst_with_overlapping_elements(device):
     src, dst, scale, found_inf = _valid_call(device, make_generator(24))
-    dst[1] = non_dense_2d(torch.float32, device, make_generator(25))
+    dst[1] = torch.zeros(8, 1, device=device).expand(8, 6)
     src[1] = random_values((8, 6), torch.float16, device, make_generator(26))
-    with raises_naming(r"dst\[1\]", "contiguous"):
+    with raises_naming(r"dst\[1\]", "memory location", "expand"):
         scale_(src, dst, scale, found_inf)
 
 
@@ -423,12 +448,14 @@ def test_refused_call_leaves_every_tensor_untouched(device):
     src, dst, scale, found_inf = _valid_call(device, make_generator(29))
     src[0][0] = float("nan")
     src.append(random_values((8, 6), torch.float32, device, make_generator(30)))
-    dst.append(non_dense_2d(torch.float16, device, make_generator(31)))
+    dst.append(non_dense_2d(torch.float16, device, make_generator(31)))  # written via a copy
+    src.append(random_values((4,), torch.float32, device, make_generator(32)))
+    dst.append(filled((4,), torch.int32, device))
     before = [d.clone() for d in dst]
-    with raises_naming(r"dst\[3\]", "contiguous"):
+    with raises_naming(r"dst\[4\]", "dtype"):
         scale_(src, dst, scale, found_inf)
     for i, (d, b) in enumerate(zip(dst, before)):
-        assert_close_report(d, b, exact=True, msg=f"dst[{i}] after a refused call")
+        assert torch.equal(d, b), f"dst[{i}] after a refused call"
     assert found_inf.item() == 0.0
 
 

@@ -34,8 +34,25 @@ def fp32_like(p):
 
 def same_layout(t, p):
     """Whether state tensor `t` walks memory in the same order as param `p`, the rule the fused
-    ops apply to the tensors they write (one element or none has no order)."""
-    return t.numel() <= 1 or t.stride() == p.stride()
+    ops apply to the tensors they write (one element or none has no order). A param that is not
+    dense (a strided slice) is stepped through a contiguous copy of itself, so its state is
+    contiguous."""
+    if t.numel() <= 1 or t.stride() == p.stride():
+        return True
+    return t.is_contiguous() and not is_dense(p)
+
+
+def is_dense(t):
+    """Whether `t`'s elements fill one block of memory in some dimension order (contiguous,
+    channels_last, a transpose): at::Tensor::is_non_overlapping_and_dense, which Python lacks.
+    Walking the dimensions from the smallest stride up, each stride must be the product of the
+    sizes before it."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def fp32_copy(value, p):
@@ -60,8 +77,18 @@ class OptimizerStateMixin:
         param and its state flat, so both must share one element order. Runs when p's strides
         differ from those recorded at the last check (one stride comparison per param and
         step otherwise). The tensors are changed in place (same objects, same values), so
-        references held elsewhere, such as amp's list of masters, stay valid."""
+        references held elsewhere, such as amp's list of masters, stay valid. A param that
+        is not dense is stepped through a contiguous copy (the ops do it), so its state stays
+        contiguous; one whose elements share memory (expand()) is refused here, before any
+        param of the step is written."""
         strides = p.stride()
+        if any(stride == 0 and size > 1 for size, stride in zip(p.shape, strides)):
+            raise ValueError(
+                f"{type(self).__name__}: {param_name(group_index, param_index)} has strides "
+                f"{strides} for shape {tuple(p.shape)}, so several of its elements share one "
+                "memory location (e.g. an expand()); an optimizer cannot write it. Give the "
+                "parameter memory of its own (.clone())."
+            )
         for value in state.values():
             if (
                 isinstance(value, torch.Tensor)
