@@ -26,15 +26,15 @@ Not run in CI: it needs the PyTorch sources and takes longer than the unit tests
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
-import io
 import re
 import sys
 import textwrap
 import unittest
 from pathlib import Path
+
+from _torch_tests import parse_suite_args, run_suite
 
 # The tests that exercise GradScaler; torch's own deprecated aliases
 # (torch.cpu.amp.GradScaler) are torch's business and left out.
@@ -129,31 +129,13 @@ def run(body: str, use_ampfuse: bool, verbose: bool) -> dict[str, str]:
     """Runs every CPU test; returns test id -> 'ok' / 'FAIL' / 'ERROR' / 'skip'."""
     namespace = build_tests(body, use_ampfuse)
     suite = unittest.defaultTestLoader.loadTestsFromTestCase(namespace["TestGradScalerCPU"])
-    # Named before the run: a suite lets go of its tests as it runs them.
-    outcomes = {test._testMethodName: "ok" for test in suite}
-    stream = sys.stdout if verbose else io.StringIO()
     with gradscaler_swapped(use_ampfuse):
-        result = unittest.TextTestRunner(stream=stream, verbosity=2).run(suite)
-    for label, entries in (("FAIL", result.failures), ("ERROR", result.errors),
-                           ("skip", result.skipped), ("xfail", result.expectedFailures)):
-        for test, _ in entries:
-            outcomes[test._testMethodName] = label
-    return outcomes
+        outcomes = run_suite(suite, verbose)
+    return {name: outcome for name, (outcome, _) in outcomes.items()}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("pytorch_src", type=Path,
-                        help="a PyTorch checkout (or any folder holding test/test_torch.py)")
-    parser.add_argument("-k", dest="name_filter", help="only tests whose name contains this")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="print unittest's output, tracebacks included")
-    args = parser.parse_args()
-    test_torch = args.pytorch_src / "test" / "test_torch.py"
-    if not test_torch.is_file():
-        test_torch = args.pytorch_src
-    if not test_torch.is_file():
-        raise SystemExit(f"no test/test_torch.py under {args.pytorch_src}")
+    args, test_torch = parse_suite_args(__doc__.split("\n\n")[0], "test_torch.py")
     body, _ = extract_methods(test_torch, args.name_filter)
 
     baseline = run(body, use_ampfuse=False, verbose=False)
