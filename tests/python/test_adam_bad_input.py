@@ -6,7 +6,7 @@ a grad_scale that is not one element. Nothing of the optimizer changes on a refu
 import pytest
 import torch
 
-from ampfuse.optimizers import FusedAdam, FusedAdamW
+from ampfuse.optimizers import FusedAdagrad, FusedAdam, FusedAdamW, FusedSGD
 from helpers import raises_naming
 from test_adam import (SHAPES, make_params, set_grads, step_grads)
 
@@ -54,13 +54,21 @@ def test_unsupported_param_dtype_is_named(dtype):
         FusedAdam(params)
 
 
-def test_sparse_grad_is_named_at_step():
+@pytest.mark.parametrize("cls, takers", [
+    (FusedAdam, r"torch\.optim\.SGD, Adagrad and SparseAdam take sparse ones"),
+    (FusedSGD, r"torch\.optim\.SGD takes sparse ones"),
+    (FusedAdagrad, r"torch\.optim\.Adagrad takes sparse ones"),
+])
+def test_sparse_grad_is_named_at_step_with_the_optimizer_that_takes_it(cls, takers):
     params = make_params(SHAPES[:3], torch.float32, "cpu")
-    opt = FusedAdam(params)
+    opt = cls(params)
     set_grads(params, step_grads(params, 0))
     params[1].grad = params[1].grad.to_sparse()
-    with raises_naming(r"param_groups\[0\]\['params'\]\[1\]", "sparse"):
+    before = [p.detach().clone() for p in params]
+    with raises_naming(r"param_groups\[0\]\['params'\]\[1\]", "sparse", takers,
+                       r"nn\.Embedding\(sparse=True\)"):
         opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "a param was written"
 
 
 def test_negative_lr_set_after_construction_fails_at_step():

@@ -18,6 +18,8 @@ from ampfuse.optimizers._torch_switches import (IMPLEMENTATION_SWITCHES,
 
 # The param dtypes the fused ops update.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# torch.optim's counterparts that step sparse gradients themselves (SparseAdam aside).
+SPARSE_TAKERS = ("torch.optim.SGD", "torch.optim.Adagrad")
 
 
 def param_name(group_index, param_index):
@@ -130,9 +132,13 @@ class ParamGroupsMixin:
         """Raises for a grad or param that no fused op takes; _calls only comes here when its
         cheap test failed."""
         if grad.layout != torch.strided:
+            counterpart = self._TORCH_COUNTERPART
+            takers = (f"{counterpart} takes" if counterpart in SPARSE_TAKERS
+                      else "torch.optim.SGD, Adagrad and SparseAdam take")
             raise RuntimeError(
                 f"{type(self).__name__}: {param_name(group_index, param_index)} has a "
-                f"{grad.layout} gradient; fused optimizers take dense gradients only "
-                "(torch.optim.SparseAdam handles sparse ones)."
+                f"{grad.layout} gradient; fused optimizers take dense gradients only. "
+                f"{takers} sparse ones: give the params with sparse gradients (e.g. an "
+                "nn.Embedding(sparse=True)) an optimizer of their own, or make them dense."
             )
         self._check_param_dtype(group_index, param_index, p)
