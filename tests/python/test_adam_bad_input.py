@@ -45,8 +45,8 @@ def test_sgd_hyperparameters_in_an_adam_group_are_rejected():
         opt.add_param_group({"params": params[2:], "momentum": 0.9})
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.float64],
-                         ids=["complex64", "int64", "float64"])
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.int64, torch.float64],
+                         ids=["complex128", "int64", "float64"])
 def test_unsupported_param_dtype_is_named(dtype):
     params = make_params(SHAPES[:4], torch.float32, "cpu")
     params[2] = torch.ones(3, dtype=dtype)

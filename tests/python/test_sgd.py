@@ -289,8 +289,8 @@ def test_adam_arguments_are_not_accepted():
         FusedSGD(make_params(SHAPES[:2], torch.float32, "cpu"), lr=LR, amsgrad=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.int32, torch.float64],
-                         ids=["complex64", "int32", "float64"])
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.int32, torch.float64],
+                         ids=["complex128", "int32", "float64"])
 def test_unsupported_param_dtype_is_named(dtype):
     params = make_params(SHAPES[:4], torch.float32, "cpu")
     params[3] = torch.ones(3, dtype=dtype)

@@ -53,13 +53,19 @@ from ampfuse.optimizers._state import fp32_copy, fp32_like, same_layout  # noqa:
 
 class _Call:
     """The tensors of one op call: params sharing one step tensor and master mode ("fp32",
-    "none" or a bf16 mode, see _precision)."""
+    "none" or a bf16 mode, see _precision).
 
-    __slots__ = ("step", "mode", "entries", "params", "grads", "states", "records", "param_ids")
+    A complex param (complex64) is updated as its real view, each element's real and imaginary
+    parts side by side, as torch.optim steps complex params: its grad is that view already, and
+    op_params() and state_list() view it and its (complex) state so."""
+
+    __slots__ = ("step", "mode", "entries", "params", "grads", "states", "records", "param_ids",
+                 "has_complex")
 
     def __init__(self, step, mode):
         self.step = step
         self.mode = mode
+        self.has_complex = False
         # (param, grad, state, ParamRecord) per param while _calls sorts them: one append per
         # param instead of four; seal() turns them into the lists the op takes.
         self.entries = []
@@ -70,6 +76,19 @@ class _Call:
         if self.entries:
             self.params, self.grads, self.states, self.records = map(list, zip(*self.entries))
             self.entries = []  # a StepPlan keeps the call: it must not keep the grads alive
+
+    def op_params(self):
+        """The params as the op takes them."""
+        if not self.has_complex:
+            return self.params
+        return [torch.view_as_real(p) if p.is_complex() else p for p in self.params]
+
+    def state_list(self, key):
+        """Each param's state[key], as the op takes it."""
+        values = [s[key] for s in self.states]
+        if not self.has_complex:
+            return values
+        return [torch.view_as_real(t) if t.is_complex() else t for t in values]
 
     @property
     def has_master(self):
@@ -285,9 +304,12 @@ class FusedOptimizer(
                 if state and "step" in state:
                     idle_steps.append(state["step"])
                 continue
-            if grad.layout != torch.strided or p.dtype not in FLOAT_DTYPES:
-                self._reject(index, i, p, grad)
             dtype = p.dtype
+            complex_param = False
+            if grad.layout != torch.strided or dtype not in FLOAT_DTYPES:
+                self._reject(index, i, p, grad)  # returns for a complex64 param
+                complex_param = True
+                grad = torch.view_as_real(grad)
             if dtype == torch.bfloat16:
                 mode = bf16_mode
             elif dtype == torch.float16:
@@ -351,6 +373,8 @@ class FusedOptimizer(
                 if call is None:
                     call = _Call(step, mode)
                     calls.append(call)
+            if complex_param:
+                call.has_complex = True
             if mode == "stochastic":
                 call.param_ids.append(first_id + i)
             call.entries.append((p, grad, state, record))

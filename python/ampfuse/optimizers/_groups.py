@@ -16,8 +16,9 @@ from ampfuse.optimizers._skip import check_skip_nonfinite
 from ampfuse.optimizers._torch_switches import (IMPLEMENTATION_SWITCHES,
                                                 check_implementation_switches)
 
-# The param dtypes the fused ops update.
+# The param dtypes the fused ops update; a complex64 param is updated as its real view (_base).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PARAM_DTYPES = FLOAT_DTYPES + (torch.complex64,)
 # torch.optim's counterparts that step sparse gradients themselves (SparseAdam aside).
 SPARSE_TAKERS = ("torch.optim.SGD", "torch.optim.Adagrad")
 
@@ -83,11 +84,12 @@ class ParamGroupsMixin:
         return self._TORCH_COUNTERPART or "a torch.optim optimizer"
 
     def _check_param_dtype(self, group_index, param_index, p):
-        if p.dtype not in FLOAT_DTYPES:
+        if p.dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"{type(self).__name__}: {param_name(group_index, param_index)} has dtype "
-                f"{p.dtype}; fused optimizers update torch.float32, torch.float16 and "
-                "torch.bfloat16 parameters only (no complex, integer or float64 ones)."
+                f"{p.dtype}; fused optimizers update torch.float32, torch.float16, "
+                "torch.bfloat16 and torch.complex64 parameters only (no float64, complex128, "
+                "complex32 or integer ones)."
             )
 
     def _check_lr(self, index, lr):
@@ -129,8 +131,8 @@ class ParamGroupsMixin:
             )
 
     def _reject(self, group_index, param_index, p, grad):
-        """Raises for a grad or param that no fused op takes; _calls only comes here when its
-        cheap test failed."""
+        """Raises for a grad or param that no fused op takes (a complex64 param with a dense
+        grad is taken, as its real view); _calls only comes here when its cheap test failed."""
         if grad.layout != torch.strided:
             counterpart = self._TORCH_COUNTERPART
             takers = (f"{counterpart} takes" if counterpart in SPARSE_TAKERS

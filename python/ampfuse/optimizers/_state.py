@@ -27,9 +27,16 @@ from ampfuse.optimizers._precision import export_extra, import_extras, param_mod
 from ampfuse.optimizers._skip import SkipRecord
 
 
+def state_dtype(p):
+    """The dtype of p's optimizer state: fp32, or complex64 (fp32 pairs) for a complex param,
+    as torch.optim keeps it; the ops see a complex tensor as its real view."""
+    return torch.complex64 if p.is_complex() else torch.float32
+
+
 def fp32_like(p):
-    """Zeros in fp32 with p's shape, device and (dense) strides."""
-    return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    """Zeros in fp32 (complex64 for a complex param) with p's shape, device and (dense)
+    strides."""
+    return torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
 
 
 def same_layout(t, p):
@@ -56,12 +63,13 @@ def is_dense(t):
 
 
 def fp32_copy(value, p):
-    """A loaded state tensor as fp32 on p's device, laid out like p (a checkpoint saved from
-    contiguous params loads into a channels_last model). A tensor that already is fp32, on p's
-    device and in p's layout, is used as it is, as torch.optim does."""
-    if value.dtype == torch.float32 and value.device == p.device and same_layout(value, p):
+    """A loaded state tensor as fp32 (complex64 for a complex param) on p's device, laid out
+    like p (a checkpoint saved from contiguous params loads into a channels_last model). A
+    tensor that already is so is used as it is, as torch.optim does."""
+    dtype = state_dtype(p)
+    if value.dtype == dtype and value.device == p.device and same_layout(value, p):
         return value
-    out = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    out = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return out.copy_(value)
 
 

@@ -10,7 +10,7 @@ from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
-from ampfuse.optimizers._state import fp32_copy
+from ampfuse.optimizers._state import fp32_copy, state_dtype
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
@@ -98,15 +98,18 @@ class FusedAdagrad(FusedOptimizer):
 
     def _prepare_state(self, group, p, state):
         if "sum" not in state:
-            state["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
-                                           dtype=torch.float32,
+            value = float(group["initial_accumulator_value"])
+            if p.is_complex():
+                # Both parts of the real view start from it, as in torch.optim.Adagrad.
+                value = complex(value, value)
+            state["sum"] = torch.full_like(p, value, dtype=state_dtype(p),
                                            memory_format=torch.preserve_format)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         _ops.fused_adagrad_(
-            call.params,
+            call.op_params(),
             call.grads,
-            [s["sum"] for s in call.states],
+            call.state_list("sum"),
             call.masters(),
             call.step,
             lr,

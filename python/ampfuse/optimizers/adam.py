@@ -171,15 +171,14 @@ class FusedAdam(FusedOptimizer):
         return ("exp_avg", "exp_avg_sq")
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
-        states = call.states
         beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
         _ops.fused_adam_(
-            call.params,
+            call.op_params(),
             call.grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            call.state_list("exp_avg"),
+            call.state_list("exp_avg_sq"),
+            call.state_list("max_exp_avg_sq") if amsgrad else [],
             call.masters(),
             call.step,
             lr,

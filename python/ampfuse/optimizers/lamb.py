@@ -140,14 +140,13 @@ class FusedLAMB(FusedOptimizer):
         self._grad_norms.update(l2norm_on_each_device(by_device))
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
-        states = call.states
         beta1, beta2 = group["betas"]
         clip = _clip_value(group)
         _ops.fused_lamb_(
-            call.params,
+            call.op_params(),
             call.grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
+            call.state_list("exp_avg"),
+            call.state_list("exp_avg_sq"),
             call.masters(),
             call.step,
             lr,

@@ -147,13 +147,12 @@ class FusedNovoGrad(FusedOptimizer):
     # ---- step -----------------------------------------------------------------------------
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
-        states = call.states
         beta1, beta2 = group["betas"]
         _ops.fused_novograd_(
-            call.params,
+            call.op_params(),
             call.grads,
-            [s["exp_avg"] for s in states],
-            [s["norm_avg"] for s in states],
+            call.state_list("exp_avg"),
+            call.state_list("norm_avg"),
             call.masters(),
             call.step,
             lr,

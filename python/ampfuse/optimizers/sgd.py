@@ -123,9 +123,9 @@ class FusedSGD(FusedOptimizer):
     def _launch(self, group, call, lr, grad_scale, found_inf):
         with_momentum = group["momentum"] != 0
         _ops.fused_sgd_(
-            call.params,
+            call.op_params(),
             call.grads,
-            [s["momentum_buffer"] for s in call.states] if with_momentum else [],
+            call.state_list("momentum_buffer") if with_momentum else [],
             call.masters(),
             call.step,
             lr,
