@@ -14,8 +14,8 @@ The fused optimizers refuse ``differentiable=True``, so that implementation is l
 entries on both sides; the tests then run every other configuration (hooks, state_dict, zero
 grads, tensor lr...) instead of stopping at the first differentiable one.
 
-Some tests differ on purpose (README, "Differences from torch that stay"): float64 params and
-sparse grads are refused, argument errors are worded our own way and checked after
+Some tests differ on purpose (README, "Differences from torch that stay"): float64 params are
+refused, argument errors are worded our own way and checked after
 torch's own base class has looked at ``params`` (torch's error inputs pass ``params=None``),
 and params on the meta device step as with torch's default path where torch's fused kernel
 refuses them. Those are listed in EXPECTED below. The script prints one line per test and
@@ -51,7 +51,6 @@ NAMES = ("Adam", "AdamW", "SGD", "Adagrad")
 # Test-name patterns that differ on purpose (see the module docstring).
 EXPECTED = {
     r"^test_(foreach|fused)_matches_forloop_.*_float64$": "float64 params are refused",
-    r"^test_rosenbrock_sparse_": "sparse grads are refused",
     r"^test_errors_": "params=None reaches torch's base class first; messages are our own",
     r"^test_fused_error_on_params_on_meta_": "meta params step, as torch's default path",
 }

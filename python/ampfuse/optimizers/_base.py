@@ -46,6 +46,7 @@ from ampfuse.optimizers._precision import (
     reset_extra,
 )
 from ampfuse.optimizers._skip import SkipRecord, check_skip_nonfinite, on_device, step_verdicts
+from ampfuse.optimizers._sparse import SparseCall, check_sparse_param
 from ampfuse.optimizers._state import OptimizerStateMixin
 # The state helpers lived here before _state was split out; still importable from here.
 from ampfuse.optimizers._state import fp32_copy, fp32_like, same_layout  # noqa: F401
@@ -134,6 +135,9 @@ class FusedOptimizer(
     # The torch.optim class this optimizer stands in for (None: torch has none), as messages
     # about torch's implementation switches name it (_torch_switches).
     _TORCH_COUNTERPART: str | None = None
+    # Whether sparse COO grads are stepped (_sparse; the class then has _sparse_step(group, p,
+    # grad, state, lr)), as torch.optim.SGD and Adagrad step them, or refused.
+    _TAKES_SPARSE = False
 
     def __init__(self, params, defaults, set_grad_none=True):
         self.set_grad_none = set_grad_none
@@ -210,6 +214,10 @@ class FusedOptimizer(
         for index, group, calls in plans:
             for call in calls:
                 device = call.step.device
+                if call.mode == "sparse":
+                    call.run(self, group, on_device(grad_scale, device, scales, "grad_scale"),
+                             verdicts.get(device))
+                    continue
                 self._launch(
                     group,
                     call,
@@ -297,6 +305,7 @@ class FusedOptimizer(
         records = self._param_records
         state_keys = self._state_keys(group)
         call = None
+        sparse_calls = {}  # device -> SparseCall: params with sparse grads (FusedSGD, Adagrad)
         for i, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
@@ -307,6 +316,17 @@ class FusedOptimizer(
             dtype = p.dtype
             complex_param = False
             if grad.layout != torch.strided or dtype not in FLOAT_DTYPES:
+                if grad.layout == torch.sparse_coo and self._TAKES_SPARSE:
+                    check_sparse_param(self, index, i, p, group)
+                    state = all_state[p]
+                    # Stepped on its own (see _sparse), so it counts its steps on its own.
+                    step = state.get("step")
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
+                                     if step is None else step.clone())
+                    if p.device not in sparse_calls:
+                        sparse_calls[p.device] = SparseCall(state["step"])
+                    sparse_calls[p.device].add(p, grad, state)
+                    continue
                 self._reject(index, i, p, grad)  # returns for a complex64 param
                 complex_param = True
                 grad = torch.view_as_real(grad)
@@ -390,6 +410,7 @@ class FusedOptimizer(
                 for state in call.states:
                     state["step"] = call.step
             launched.append(shared)
+        calls.extend(sparse_calls.values())  # stepped after the fused calls (see _sparse)
         return calls
 
     def _before_launches(self, plans):

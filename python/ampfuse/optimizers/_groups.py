@@ -19,8 +19,6 @@ from ampfuse.optimizers._torch_switches import (IMPLEMENTATION_SWITCHES,
 # The param dtypes the fused ops update; a complex64 param is updated as its real view (_base).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PARAM_DTYPES = FLOAT_DTYPES + (torch.complex64,)
-# torch.optim's counterparts that step sparse gradients themselves (SparseAdam aside).
-SPARSE_TAKERS = ("torch.optim.SGD", "torch.optim.Adagrad")
 
 
 def param_name(group_index, param_index):
@@ -134,13 +132,12 @@ class ParamGroupsMixin:
         """Raises for a grad or param that no fused op takes (a complex64 param with a dense
         grad is taken, as its real view); _calls only comes here when its cheap test failed."""
         if grad.layout != torch.strided:
-            counterpart = self._TORCH_COUNTERPART
-            takers = (f"{counterpart} takes" if counterpart in SPARSE_TAKERS
-                      else "torch.optim.SGD, Adagrad and SparseAdam take")
+            name = type(self).__name__
             raise RuntimeError(
-                f"{type(self).__name__}: {param_name(group_index, param_index)} has a "
-                f"{grad.layout} gradient; fused optimizers take dense gradients only. "
-                f"{takers} sparse ones: give the params with sparse gradients (e.g. an "
-                "nn.Embedding(sparse=True)) an optimizer of their own, or make them dense."
+                f"{name}: {param_name(group_index, param_index)} has a {grad.layout} gradient; "
+                f"{name} takes dense gradients only (FusedSGD and FusedAdagrad also take "
+                "sparse COO ones of float32 params). Give the params with sparse gradients "
+                "(e.g. an nn.Embedding(sparse=True)) an optimizer of their own (FusedSGD, "
+                "FusedAdagrad, torch.optim.SparseAdam), or make their gradients dense."
             )
         self._check_param_dtype(group_index, param_index, p)

@@ -68,8 +68,8 @@ class StepPlan:
         params = group["params"]
         if not all(type(p) in _PLAIN_TYPES for p in params):
             return None  # scan_step would refuse them at every step; don't build one each time
-        if any(call.has_complex for call in calls):
-            return None  # the sort hands complex grads on as real views; scan_step does not
+        if any(call.has_complex or call.mode == "sparse" for call in calls):
+            return None  # the sort hands these grads on converted; scan_step would not
         plan = cls()
         state_keys = optimizer._state_keys(group)
         plan.group = group

@@ -10,6 +10,7 @@ from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
+from ampfuse.optimizers._sparse import adagrad_step
 from ampfuse.optimizers._state import fp32_copy, state_dtype
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
@@ -46,6 +47,7 @@ class FusedAdagrad(FusedOptimizer):
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
     _TORCH_COUNTERPART = "torch.optim.Adagrad"
+    _TAKES_SPARSE = True
     _FOREIGN_GROUP_KEYS = ("betas", "momentum", "dampening", "nesterov", "amsgrad",
                            "adam_w_mode", "bias_correction", "max_grad_norm", "norm_type")
 
@@ -104,6 +106,10 @@ class FusedAdagrad(FusedOptimizer):
                 value = complex(value, value)
             state["sum"] = torch.full_like(p, value, dtype=state_dtype(p),
                                            memory_format=torch.preserve_format)
+
+    def _sparse_step(self, group, p, grad, state, lr):
+        self._prepare_state(group, p, state)  # the sum, on a param's first step
+        adagrad_step(group, p, grad, state, lr)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         _ops.fused_adagrad_(

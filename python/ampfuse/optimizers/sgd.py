@@ -9,6 +9,7 @@ from ampfuse import _ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
+from ampfuse.optimizers._sparse import sgd_step
 from ampfuse.optimizers._state import fp32_copy
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
@@ -58,6 +59,7 @@ class FusedSGD(FusedOptimizer):
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
     _TORCH_COUNTERPART = "torch.optim.SGD"
+    _TAKES_SPARSE = True
     _FOREIGN_GROUP_KEYS = ("betas", "eps", "amsgrad", "adam_w_mode", "bias_correction")
 
     def __init__(
@@ -140,6 +142,9 @@ class FusedSGD(FusedOptimizer):
             wd_after_momentum=bool(group["wd_after_momentum"]),
             **call.master_args(group),
         )
+
+    def _sparse_step(self, group, p, grad, state, lr):
+        sgd_step(group, p, grad, state, lr)
 
     def _export_state(self, group, state, step_value):
         out = {}
