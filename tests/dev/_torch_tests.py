@@ -41,3 +41,35 @@ def run_suite(suite: unittest.TestSuite, verbose: bool) -> dict[str, tuple[str, 
             last = detail.strip().splitlines()[-1] if detail.strip() else ""
             outcomes[test._testMethodName] = (label, last)
     return outcomes
+
+
+def report(baseline: dict, ours: dict, expected: dict[str, str] | None = None,
+           width: int = 82) -> int:
+    """Prints one line per test with its outcome under torch's class and under ampfuse's, the
+    counts, the tests that differ on purpose (`expected`: test name -> reason) and those that
+    pass only with torch's. Returns the exit status: 1 when any of the last exist."""
+    expected = expected or {}
+    unexpected, on_purpose = [], []
+    print(f"{'test (CPU)':<{width}} {'torch':>6} {'ampfuse':>8}")
+    for name in sorted(set(baseline) | set(ours)):
+        theirs, (mine, detail) = baseline.get(name, ("-", ""))[0], ours.get(name, ("-", ""))
+        print(f"{name:<{width}} {theirs:>6} {mine:>8}")
+        if theirs == "ok" and mine != "ok":
+            if name in expected:
+                on_purpose.append((name, expected[name]))
+            else:
+                unexpected.append((name, detail))
+    for label, results in (("torch's", baseline), ("ampfuse's", ours)):
+        counts = {}
+        for outcome, _ in results.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        print(f"with {label}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if on_purpose:
+        print(f"\nDiffer on purpose: {len(on_purpose)}")
+        for name, reason in on_purpose:
+            print(f"  {name}: {reason}")
+    if unexpected:
+        print(f"\nPass with torch's class but not with ampfuse's: {len(unexpected)}")
+        for name, detail in unexpected:
+            print(f"  {name}: {detail[:150]}")
+    return 1 if unexpected else 0

@@ -34,7 +34,7 @@ import textwrap
 import unittest
 from pathlib import Path
 
-from _torch_tests import parse_suite_args, run_suite
+from _torch_tests import parse_suite_args, report, run_suite
 
 # The tests that exercise GradScaler; torch's own deprecated aliases
 # (torch.cpu.amp.GradScaler) are torch's business and left out.
@@ -125,13 +125,12 @@ def gradscaler_swapped(use_ampfuse: bool):
         torch.GradScaler, torch.amp.GradScaler = saved
 
 
-def run(body: str, use_ampfuse: bool, verbose: bool) -> dict[str, str]:
-    """Runs every CPU test; returns test id -> 'ok' / 'FAIL' / 'ERROR' / 'skip'."""
+def run(body: str, use_ampfuse: bool, verbose: bool) -> dict[str, tuple[str, str]]:
+    """Runs every CPU test; returns test id -> (outcome, detail), as _torch_tests.run_suite."""
     namespace = build_tests(body, use_ampfuse)
     suite = unittest.defaultTestLoader.loadTestsFromTestCase(namespace["TestGradScalerCPU"])
     with gradscaler_swapped(use_ampfuse):
-        outcomes = run_suite(suite, verbose)
-    return {name: outcome for name, (outcome, _) in outcomes.items()}
+        return run_suite(suite, verbose)
 
 
 def main() -> int:
@@ -140,19 +139,7 @@ def main() -> int:
 
     baseline = run(body, use_ampfuse=False, verbose=False)
     ours = run(body, use_ampfuse=True, verbose=args.verbose)
-    regressions = []
-    print(f"{'test (CPU)':<90} {'torch':>6} {'ampfuse':>8}")
-    for name in sorted(set(baseline) | set(ours)):
-        theirs, mine = baseline.get(name, "-"), ours.get(name, "-")
-        print(f"{name:<90} {theirs:>6} {mine:>8}")
-        if theirs == "ok" and mine != "ok":
-            regressions.append(name)
-    passed = sum(v == "ok" for v in ours.values())
-    print(f"\nampfuse.GradScaler: {passed}/{len(ours)} pass; torch's class: "
-          f"{sum(v == 'ok' for v in baseline.values())}/{len(baseline)}.")
-    if regressions:
-        print("Pass with torch's class but not with ampfuse's:", *regressions, sep="\n  ")
-    return 1 if regressions else 0
+    return report(baseline, ours, width=90)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import contextlib
 import sys
 import unittest
 
-from _torch_tests import parse_suite_args, run_suite
+from _torch_tests import parse_suite_args, report, run_suite
 from torch_optim_suite import drop_ins
 
 EXPECTED = {"test_cycle_lr_with_adam": "beta1 of 22 refused at the step"}
@@ -65,22 +65,7 @@ def main() -> int:
     args, test_file = parse_suite_args(__doc__.split("\n\n")[0], "optim/test_lrscheduler.py")
     baseline = run(test_file, False, args.name_filter, verbose=False)
     ours = run(test_file, True, args.name_filter, verbose=args.verbose)
-    unexpected = []
-    print(f"{'test (CPU)':<70} {'torch':>6} {'ampfuse':>8}")
-    for name in sorted(set(baseline) | set(ours)):
-        theirs, (mine, detail) = baseline.get(name, ("-", ""))[0], ours.get(name, ("-", ""))
-        note = f"  (on purpose: {EXPECTED[name]})" if name in EXPECTED and mine != "ok" else ""
-        print(f"{name:<70} {theirs:>6} {mine:>8}{note}")
-        if theirs == "ok" and mine != "ok" and name not in EXPECTED:
-            unexpected.append((name, detail))
-    for label, results in (("torch's optimizers", baseline), ("ampfuse's drop-ins", ours)):
-        passed = sum(outcome == "ok" for outcome, _ in results.values())
-        print(f"{label}: {passed} of {len(results)} pass")
-    if unexpected:
-        print(f"Pass with torch's classes but not with ampfuse's: {len(unexpected)}")
-        for name, detail in unexpected:
-            print(f"  {name}: {detail[:150]}")
-    return 1 if unexpected else 0
+    return report(baseline, ours, EXPECTED, width=70)
 
 
 if __name__ == "__main__":

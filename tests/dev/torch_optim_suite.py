@@ -44,7 +44,7 @@ import sys
 import unittest
 from pathlib import Path
 
-from _torch_tests import parse_suite_args, run_suite
+from _torch_tests import parse_suite_args, report, run_suite
 
 NAMES = ("Adam", "AdamW", "SGD", "Adagrad")
 
@@ -127,27 +127,12 @@ def main() -> int:
     args, test_optim = parse_suite_args(__doc__.split("\n\n")[0], "test_optim.py")
     baseline = run(test_optim, False, args.name_filter, verbose=False)
     ours = run(test_optim, True, args.name_filter, verbose=args.verbose)
-    unexpected, on_purpose = [], []
-    print(f"{'test (CPU)':<82} {'torch':>6} {'ampfuse':>8}")
-    for name in sorted(set(baseline) | set(ours)):
-        theirs, (mine, detail) = baseline.get(name, ("-", ""))[0], ours.get(name, ("-", ""))
-        print(f"{name:<82} {theirs:>6} {mine:>8}")
-        if theirs == "ok" and mine != "ok":
-            reason = expected_reason(name)
-            (on_purpose if reason else unexpected).append((name, reason or detail))
-    for label, results in (("torch's classes", baseline), ("ampfuse's drop-ins", ours)):
-        counts = {}
-        for outcome, _ in results.values():
-            counts[outcome] = counts.get(outcome, 0) + 1
-        print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    print(f"\nDiffer on purpose: {len(on_purpose)}")
-    for name, reason in on_purpose:
-        print(f"  {name}: {reason}")
-    if unexpected:
-        print(f"Pass with torch's class but not with ampfuse's: {len(unexpected)}")
-        for name, detail in unexpected:
-            print(f"  {name}: {detail[:150]}")
-    return 1 if unexpected else 0
+    expected = {}
+    for name in ours:
+        reason = expected_reason(name)
+        if reason:
+            expected[name] = reason
+    return report(baseline, ours, expected)
 
 
 if __name__ == "__main__":
