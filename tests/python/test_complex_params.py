@@ -36,18 +36,19 @@ CASES = {
 STEPS = 5
 
 
-def start_values():
+def start_values(device="cpu"):
     """A complex param, a real one beside it in the same group (torch's test_complex mixes
     them), and a second complex one."""
     gen = make_generator(7)
-    return [torch.randn(6, 4, dtype=torch.complex64, generator=gen),
-            torch.randn(5, generator=gen),
-            torch.randn(3, dtype=torch.complex64, generator=gen)]
+    return [torch.randn(6, 4, dtype=torch.complex64, generator=gen).to(device),
+            torch.randn(5, generator=gen).to(device),
+            torch.randn(3, dtype=torch.complex64, generator=gen).to(device)]
 
 
-def step_grads(step):
+def step_grads(step, device="cpu"):
     gen = make_generator(50 + step)
-    return [torch.randn(v.shape, dtype=v.dtype, generator=gen) for v in start_values()]
+    return [torch.randn(v.shape, dtype=v.dtype, generator=gen).to(device)
+            for v in start_values()]
 
 
 def assert_close(actual, expected, **kwargs):
@@ -60,21 +61,22 @@ def assert_close(actual, expected, **kwargs):
 def train(make_opt, params, first=0, steps=STEPS, as_real=False):
     opt = make_opt(params)
     for step in range(first, first + steps):
-        for p, g in zip(params, step_grads(step)):
+        for p, g in zip(params, step_grads(step, params[0].device)):
             p.grad = torch.view_as_real(g).clone() if as_real and g.is_complex() else g.clone()
         opt.step()
     return opt
 
 
-def parameters(as_real=False):
+def parameters(as_real=False, device="cpu"):
     return [torch.nn.Parameter(torch.view_as_real(v).clone() if as_real and v.is_complex()
-                               else v.clone()) for v in start_values()]
+                               else v.clone()) for v in start_values(device)]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_complex_param_steps_as_its_real_view(case):
+def test_complex_param_steps_as_its_real_view(case, device):
     cls, _, kwargs = CASES[case]
-    complex_params, real_params = parameters(), parameters(as_real=True)
+    complex_params = parameters(device=device)
+    real_params = parameters(as_real=True, device=device)
     complex_opt = train(lambda p: cls(p, **kwargs), complex_params)
     real_opt = train(lambda p: cls(p, **kwargs), real_params, as_real=True)
     for i, (c, r) in enumerate(zip(complex_params, real_params)):
@@ -89,9 +91,9 @@ def test_complex_param_steps_as_its_real_view(case):
 
 
 @pytest.mark.parametrize("case", [c for c, (_, theirs, _) in CASES.items() if theirs])
-def test_complex_param_matches_torch(case):
+def test_complex_param_matches_torch(case, device):
     cls, torch_cls, kwargs = CASES[case]
-    ours, theirs = parameters(), parameters()
+    ours, theirs = parameters(device=device), parameters(device=device)
     ours_opt = train(lambda p: cls(p, **kwargs), ours)
     theirs_opt = train(lambda p: torch_cls(p, **kwargs), theirs)
     for i, (a, b) in enumerate(zip(ours, theirs)):

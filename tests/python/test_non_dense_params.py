@@ -40,26 +40,27 @@ GRAD_SCALE = 1024.0
 def strided_slice(values):
     """`values` (8, 6) as every other column of an (8, 12) buffer whose other columns hold
     a marker that must survive the steps; returns (slice, buffer)."""
-    buffer = torch.full((8, 12), 7.0, dtype=values.dtype)
+    buffer = torch.full((8, 12), 7.0, dtype=values.dtype, device=values.device)
     buffer[:, ::2] = values
     return buffer[:, ::2], buffer
 
 
-def start_values(dtype):
+def start_values(dtype, device="cpu"):
     gen = make_generator(3)
-    return [torch.randn(8, 6, generator=gen).to(dtype), torch.randn(5, generator=gen).to(dtype)]
+    return [torch.randn(8, 6, generator=gen).to(device, dtype),
+            torch.randn(5, generator=gen).to(device, dtype)]
 
 
-def step_grads(step, dtype):
+def step_grads(step, dtype, device):
     gen = make_generator(100 + step)
-    return [(torch.randn(8, 6, generator=gen) * GRAD_SCALE).to(dtype),
-            (torch.randn(5, generator=gen) * GRAD_SCALE).to(dtype)]
+    return [(torch.randn(8, 6, generator=gen) * GRAD_SCALE).to(device, dtype),
+            (torch.randn(5, generator=gen) * GRAD_SCALE).to(device, dtype)]
 
 
-def run(family, precision, non_dense, non_dense_grad=False):
+def run(family, precision, non_dense, non_dense_grad=False, device="cpu"):
     cls, kwargs = FAMILIES[family]
     dtype, master_weights = PRECISIONS[precision]
-    values = start_values(dtype)
+    values = start_values(dtype, device)
     buffer = None
     if non_dense:
         weight, buffer = strided_slice(values[0])
@@ -69,18 +70,19 @@ def run(family, precision, non_dense, non_dense_grad=False):
     opt = cls(params, master_weights=master_weights, **kwargs)
     grads = []
     for step in range(STEPS):
-        grads = step_grads(step, dtype)
+        grads = step_grads(step, dtype, device)
         for p, g in zip(params, grads):
             p.grad = strided_slice(g)[0] if (non_dense_grad and p.dim() == 2) else g
-        opt.step(grad_scale=torch.tensor(GRAD_SCALE))  # grads are written back unscaled
+        # grads are written back unscaled
+        opt.step(grad_scale=torch.tensor(GRAD_SCALE, device=device))
     return opt, params, buffer
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_non_dense_param_steps_like_a_dense_one(family, precision):
-    ref_opt, ref_params, _ = run(family, precision, non_dense=False)
-    opt, params, buffer = run(family, precision, non_dense=True)
+def test_non_dense_param_steps_like_a_dense_one(family, precision, device):
+    ref_opt, ref_params, _ = run(family, precision, non_dense=False, device=device)
+    opt, params, buffer = run(family, precision, non_dense=True, device=device)
     assert params[0].stride() == (12, 2), "the param must still be the view"
     for i, (p, ref) in enumerate(zip(params, ref_params)):
         assert_close_report(p.detach(), ref.detach(), exact=True, msg=f"param {i}")
@@ -102,13 +104,13 @@ def test_non_dense_grad_of_a_non_dense_param(family):
 
 
 @pytest.mark.parametrize("cls", [FusedAdam, FusedSGD])
-def test_skipped_step_leaves_a_non_dense_param_as_it_was(cls):
-    weight, buffer = strided_slice(start_values(torch.float32)[0])
+def test_skipped_step_leaves_a_non_dense_param_as_it_was(cls, device):
+    weight, buffer = strided_slice(start_values(torch.float32, device)[0])
     param = torch.nn.Parameter(weight)
     opt = cls([param], lr=0.1, momentum=0.9) if cls is FusedSGD else cls([param], lr=0.1)
     before = buffer.clone()
     param.grad = torch.ones_like(param)
-    opt.step(found_inf=torch.ones(()))
+    opt.step(found_inf=torch.ones((), device=device))
     assert torch.equal(buffer, before)
 
 

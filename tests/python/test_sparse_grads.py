@@ -35,15 +35,15 @@ ROWS, WIDTH = 30, 8
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
 
 
-def make_model():
+def make_model(device="cpu"):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Embedding(ROWS, WIDTH, sparse=True),
-                               torch.nn.Linear(WIDTH, 3))
+                               torch.nn.Linear(WIDTH, 3)).to(device)
 
 
-def batch(step):
+def batch(step, device="cpu"):
     # Repeated rows: the sparse grad holds duplicate indices until coalesced.
-    return torch.randint(0, ROWS, (12,), generator=make_generator(300 + step))
+    return torch.randint(0, ROWS, (12,), generator=make_generator(300 + step)).to(device)
 
 
 def train(model, opt, steps=range(STEPS), scaler=None, poison_step=None):
@@ -51,7 +51,7 @@ def train(model, opt, steps=range(STEPS), scaler=None, poison_step=None):
         hook = None
         if step == poison_step:  # an inf in the embedding's (sparse) grad only
             hook = model[0].weight.register_hook(_with_inf)
-        loss = model(batch(step)).pow(2).mean()
+        loss = model(batch(step, model[1].weight.device)).pow(2).mean()
         opt.zero_grad()
         if scaler is None:
             loss.backward()
@@ -77,9 +77,9 @@ def assert_models_close(actual, expected, **kwargs):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sparse_embedding_trains_as_with_torch(case):
+def test_sparse_embedding_trains_as_with_torch(case, device):
     ours_cls, torch_cls, kwargs = CASES[case]
-    ours, theirs = make_model(), make_model()
+    ours, theirs = make_model(device), make_model(device)
     train(ours, ours_cls(ours.parameters(), **kwargs))
     train(theirs, torch_cls(theirs.parameters(), **kwargs))
     # Coalescing first sums duplicate rows before they reach the param (torch's SGD adds them
@@ -89,13 +89,13 @@ def test_sparse_embedding_trains_as_with_torch(case):
 
 @pytest.mark.parametrize("scaler_cls", [ampfuse.GradScaler, torch.amp.GradScaler])
 @pytest.mark.parametrize("case", ["sgd_momentum_dampening", "adagrad"])
-def test_loss_scale_and_an_overflow_in_the_sparse_grad(case, scaler_cls):
+def test_loss_scale_and_an_overflow_in_the_sparse_grad(case, scaler_cls, device):
     """A scaled run matches the unscaled one, and an inf in the sparse grad alone skips the
     whole step: the run equals one that never took it."""
     ours_cls, _, kwargs = CASES[case]
-    scaled, plain = make_model(), make_model()
+    scaled, plain = make_model(device), make_model(device)
     opt = ours_cls(scaled.parameters(), **kwargs)
-    train(scaled, opt, scaler=scaler_cls("cpu", init_scale=2.0**10), poison_step=2)
+    train(scaled, opt, scaler=scaler_cls(device, init_scale=2.0**10), poison_step=2)
     train(plain, ours_cls(plain.parameters(), **kwargs),
           steps=[s for s in range(STEPS) if s != 2])
     assert_models_close(scaled, plain, exact=True)
