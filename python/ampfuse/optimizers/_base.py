@@ -6,8 +6,9 @@ torch.optim's layout.
 FusedOptimizer is assembled from one module per concern; this one holds the step launcher
 (step(), sorting params into op calls, the device-side lr, CUDA-graph rules, pickling):
 ``_groups`` (what a param group may hold and its checks), ``_masters`` (fp32 master weights
-that follow their params), ``_state`` (state layout and torch.optim's state_dict) and
-``_skip`` (whether a step is skipped).
+that follow their params), ``_state`` (state layout and torch.optim's state_dict), ``_skip``
+(whether a step is skipped), ``_call`` (one op call's tensors, complex params as real views)
+and ``_sparse`` (sparse grads, stepped beside the op calls).
 
 How a step is laid out
 ----------------------
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin, param_name
 from ampfuse.optimizers._masters import MasterWeightsMixin, ParamRecord, make_master
 from ampfuse.optimizers._plan import StepPlan, first_param_id
@@ -46,66 +48,10 @@ from ampfuse.optimizers._precision import (
     reset_extra,
 )
 from ampfuse.optimizers._skip import SkipRecord, check_skip_nonfinite, on_device, step_verdicts
-from ampfuse.optimizers._sparse import SparseCall, check_sparse_param
+from ampfuse.optimizers._sparse import add_sparse
 from ampfuse.optimizers._state import OptimizerStateMixin
 # The state helpers lived here before _state was split out; still importable from here.
 from ampfuse.optimizers._state import fp32_copy, fp32_like, same_layout  # noqa: F401
-
-
-class _Call:
-    """The tensors of one op call: params sharing one step tensor and master mode ("fp32",
-    "none" or a bf16 mode, see _precision).
-
-    A complex param (complex64) is updated as its real view, each element's real and imaginary
-    parts side by side, as torch.optim steps complex params: its grad is that view already, and
-    op_params() and state_list() view it and its (complex) state so."""
-
-    __slots__ = ("step", "mode", "entries", "params", "grads", "states", "records", "param_ids",
-                 "has_complex")
-
-    def __init__(self, step, mode):
-        self.step = step
-        self.mode = mode
-        self.has_complex = False
-        # (param, grad, state, ParamRecord) per param while _calls sorts them: one append per
-        # param instead of four; seal() turns them into the lists the op takes.
-        self.entries = []
-        self.params, self.grads, self.states, self.records = [], [], [], []
-        self.param_ids = []  # each param's index in the optimizer ("stochastic" only)
-
-    def seal(self):
-        if self.entries:
-            self.params, self.grads, self.states, self.records = map(list, zip(*self.entries))
-            self.entries = []  # a StepPlan keeps the call: it must not keep the grads alive
-
-    def op_params(self):
-        """The params as the op takes them."""
-        if not self.has_complex:
-            return self.params
-        return [torch.view_as_real(p) if p.is_complex() else p for p in self.params]
-
-    def state_list(self, key):
-        """Each param's state[key], as the op takes it."""
-        values = [s[key] for s in self.states]
-        if not self.has_complex:
-            return values
-        return [torch.view_as_real(t) if t.is_complex() else t for t in values]
-
-    @property
-    def has_master(self):
-        return self.mode == "fp32"
-
-    def masters(self):
-        """The op's master_params: fp32 masters, compensations, low halves, or none."""
-        key = EXTRA_KEYS.get(self.mode)
-        return [s[key] for s in self.states] if key is not None else []
-
-    def master_args(self, group):
-        """The op's master_mode, param_ids and seed for this call."""
-        if self.mode not in BF16_MODES:
-            return {}
-        return {"master_mode": self.mode, "param_ids": self.param_ids,
-                "seed": int(group.get("rounding_seed", 0))}
 
 
 class FusedOptimizer(
@@ -317,15 +263,7 @@ class FusedOptimizer(
             complex_param = False
             if grad.layout != torch.strided or dtype not in FLOAT_DTYPES:
                 if grad.layout == torch.sparse_coo and self._TAKES_SPARSE:
-                    check_sparse_param(self, index, i, p, group)
-                    state = all_state[p]
-                    # Stepped on its own (see _sparse), so it counts its steps on its own.
-                    step = state.get("step")
-                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
-                                     if step is None else step.clone())
-                    if p.device not in sparse_calls:
-                        sparse_calls[p.device] = SparseCall(state["step"])
-                    sparse_calls[p.device].add(p, grad, state)
+                    add_sparse(self, index, i, p, group, sparse_calls)
                     continue
                 self._reject(index, i, p, grad)  # returns for a complex64 param
                 complex_param = True
@@ -391,7 +329,7 @@ class FusedOptimizer(
                         call = candidate
                         break
                 if call is None:
-                    call = _Call(step, mode)
+                    call = OpCall(step, mode)
                     calls.append(call)
             if complex_param:
                 call.has_complex = True

@@ -68,6 +68,20 @@ class SparseCall:
         self.sparse_grads = []
 
 
+def add_sparse(optimizer, group_index, param_index, p, group, sparse_calls):
+    """Sorts param `p`, whose grad is sparse, into the SparseCall of its device in
+    `sparse_calls` (device -> SparseCall), after the checks that refuse what the sparse step
+    cannot take. The param counts its steps on its own: its step tensor is not shared."""
+    check_sparse_param(optimizer, group_index, param_index, p, group)
+    state = optimizer.state[p]
+    step = state.get("step")
+    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if step is None
+                     else step.clone())
+    if p.device not in sparse_calls:
+        sparse_calls[p.device] = SparseCall(state["step"])
+    sparse_calls[p.device].add(p, p.grad, state)
+
+
 def check_sparse_param(optimizer, group_index, param_index, p, group):
     """Refuses a sparse grad the sparse step cannot take, naming the param and the fix."""
     name = f"{type(optimizer).__name__}: {param_name(group_index, param_index)}"
