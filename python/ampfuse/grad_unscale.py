@@ -11,6 +11,10 @@ gradient torch.amp.GradScaler accepts is accepted, through one of two paths:
   ``torch._amp_foreach_non_finite_check_and_unscale_`` grouped by device and dtype, the op
   torch's GradScaler itself uses, so they come out as with torch, bit for bit.
 
+A complex grad takes the path of its real view (complex64 ours, complex128 torch's op); torch's
+GradScaler refuses complex grads (its op has no complex kernel), so a model with complex params
+can use loss scaling here, with the fused optimizers (which step complex64 params) or torch's.
+
 All paths set the same per-device flag. Nothing is read back to the host. With a
 ``CheckRecord`` (``GradScaler(attribute_overflow=True)``), the kernels also flag which grads held
 inf/nan (see ``ampfuse.overflow``).
@@ -30,6 +34,7 @@ __all__ = ["unscale_grads_", "cuda_kernels_usable"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TORCH_DTYPES = (torch.float64,)
+_COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,6 +75,10 @@ def _collect(optimizer, allow_fp16):
                 if grad.dtype == torch.float16:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
+            if grad.dtype in _COMPLEX_DTYPES:
+                # Real and imaginary parts side by side: the same numbers, in a dtype the ops
+                # take (torch's own unscale op has no complex kernel).
+                grad = torch.view_as_real(grad)
             entry = (grad, (group_index, param_index, param))
             if grad.dtype in _KERNEL_DTYPES and _has_kernels(grad.device):
                 ours.setdefault(grad.device, []).append(entry)
@@ -80,7 +89,7 @@ def _collect(optimizer, allow_fp16):
                     f"ampfuse.GradScaler: {param_name(group_index, param_index)} has a "
                     f"{grad.dtype} gradient; gradient scaling takes torch.float32, "
                     "torch.float16, torch.bfloat16 and torch.float64 gradients (as "
-                    "torch.amp.GradScaler does)."
+                    "torch.amp.GradScaler does), and complex64/complex128 ones."
                 )
     return ours, theirs
 

@@ -141,6 +141,30 @@ def test_loss_scale_is_divided_out_of_complex_grads():
         assert_close(a.grad, b.grad, exact=True, msg=f"param {i} unscaled grad")
 
 
+def test_grad_scaler_drives_complex_params():
+    """ampfuse.GradScaler takes complex grads (torch's refuses them): a scaled FusedAdamW run
+    equals the unscaled one, with an overflowing step skipped."""
+    scaled, plain = parameters(), parameters()
+    opt_scaled, opt_plain = FusedAdamW(scaled, lr=1e-2), FusedAdamW(plain, lr=1e-2)
+    scaler = ampfuse.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(STEPS):
+        grads = step_grads(step)
+        scaler.scale(torch.ones(()))  # as the loss would be (the grads are set below)
+        for p, g in zip(scaled, grads):
+            p.grad = g * scaler.get_scale()
+        if step == 2:
+            scaled[0].grad[0, 0] = complex(float("nan"), 0.0)
+        scaler.step(opt_scaled)
+        scaler.update()
+        if step != 2:
+            for p, g in zip(plain, grads):
+                p.grad = g.clone()
+            opt_plain.step()
+    assert opt_scaled.get_skipped_steps() == 1
+    for i, (a, b) in enumerate(zip(scaled, plain)):
+        assert_close(a.detach(), b.detach(), exact=True, msg=f"param {i}")
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32])
 def test_other_complex_dtypes_are_refused(dtype):

@@ -145,12 +145,33 @@ def test_fused_optimizer_checks_strided_fp16_grads():
 
 
 def test_dtypes_no_scaler_takes_are_refused_clearly():
-    param = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
-    param.grad = torch.ones(2, dtype=torch.complex64)
+    param = torch.nn.Parameter(torch.zeros(2, dtype=torch.float8_e4m3fn))
+    param.grad = torch.ones(2, dtype=torch.float8_e4m3fn)
     scaler = GradScaler("cpu")
     scaler.scale(torch.ones(()))
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*complex64"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*float8_e4m3fn"):
         scaler.unscale_(torch.optim.SGD([param], lr=1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_complex_grads_are_unscaled_as_their_real_views(dtype, poisoned):
+    # torch's scaler refuses complex grads (its op has no complex kernel); ours takes them as
+    # their real views, so complex params can train with loss scaling.
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(3, 4, dtype=dtype, generator=gen)
+    param = torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))
+    param.grad = values * 1024.0
+    if poisoned:
+        param.grad[1, 2] = complex(1.0, float("inf"))
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler.unscale_(optimizer)
+    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    assert sum(flag.item() for flag in flags.values()) == (1.0 if poisoned else 0.0)
+    if not poisoned:
+        assert torch.equal(param.grad, values)  # a power-of-two scale: exact
 
 
 # ---- torch's private hooks and records --------------------------------------------------------
