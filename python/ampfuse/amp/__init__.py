@@ -191,6 +191,17 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     return out_models, (optimizer_list if optimizers_were_list else optimizer_list[0])
 
 
+def init(*args, **kwargs):
+    """apex's pre-1.0 API (``amp_handle = amp.init()``, then ``amp_handle.wrap_optimizer`` and
+    ``amp_handle.scale_loss``), which patched torch's functions for the whole process. ampfuse
+    patches nothing: it raises, naming the call that replaces it."""
+    raise RuntimeError(
+        "amp.init() is apex's pre-1.0 API, which patched torch's functions process-wide; "
+        "ampfuse does not patch torch. Use amp.initialize(model, optimizer, opt_level=\"O1\") "
+        "(what amp.init plus amp_handle.wrap_optimizer did) and amp.scale_loss(loss, optimizer)."
+    )
+
+
 def _handle_of(optimizers):
     handles = {id(getattr(o, ATTR, None)): getattr(o, ATTR, None) for o in optimizers}
     if None in handles.values():

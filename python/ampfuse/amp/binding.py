@@ -174,7 +174,18 @@ class Binding:
         scale_loss call is checked (decide)."""
         if self.kind == "fold":
             params, grads = params_and_grads(self.params_with_grads())
-            scaler.check_(grads, self._tensor_flags(params))
+            if self.window_inf is None:
+                scaler.check_(grads, self._tensor_flags(params))
+                return
+            # The grads still hold this step's earlier micro-batches, so an inf they held then
+            # is seen again: only an overflow where there was none is news for this call
+            # (apex checked the incoming grads alone). Otherwise this optimizer, already
+            # skipping, would make the call's other optimizers skip a clean step and back the
+            # scale off a second time.
+            seen = torch.zeros_like(scaler.found_inf)
+            _ops.multi_tensor_nonfinite_check_(grads, seen, self._tensor_flags(params))
+            before = self.window_inf.reshape(seen.shape).to(seen.device)
+            torch.maximum(scaler.found_inf, seen * (1.0 - before), out=scaler.found_inf)
             return
         inv_scale = scale.double().reciprocal().float().reshape(1)
         if self.kind == "masters":
@@ -287,6 +298,11 @@ class Binding:
             masters = [m for _, m in self.masters]
             one = torch.ones(1, device=masters[0].device)
             _ops.multi_tensor_scale_(masters, models, one, torch.zeros_like(one))
+            # The master grads served this step. Cleared, as apex cleared them: a user who
+            # zeroes grads through the model (model.zero_grad()) never reaches them, and a
+            # param with no grad next step would be stepped again with this one.
+            for master in masters:
+                master.grad = None
         self._count_skip()
         if self._set_on_optimizer is not None:
             # Only what amp set: a GradScaler driving the same optimizer manages its own.
