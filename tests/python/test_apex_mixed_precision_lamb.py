@@ -40,6 +40,30 @@ def test_reduced_precision_params_step_on_fp32_masters_like_fused_lamb(dtype):
         assert torch.equal(apex_style.state[p]["master_param"], ours.state[q]["master_param"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_dtype_set_before_the_first_step_takes_effect(dtype):
+    # apex's own test_lamb.py sets the attribute after the constructor; apex read it at the
+    # first step(), when it made the fp32 copies.
+    params = make_params(SHAPES, dtype, "cpu")
+    twins = clone_params(params)
+    late = FusedMixedPrecisionLamb(params, lr=1e-2)
+    late.reduced_precision_dtype = dtype
+    ours = FusedLAMB(twins, lr=1e-2, master_weights=True)
+    for s in range(3):
+        grads = step_grads(params, s)
+        set_grads(params, grads)
+        set_grads(twins, grads)
+        late.step()
+        ours.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+        assert torch.equal(late.state[p]["master_param"], ours.state[q]["master_param"])
+    with raises_naming("reduced_precision_dtype", "after the first step"):
+        late.reduced_precision_dtype = None
+    with raises_naming("reduced_precision_dtype"):
+        FusedMixedPrecisionLamb(clone_params(params)).reduced_precision_dtype = torch.int8
+
+
 @pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, "ampfuse"])
 def test_a_grad_scaler_passing_itself_drives_it_and_skips_overflows(scaler_class):
     """torch's GradScaler hands itself to a step() that takes grad_scaler (with a warning that

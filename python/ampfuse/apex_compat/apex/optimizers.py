@@ -122,7 +122,9 @@ class FusedMixedPrecisionLamb(_fused.FusedLAMB):
     - reduced_precision_dtype=torch.float16 or torch.bfloat16 keeps fp32 masters of the
       low-precision params (FusedLAMB's master_weights=True; apex made them only for params of
       exactly that dtype, here every fp16/bf16 param gets one); None or torch.float32 updates
-      params in place. Any other value is refused.
+      params in place. Any other value is refused. As in apex, the attribute may also be set
+      after the constructor, up to the first step() (apex's own tests do); later, when the
+      masters exist or not already, it is refused.
     - step: the step count each param starts from (an int >= 0), as apex's group count did.
     - Each param group's lr is a float32 tensor on the params' device, as in apex (schedulers
       fill it in place); assigning a float works too.
@@ -137,19 +139,35 @@ class FusedMixedPrecisionLamb(_fused.FusedLAMB):
                  eps=1e-6, weight_decay=0.01, amsgrad=False, adam_w_mode=True,
                  grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
                  reduced_precision_dtype=None):
-        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(
-                f"FusedMixedPrecisionLamb: reduced_precision_dtype={reduced_precision_dtype!r}; "
-                "use torch.float16 or torch.bfloat16 (fp32 masters for those params) or None.")
+        _check_reduced_precision_dtype(reduced_precision_dtype)
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"FusedMixedPrecisionLamb: step={step!r}; the step count to start "
                              "from must be an int >= 0.")
         self._first_step_count = float(step)
-        self.reduced_precision_dtype = reduced_precision_dtype
+        self._reduced_precision_dtype = reduced_precision_dtype
         masters = reduced_precision_dtype in (torch.float16, torch.bfloat16)
         super().__init__(params, float(lr), bias_correction, betas, eps, weight_decay, amsgrad,
                          adam_w_mode, grad_averaging, True, max_grad_norm, use_nvlamb,
                          master_weights=masters)
+
+    @property
+    def reduced_precision_dtype(self):
+        return self._reduced_precision_dtype
+
+    @reduced_precision_dtype.setter
+    def reduced_precision_dtype(self, dtype):
+        # apex read the attribute at the first step(), when it made the fp32 copies.
+        _check_reduced_precision_dtype(dtype)
+        if self.state:
+            raise ValueError(
+                f"FusedMixedPrecisionLamb: reduced_precision_dtype={dtype!r} set after the first "
+                "step(); it decides whether fp32 masters are made, which happened at that step. "
+                "Set it in the constructor or before the first step().")
+        masters = dtype in (torch.float16, torch.bfloat16)
+        self.defaults["master_weights"] = masters
+        for group in self.param_groups:
+            group["master_weights"] = masters
+        self._reduced_precision_dtype = dtype
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -159,7 +177,7 @@ class FusedMixedPrecisionLamb(_fused.FusedLAMB):
 
     def __setstate__(self, state):
         self._first_step_count = state.pop("first_step_count", 0.0)
-        self.reduced_precision_dtype = state.pop("reduced_precision_dtype", None)
+        self._reduced_precision_dtype = state.pop("reduced_precision_dtype", None)
         super().__setstate__(state)
 
     def add_param_group(self, param_group):
@@ -177,6 +195,13 @@ class FusedMixedPrecisionLamb(_fused.FusedLAMB):
             return super().step(closure)
         grad_scale, found_inf = _scaler_arguments(grad_scaler, self)
         return super().step(closure, grad_scale=grad_scale, found_inf=found_inf)
+
+
+def _check_reduced_precision_dtype(dtype):
+    if dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"FusedMixedPrecisionLamb: reduced_precision_dtype={dtype!r}; use torch.float16 or "
+            "torch.bfloat16 (fp32 masters for those params) or None.")
 
 
 def _scaler_arguments(scaler, optimizer):
