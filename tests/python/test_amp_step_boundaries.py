@@ -63,20 +63,29 @@ def test_o2_grad_first_seen_in_a_later_loss_is_not_added_to_the_last_step():
     assert torch.equal(master_b.grad, expected)
 
 
-@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
-def test_fused_optimizer_that_overflowed_earlier_does_not_skip_the_others(cls):
+def two_models_two_fused_optimizers(cls):
+    """apex's test_fused_sgd set-up: two models, an optimizer each, one dynamic loss scaler.
+    Returns the models, optimizers, the scale and an input."""
     torch.manual_seed(0)
     m0, m1 = nn.Linear(3, 1), nn.Linear(3, 1)
     o0, o1 = cls(m0.parameters(), lr=0.1), cls(m1.parameters(), lr=0.1)
     [m0, m1], [o0, o1] = amp.initialize([m0, m1], [o0, o1], opt_level="O1",
                                         dtype=torch.bfloat16, loss_scale="dynamic",
                                         verbosity=0)
-    scale_before = amp._amp_state.loss_scalers[0].loss_scale()
-    x = torch.randn(4, 3)
-    m0_before, m1_before = m0.weight.detach().clone(), m1.weight.detach().clone()
+    return m0, m1, o0, o1, amp._amp_state.loss_scalers[0].loss_scale(), torch.randn(4, 3)
+
+
+def first_loss_overflows(m0, o0, x):
     with amp.scale_loss(m0(x).sum(), o0) as scaled:
         scaled.backward()
         m0.weight.grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
+def test_fused_optimizer_that_overflowed_earlier_does_not_skip_the_others(cls):
+    m0, m1, o0, o1, scale_before, x = two_models_two_fused_optimizers(cls)
+    m0_before, m1_before = m0.weight.detach().clone(), m1.weight.detach().clone()
+    first_loss_overflows(m0, o0, x)
     with amp.scale_loss(m0(x).sum() + m1(x).sum(), [o0, o1]) as scaled:
         scaled.backward()
     o0.step()
@@ -88,18 +97,9 @@ def test_fused_optimizer_that_overflowed_earlier_does_not_skip_the_others(cls):
 
 
 def test_a_new_overflow_in_a_later_call_still_skips_every_optimizer_of_that_call():
-    torch.manual_seed(0)
-    m0, m1 = nn.Linear(3, 1), nn.Linear(3, 1)
-    o0, o1 = FusedSGD(m0.parameters(), lr=0.1), FusedSGD(m1.parameters(), lr=0.1)
-    [m0, m1], [o0, o1] = amp.initialize([m0, m1], [o0, o1], opt_level="O1",
-                                        dtype=torch.bfloat16, loss_scale="dynamic",
-                                        verbosity=0)
-    scale_before = amp._amp_state.loss_scalers[0].loss_scale()
-    x = torch.randn(4, 3)
+    m0, m1, o0, o1, scale_before, x = two_models_two_fused_optimizers(FusedSGD)
     before = [m.weight.detach().clone() for m in (m0, m1)]
-    with amp.scale_loss(m0(x).sum(), o0) as scaled:
-        scaled.backward()
-        m0.weight.grad[0, 0] = float("inf")
+    first_loss_overflows(m0, o0, x)
     with amp.scale_loss(m0(x).sum() + m1(x).sum(), [o0, o1]) as scaled:
         scaled.backward()
         m1.weight.grad[0, 1] = float("nan")

@@ -23,13 +23,14 @@ def _scaled_backward(params, grads, scaler):
     scaler.scale(loss).backward()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reduced_precision_params_step_on_fp32_masters_like_fused_lamb(dtype):
+def _assert_steps_like_fused_lamb_with_masters(make_apex_style, dtype, steps):
+    """Steps an optimizer built by make_apex_style(params) beside FusedLAMB with fp32 masters
+    on the same grads; params and masters must stay identical. Returns it and its params."""
     params = make_params(SHAPES, dtype, "cpu")
     twins = clone_params(params)
-    apex_style = FusedMixedPrecisionLamb(params, lr=1e-2, reduced_precision_dtype=dtype)
+    apex_style = make_apex_style(params)
     ours = FusedLAMB(twins, lr=1e-2, master_weights=True)
-    for s in range(4):
+    for s in range(steps):
         grads = step_grads(params, s)
         set_grads(params, grads)
         set_grads(twins, grads)
@@ -38,26 +39,26 @@ def test_reduced_precision_params_step_on_fp32_masters_like_fused_lamb(dtype):
     for p, q in zip(params, twins):
         assert torch.equal(p, q)
         assert torch.equal(apex_style.state[p]["master_param"], ours.state[q]["master_param"])
+    return apex_style, params
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_params_step_on_fp32_masters_like_fused_lamb(dtype):
+    _assert_steps_like_fused_lamb_with_masters(
+        lambda params: FusedMixedPrecisionLamb(params, lr=1e-2, reduced_precision_dtype=dtype),
+        dtype, steps=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_reduced_precision_dtype_set_before_the_first_step_takes_effect(dtype):
     # apex's own test_lamb.py sets the attribute after the constructor; apex read it at the
     # first step(), when it made the fp32 copies.
-    params = make_params(SHAPES, dtype, "cpu")
-    twins = clone_params(params)
-    late = FusedMixedPrecisionLamb(params, lr=1e-2)
-    late.reduced_precision_dtype = dtype
-    ours = FusedLAMB(twins, lr=1e-2, master_weights=True)
-    for s in range(3):
-        grads = step_grads(params, s)
-        set_grads(params, grads)
-        set_grads(twins, grads)
-        late.step()
-        ours.step()
-    for p, q in zip(params, twins):
-        assert torch.equal(p, q)
-        assert torch.equal(late.state[p]["master_param"], ours.state[q]["master_param"])
+    def set_late(params):
+        opt = FusedMixedPrecisionLamb(params, lr=1e-2)
+        opt.reduced_precision_dtype = dtype
+        return opt
+
+    late, params = _assert_steps_like_fused_lamb_with_masters(set_late, dtype, steps=3)
     with raises_naming("reduced_precision_dtype", "after the first step"):
         late.reduced_precision_dtype = None
     with raises_naming("reduced_precision_dtype"):
