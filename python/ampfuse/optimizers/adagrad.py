@@ -42,7 +42,9 @@ class FusedAdagrad(FusedOptimizer):
     draws the same ones.
     An apex FusedAdagrad checkpoint (a 'sum' per param, no step) loads too. GradScaler and
     grad_scale/found_inf work as for FusedAdam; like torch.optim.Adagrad, step() may be captured
-    in a CUDA graph.
+    in a CUDA graph. Sparse gradients of fp32 params (nn.Embedding(sparse=True)) are stepped as
+    torch.optim.Adagrad steps them, touching only their rows (see optimizers/_sparse.py), and
+    complex64 params as their real views, as torch does.
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}

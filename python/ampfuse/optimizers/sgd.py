@@ -54,7 +54,9 @@ class FusedSGD(FusedOptimizer):
     the random bits, so state_dict() saves it as each param's 'step' and a resumed run draws
     the same bits. GradScaler and grad_scale/found_inf work as for
     FusedAdam. Like torch.optim.SGD, step() may be captured in a CUDA graph; the learning rate
-    is then fixed unless it is a CUDA tensor changed in place.
+    is then fixed unless it is a CUDA tensor changed in place. Sparse gradients of fp32 params
+    (nn.Embedding(sparse=True)) are stepped as torch.optim.SGD steps them, with the dense fp32
+    momentum buffer (see optimizers/_sparse.py), and complex64 params as their real views.
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
