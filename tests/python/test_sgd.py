@@ -309,3 +309,23 @@ def test_sparse_grad_of_a_low_precision_param_is_named_at_step():
     with raises_naming(r"param_groups\[1\]\['params'\]\[1\]", "sparse", "bfloat16"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_buffer_written_into_state_directly_is_continued(nesterov):
+    """ZeroRedundancyOptimizer.load_state_dict (and checkpoint converters) set
+    optimizer.state[p] = {"momentum_buffer": ...} directly, with no step count (torch's SGD keeps
+    none). The step must continue from that buffer, as torch's does, not seed it from the grad
+    as on a first step."""
+    results = []
+    for cls in (torch.optim.SGD, FusedSGD):
+        param = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+        opt = cls([param], lr=0.1, momentum=0.9, nesterov=nesterov)
+        opt.state[param] = {"momentum_buffer": torch.tensor([1.0, 0.5, -0.25])}
+        for step in range(2):
+            param.grad = torch.tensor([1.0, 2.0, -1.0]) * (step + 1)
+            opt.step()
+        results.append((param.detach().clone(), opt.state[param]["momentum_buffer"].clone()))
+    (theirs, their_buffer), (ours, our_buffer) = results
+    assert_close_report(ours, theirs, rtol=1e-6, atol=1e-7, msg="param")
+    assert_close_report(our_buffer, their_buffer, rtol=1e-6, atol=1e-7, msg="momentum buffer")

@@ -287,9 +287,10 @@ class FusedOptimizer(
                     break
             if "step" not in state or (not prepared and self._starts_over(group, state)):
                 self._check_not_capturing(index, i)
-                key = (p.device, mode)
+                count = self._implied_step_count(state)
+                key = (p.device, mode, count)
                 if key not in new_steps:
-                    new_steps[key] = torch.full((), self._first_step_count, dtype=torch.float32,
+                    new_steps[key] = torch.full((), count, dtype=torch.float32,
                                                 device=p.device)
                 state["step"] = new_steps[key]
             if not prepared:
@@ -371,6 +372,13 @@ class FusedOptimizer(
     def _starts_over(self, group, state):
         """True when a param's existing state must count steps from zero again."""
         return False
+
+    def _implied_step_count(self, state):
+        """The step count of a param whose state has no 'step' yet: the first count for a new
+        param; subclasses whose torch counterpart keeps no count (SGD) tell a state written
+        from outside (ZeroRedundancyOptimizer.load_state_dict sets optimizer.state[p]
+        directly) by what it holds."""
+        return self._first_step_count
 
     def _lr_tensor(self, index, group, device):
         """group['lr'] as a 0-dim fp32 tensor on `device`. A float lr lives in a tensor kept per

@@ -119,6 +119,11 @@ class FusedSGD(FusedOptimizer):
     def _state_keys(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
+    def _implied_step_count(self, state):
+        # torch.optim.SGD keeps no count: a state holding a momentum buffer has stepped (the
+        # op would otherwise seed the buffer from the grad again), as load_state_dict infers.
+        return 1.0 if "momentum_buffer" in state else self._first_step_count
+
     def _starts_over(self, group, state):
         # A buffer made after the param's first step (momentum switched on later) is seeded
         # from the grad like torch's, which needs the op to see step == 0.
