@@ -278,8 +278,9 @@ def test_recording_reads_nothing_back_until_last_overflow_is_called(monkeypatch)
 
 def _own_check_step(model, optimizer, plant=None, seed=0):
     optimizer.zero_grad()
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    model(x).float().square().mean().backward()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+    device = next(model.parameters()).device
+    model(x.to(device, torch.bfloat16)).float().square().mean().backward()
     if plant is not None:
         plant(model)
     optimizer.step()
