@@ -11,8 +11,8 @@ is its own class), so their drop-ins do too, with torch's arithmetic:
   check skips leaves them as they were too. Reading that verdict on the host is one sync per
   step that has sparse grads (torch's own sparse path reads its step count on the host too).
 - Only float32 params (where sparse embeddings train; torch steps a sparse grad in the
-  param's dtype), without master weights. Anything else, and what torch refuses (Adagrad's
-  weight decay), is refused before any param of the step is written.
+  param's dtype), without master weights. Anything else, and weight decay (torch's Adagrad
+  refuses it and its SGD fails on it), is refused before any param of the step is written.
 - The gradient is coalesced first (duplicate rows summed, as a dense grad holds them). A loss
   scale is divided out of its values on the device, and p.grad is then left unscaled, as the
   fused path leaves dense grads (write_unscaled_grads).
@@ -65,7 +65,6 @@ class SparseCall:
                 if group.get("write_unscaled_grads", True):
                     p.grad = grad
             optimizer._sparse_step(group, p, grad, state, lr)
-        self.sparse_grads = []
 
 
 def add_sparse(optimizer, group_index, param_index, p, group, sparse_calls):
@@ -89,8 +88,8 @@ def check_sparse_param(optimizer, group_index, param_index, p, group):
         raise RuntimeError(
             f"{name} has a sparse gradient and its group has weight_decay="
             f"{group['weight_decay']}; weight decay is not compatible with sparse gradients "
-            f"(torch.optim.SGD and Adagrad refuse it too). Put the sparse params in a group "
-            "with weight_decay=0."
+            f"(torch.optim.Adagrad refuses it and torch.optim.SGD fails on it). Put the sparse "
+            "params in a group with weight_decay=0."
         )
     if p.dtype != torch.float32:
         raise RuntimeError(

@@ -176,4 +176,4 @@ class FusedSGD(FusedOptimizer):
         if not imported:
             return {}, None
         # The op only asks whether any step was taken: a buffer exists after the first one.
-        return imported, 1.0 if buffer is not None else 0.0
+        return imported, self._implied_step_count(imported)
