@@ -24,7 +24,7 @@ import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
 import torch.nn.functional as F
 from _timing import parse_args, report, synchronize, time_calls
-from ampfuse._fp8_ops import FP8_MAX, fp8_cast_amax, fp8_gemm, fp8_transpose
+from ampfuse.ops.fp8 import FP8_MAX, fp8_cast_amax, fp8_gemm, fp8_transpose
 
 TOKENS = 8 * 1024
 GEMMS = {

@@ -4,7 +4,7 @@ Importing ampfuse loads its native library, which registers the fused ops as
 ``torch.ops.ampfuse.*``.
 """
 
-from ampfuse._ops import (
+from ampfuse.ops import (
     cuda_available,
     cuda_status,
     fused_adam_,
@@ -18,8 +18,7 @@ from ampfuse._ops import (
 from ampfuse import optimizers  # noqa: E402  (needs the ops registered above)
 from ampfuse.apex_compat import install_apex_alias, uninstall_apex_alias  # noqa: E402
 from ampfuse import amp  # noqa: E402
-from ampfuse.grad_scaler import GradScaler  # noqa: E402
-from ampfuse.loss_scaler import LossScaler  # noqa: E402
+from ampfuse.scaling import GradScaler, LossScaler  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampfuse._ops import HELD_INF, HELD_NAN
+from ampfuse.ops import HELD_INF, HELD_NAN
 
 __all__ = ["OverflowReport", "ParamNames", "CheckRecord", "OverflowRecords"]
 
@@ -55,6 +55,11 @@ class OverflowReport:
         named = ", ".join(f"{n} ({k})" for n, k in zip(self.param_names, self.kinds))
         count = len(self.param_names)
         return f"overflow at step {self.step} in {count} tensor{'s' * (count != 1)}: {named}"
+
+
+def param_name(group_index, param_index):
+    """How error messages name a param: the way the user would reach it through the optimizer."""
+    return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
 def position_name(group_index, param_index):

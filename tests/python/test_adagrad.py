@@ -221,7 +221,7 @@ def _op_args(device, masters=True):
 
 
 def _op_call(a, **options):
-    ampfuse._ops.fused_adagrad_(a["params"], a["grads"], a["sums"], a["masters"], a["step"], 0.1,
+    ampfuse.ops.fused_adagrad_(a["params"], a["grads"], a["sums"], a["masters"], a["step"], 0.1,
                                 **options)
 
 
@@ -267,7 +267,7 @@ def test_a_non_finite_grad_reaches_only_its_element(device, bad, position):
 
 def test_an_empty_list_still_counts_the_step(device):
     step = torch.zeros((), device=device)
-    ampfuse._ops.fused_adagrad_([], [], [], [], step, 0.1)
+    ampfuse.ops.fused_adagrad_([], [], [], [], step, 0.1)
     assert float(step) == 1.0
 
 

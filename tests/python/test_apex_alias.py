@@ -287,7 +287,7 @@ def test_command_line(no_apex, tmp_path, capsys):
 
 
 def test_the_ampfuse_cli_has_the_apex_alias_command(tmp_path, capsys):
-    from ampfuse.__main__ import main
+    from ampfuse.tools.cli import main
 
     assert main(["apex-alias", "status", "--site", str(tmp_path)]) == 0
     assert "not installed" in capsys.readouterr().out

@@ -5,7 +5,7 @@ hyperparameters (bf16 on CPU, fp16 on CUDA). One point is under 4 of the 360 tes
 import pytest
 import torch
 
-from ampfuse import demo
+from ampfuse.tools.demo import digits as demo
 
 STEPS = 300  # about 13 epochs: fp32 is at 98% and every run has converged
 TOLERANCE = 1.0  # percentage points of test accuracy

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from ampfuse import demo
+from ampfuse.tools.demo import digits as demo
 from ampfuse.overflow import OverflowReport
-from ampfuse.__main__ import main
+from ampfuse.tools.cli import main
 
 PYTHON_DIR = pathlib.Path(__file__).resolve().parents[2] / "python"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

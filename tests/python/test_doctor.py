@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import ampfuse
-from ampfuse import _ops, doctor
+from ampfuse import ops
+from ampfuse.tools.doctor import report as doctor
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = list(_ops._OPS)
+OPS = list(ops.OP_NAMES)
 FAKE_GPU = doctor.Gpu(index=0, name="NVIDIA Fake H100", capability=(9, 0),
                       memory_bytes=80 * 2**30, bf16=True)
 
@@ -94,7 +95,7 @@ def test_native_library_that_fails_to_import_gives_the_rebuild_command():
 
 def _ops_with(**replacements):
     """The real op wrappers, with some replaced."""
-    fake = types.SimpleNamespace(**{name: getattr(_ops, name) for name in OPS})
+    fake = types.SimpleNamespace(**{name: getattr(ops, name) for name in OPS})
     for name, fn in replacements.items():
         setattr(fake, name, fn)
     return fake
@@ -102,11 +103,11 @@ def _ops_with(**replacements):
 
 def test_wrong_result_is_reported_as_a_bug():
     def unscale_that_forgets_bf16(grads, found_inf, inv_scale, tensor_flags=None):
-        _ops.multi_tensor_unscale_([g for g in grads if g.dtype != torch.bfloat16], found_inf,
+        ops.multi_tensor_unscale_([g for g in grads if g.dtype != torch.bfloat16], found_inf,
                                    inv_scale)
 
     def adam_that_ignores_grad_scale(*args, grad_scale=None, **kwargs):
-        _ops.fused_adam_(*args, **kwargs)
+        ops.fused_adam_(*args, **kwargs)
 
     fake = _ops_with(multi_tensor_unscale_=unscale_that_forgets_bf16,
                      fused_adam_=adam_that_ignores_grad_scale)
@@ -124,7 +125,7 @@ def test_wrong_result_is_reported_as_a_bug():
 
 def test_step_that_ignores_found_inf_is_caught():
     def sgd_without_skip(*args, found_inf=None, **kwargs):
-        _ops.fused_sgd_(*args, **kwargs)
+        ops.fused_sgd_(*args, **kwargs)
 
     ok, problem, _ = doctor.smoke_test(_ops_with(fused_sgd_=sgd_without_skip), "fused_sgd_", "cpu")
     assert not ok

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from ampfuse import amp, demo, fp8
+from ampfuse import amp, fp8
+from ampfuse.tools.demo import digits as demo
 from ampfuse.optimizers import FusedAdamW
 from helpers import raises_naming
 

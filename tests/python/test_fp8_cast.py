@@ -10,7 +10,7 @@ import math
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
-from ampfuse._fp8_ops import FP8_MAX, fp8_cast_amax
+from ampfuse.ops.fp8 import FP8_MAX, fp8_cast_amax
 from helpers import (
     CHUNK,
     DTYPE_IDS,

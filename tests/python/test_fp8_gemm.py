@@ -9,7 +9,7 @@ on a GPU of compute capability 8.9 or newer, and its refusal below that.
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
-from ampfuse._fp8_ops import fp8_gemm
+from ampfuse.ops.fp8 import fp8_gemm
 from helpers import make_generator, raises_naming
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

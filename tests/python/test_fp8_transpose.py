@@ -8,7 +8,7 @@ leave partial tiles on both edges.
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
-from ampfuse._fp8_ops import fp8_transpose
+from ampfuse.ops.fp8 import fp8_transpose
 from helpers import POSITIONS, make_generator, position_index, raises_naming
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

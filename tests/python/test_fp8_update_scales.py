@@ -12,7 +12,7 @@ import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import numpy as np
 import pytest
 import torch
-from ampfuse._fp8_ops import fp8_update_scales_
+from ampfuse.ops.fp8 import fp8_update_scales_
 from helpers import make_generator, other_device, raises_naming
 
 E4M3, E5M2 = 448.0, 57344.0

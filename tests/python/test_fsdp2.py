@@ -73,7 +73,7 @@ OPTIMIZERS = {
     "FusedSGD (no masters, kahan)": lambda params: ampfuse.optimizers.FusedSGD(
         params, lr=1e-2, momentum=0.9, weight_decay=0.1, master_weights="kahan"
     ),
-    # Not element-wise: each trust ratio takes norms summed over the shards (ampfuse.distributed),
+    # Not element-wise: each trust ratio takes norms summed over the shards (ampfuse.ops.dtensor),
     # and the global grad norm clips (max_grad_norm=0.5 is below it here).
     "FusedLAMB": lambda params: ampfuse.optimizers.FusedLAMB(
         params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, master_weights=True

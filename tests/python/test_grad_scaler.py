@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
-from ampfuse.grad_scaler import GradScaler
+from ampfuse.scaling.grad_scaler import GradScaler
 from ampfuse.optimizers import FusedAdam, FusedSGD
 from helpers import raises_naming
 from tolerances import assert_close_report

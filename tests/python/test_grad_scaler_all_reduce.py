@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ampfuse.grad_scaler import GradScaler
+from ampfuse.scaling.grad_scaler import GradScaler
 from ranks import free_port, leave_group, spawn_ranks
 from test_grad_scaler import OPTIMIZERS, make_batches, make_model, train
 from tolerances import assert_close_report

@@ -17,7 +17,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
-from ampfuse.grad_scaler import GradScaler
+from ampfuse.scaling.grad_scaler import GradScaler
 from ampfuse.optimizers import FusedSGD
 from tolerances import assert_close_report
 

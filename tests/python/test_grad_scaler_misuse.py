@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from ampfuse.grad_scaler import GradScaler
+from ampfuse.scaling.grad_scaler import GradScaler
 from helpers import raises_naming
 
 

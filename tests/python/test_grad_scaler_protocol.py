@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ampfuse.grad_scaler import GradScaler
+from ampfuse.scaling.grad_scaler import GradScaler
 from tolerances import assert_close_report
 
 

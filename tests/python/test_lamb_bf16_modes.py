@@ -47,7 +47,7 @@ def _lamb(a, mode, masters=None, sums=None, part="both", found_inf=None, seed=5,
     'state' and 'state2'); `masters` replaces the mode's extra list (fp32 masters). The grads'
     norm, for the clip, is theirs unless `norm` is given."""
     if norm is None and part != "apply":
-        norm = ampfuse._ops.multi_tensor_l2norm(a["grads"], False)[0]
+        norm = ampfuse.ops.multi_tensor_l2norm(a["grads"], False)[0]
     torch.ops.ampfuse.fused_lamb_(
         a["params"], a["grads"], a["state"], a["state2"],
         a["extra"] if masters is None else masters, a["step"], a["lr"], 0.9, 0.999, 1e-6, 0.01,
@@ -79,7 +79,7 @@ def test_split_op_is_the_fp32_master_op_bit_for_bit(device):
 
 @pytest.mark.parametrize("mode", BF16_MODES)
 def test_the_two_halves_are_one_step_bit_for_bit(device, mode):
-    """part="moments" then part="apply" (FSDP2's split, ampfuse.distributed) reads and writes
+    """part="moments" then part="apply" (FSDP2's split, ampfuse.ops.dtensor) reads and writes
     the mode's state as part="both" does, with the same stochastic bits."""
     both = _args(device, mode)
     halves = _clone(both)
@@ -154,7 +154,7 @@ def test_cuda_matches_the_cpu(mode):
     cuda = _args("cuda", mode)
     for _ in range(3):
         # The clip's global norm, too, is a sum the GPU adds in another order: one for both.
-        norm = ampfuse._ops.multi_tensor_l2norm(cpu["grads"], False)[0]
+        norm = ampfuse.ops.multi_tensor_l2norm(cpu["grads"], False)[0]
         cpu_sums, cuda_sums = _sums(cpu), _sums(cuda)
         for a, sums in ((cpu, cpu_sums), (cuda, cuda_sums)):
             _lamb(a, mode, sums=sums, part="moments", norm=norm.to(sums.device))
@@ -207,6 +207,6 @@ def test_skip_nonfinite_leaves_everything_as_it_was(mode, position, bad):
 
 @pytest.mark.parametrize("mode", BF16_MODES)
 def test_dtensor_params_step_like_plain_ones(one_rank, mode):
-    """The DTensor rule runs the two halves with the mode's arguments (ampfuse.distributed)."""
+    """The DTensor rule runs the two halves with the mode's arguments (ampfuse.ops.dtensor)."""
     check_dtensor_state_is_the_plain_state(*check_dtensor_params_step_like_plain_ones(
         lambda ps: make_lamb(ps, mode), grad_scale=4.0, dtype=torch.bfloat16))

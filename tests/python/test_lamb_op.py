@@ -38,8 +38,8 @@ def _call(a, *, weight_decay=0.01, adam_w_mode=True, max_grad_norm=1.0, grad_nor
           grad_scale=None, found_inf=None, write_grads=False, use_nvlamb=False, sums=None,
           part="both"):
     if grad_norm is None and max_grad_norm > 0 and part != "apply":
-        grad_norm = ampfuse._ops.multi_tensor_l2norm(a["grads"], False)[0]
-    ampfuse._ops.fused_lamb_(
+        grad_norm = ampfuse.ops.multi_tensor_l2norm(a["grads"], False)[0]
+    ampfuse.ops.fused_lamb_(
         a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["master_params"], a["step"],
         a["lr"], 0.9, 0.999, 1e-6, weight_decay, adam_w_mode, True, True, use_nvlamb,
         max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=write_grads,
@@ -207,7 +207,7 @@ def test_cuda_matches_the_cpu(masters):
     cuda = {k: ([t.cuda() for t in v] if isinstance(v, list) else v.cuda())
             for k, v in clone_args(cpu).items()}
     # The clip's global grad norm is a sum the GPU adds in another order too: one for both.
-    norm = ampfuse._ops.multi_tensor_l2norm(cpu["grads"], False)[0]
+    norm = ampfuse.ops.multi_tensor_l2norm(cpu["grads"], False)[0]
     cpu_sums, cuda_sums = _sums(cpu), _sums(cuda)
     for args, sums in ((cpu, cpu_sums), (cuda, cuda_sums)):
         _call(args, grad_scale=torch.full((1,), 2.0, device=sums.device), write_grads=True,
@@ -243,7 +243,7 @@ def test_argument_errors_name_the_argument(case):
     if norm == "int":
         norm = torch.ones((), dtype=torch.int32)
     with raises_naming(*patterns):
-        ampfuse._ops.fused_lamb_(
+        ampfuse.ops.fused_lamb_(
             a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["master_params"],
             a["step"], a["lr"], 0.9, 0.999, 1e-6, 0.01, True, True, True, False, clip, norm,
             tensor_sums=changes.get("tensor_sums"), part=changes.get("part", "both"))

@@ -122,7 +122,7 @@ def test_dtensor_params_step_like_plain_ones(one_rank):
     _, sharded, _ = check_dtensor_params_step_like_plain_ones(
         lambda ps: FusedLAMB(ps, lr=1e-2), grad_scale=4.0)
     with raises_naming("part and tensor_sums", "part='both'"):
-        ampfuse._ops.fused_lamb_([sharded[1].data], [sharded[1].grad], [sharded[1].data],
+        ampfuse.ops.fused_lamb_([sharded[1].data], [sharded[1].grad], [sharded[1].data],
                                  [sharded[1].data], [], torch.zeros(()), 1e-3, 0.9, 0.999, 1e-6,
                                  0.0, tensor_sums=torch.zeros(1, 2, dtype=torch.float64),
                                  part="moments")

@@ -252,7 +252,7 @@ def test_dtensor_params_step_like_plain_ones(one_rank, norm_type):
     for p, q in zip(plain, sharded):
         assert torch.equal(opts[0].state[p]["norm_avg"], opts[1].state[q]["norm_avg"])
     with raises_naming("part and tensor_reductions", "part='both'"):
-        ampfuse._ops.fused_novograd_(
+        ampfuse.ops.fused_novograd_(
             [sharded[1].data], [sharded[1].grad], [sharded[1].data], [torch.zeros(())], [],
             torch.zeros(()), 1e-3, 0.9, 0.999, 1e-8, 0.0,
             tensor_reductions=torch.zeros(1, dtype=torch.float64), part="norms")

@@ -91,7 +91,7 @@ def test_split_op_is_the_fp32_master_op_bit_for_bit(device, norm_type, reg_insid
 
 @pytest.mark.parametrize("mode", BF16_MODES)
 def test_the_two_halves_are_one_step_bit_for_bit(device, mode):
-    """part="norms" then part="apply" (FSDP2's split, ampfuse.distributed) reads and writes the
+    """part="norms" then part="apply" (FSDP2's split, ampfuse.ops.dtensor) reads and writes the
     mode's state as part="both" does, with the same stochastic bits."""
     both = _novo_args(device, mode)
     halves = _clone(both)
@@ -187,7 +187,7 @@ def test_skip_nonfinite_leaves_everything_as_it_was(mode, position, bad):
 
 @pytest.mark.parametrize("mode", BF16_MODES)
 def test_dtensor_params_step_like_plain_ones(one_rank, mode):
-    """The DTensor rule runs the two halves with the mode's arguments (ampfuse.distributed)."""
+    """The DTensor rule runs the two halves with the mode's arguments (ampfuse.ops.dtensor)."""
     check_dtensor_state_is_the_plain_state(*check_dtensor_params_step_like_plain_ones(
         lambda ps: make_novograd(ps, mode), grad_scale=4.0, dtype=torch.bfloat16))
 

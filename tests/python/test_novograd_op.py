@@ -41,7 +41,7 @@ def _args(device, dtypes=DTYPES, shapes=SHAPES, masters=True, seed=0):
 def _call(a, config=NovoGradConfig(), *, grad_scale=None, found_inf=None, write_grads=False,
           reductions=None, part="both"):
     c = config
-    ampfuse._ops.fused_novograd_(
+    ampfuse.ops.fused_novograd_(
         a["params"], a["grads"], a["exp_avgs"], a["norm_avgs"], a["master_params"], a["step"],
         c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.bias_correction, c.grad_averaging,
         c.reg_inside_moment, c.norm_type, c.init_zero, grad_scale, found_inf,
@@ -245,7 +245,7 @@ def test_found_inf_skips_each_half():
 
 def test_an_empty_list_still_counts_the_step(device):
     step = torch.zeros((), device=device)
-    ampfuse._ops.fused_novograd_([], [], [], [], [], step, 0.1, 0.9, 0.99, 1e-8, 0.0)
+    ampfuse.ops.fused_novograd_([], [], [], [], [], step, 0.1, 0.9, 0.99, 1e-8, 0.0)
     assert float(step) == 1.0
 
 
@@ -332,7 +332,7 @@ def test_argument_errors_name_the_argument(case):
         norms = norms[:2] + [torch.zeros((), dtype=torch.float64)] + norms[3:]
     before = clone_args(a)
     with raises_naming(*patterns):
-        ampfuse._ops.fused_novograd_(
+        ampfuse.ops.fused_novograd_(
             a["params"], a["grads"], a["exp_avgs"], norms, a["master_params"], a["step"],
             a["lr"], 0.95, changes.get("beta2", 0.98), 1e-8, changes.get("weight_decay", 0.0),
             norm_type=changes.get("norm_type", 2),

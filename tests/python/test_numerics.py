@@ -21,7 +21,7 @@ from torch import nn
 
 import ampfuse.numerics as numerics
 from ampfuse import amp
-from ampfuse._numerics_stats import Counts, measure
+from ampfuse.numerics._stats import Counts, measure
 from ampfuse.amp import aten_lists
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack

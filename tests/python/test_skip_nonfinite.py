@@ -69,13 +69,13 @@ def check_calls(monkeypatch):
     from ampfuse.optimizers import _skip
 
     calls = []
-    real = _skip._ops.multi_tensor_nonfinite_check_
+    real = _skip.ops.multi_tensor_nonfinite_check_
 
     def counting(tensors, found_inf, tensor_flags=None):
         calls.append(len(tensors))
         real(tensors, found_inf, tensor_flags)
 
-    monkeypatch.setattr(_skip._ops, "multi_tensor_nonfinite_check_", counting)
+    monkeypatch.setattr(_skip.ops, "multi_tensor_nonfinite_check_", counting)
     return calls
 
 

@@ -8,7 +8,7 @@ Reference: torch.isinf / torch.isnan per tensor of the input values.
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
-from ampfuse._ops import HELD_INF, HELD_NAN
+from ampfuse.ops import HELD_INF, HELD_NAN
 from helpers import (
     CHUNK,
     FLOAT_DTYPES,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 from ampfuse.amp.attribution import StepAttribution, place_in_optimizer
 from ampfuse.amp.masters import MasterTracker, refresh_master
 from ampfuse.amp.optimizer_access import hookable, optimizer_params, params_and_grads
@@ -183,7 +183,7 @@ class Binding:
             # skipping, would make the call's other optimizers skip a clean step and back the
             # scale off a second time.
             seen = torch.zeros_like(scaler.found_inf)
-            _ops.multi_tensor_nonfinite_check_(grads, seen, self._tensor_flags(params))
+            ops.multi_tensor_nonfinite_check_(grads, seen, self._tensor_flags(params))
             before = self.window_inf.reshape(seen.shape).to(seen.device)
             torch.maximum(scaler.found_inf, seen * (1.0 - before), out=scaler.found_inf)
             return
@@ -194,7 +194,7 @@ class Binding:
         else:
             params, grads = params_and_grads(self.params_with_grads())
         if grads:
-            _ops.multi_tensor_unscale_(grads, scaler.found_inf, inv_scale,
+            ops.multi_tensor_unscale_(grads, scaler.found_inf, inv_scale,
                                        self._tensor_flags(params))
         self._restore_stash()
         self.unscaled_pending = True
@@ -222,7 +222,7 @@ class Binding:
                 targets.append(buffer)
                 fresh.append((master.grad, buffer))
         if sources:
-            _ops.multi_tensor_scale_(sources, targets, inv_scale, scaler.found_inf,
+            ops.multi_tensor_scale_(sources, targets, inv_scale, scaler.found_inf,
                                      self._tensor_flags(read))
         if fresh:
             torch._foreach_add_([a for a, _ in fresh], [t for _, t in fresh])
@@ -297,7 +297,7 @@ class Binding:
             models = [p for p, _ in self.masters]
             masters = [m for _, m in self.masters]
             one = torch.ones(1, device=masters[0].device)
-            _ops.multi_tensor_scale_(masters, models, one, torch.zeros_like(one))
+            ops.multi_tensor_scale_(masters, models, one, torch.zeros_like(one))
             # The master grads served this step. Cleared, as apex cleared them: a user who
             # zeroes grads through the model (model.zero_grad()) never reaches them, and a
             # param with no grad next step would be stepped again with this one.
@@ -377,9 +377,9 @@ class Binding:
             elif self.kind == "fold":
                 in_place.append(p.grad)
         if sources:
-            _ops.multi_tensor_scale_(sources, targets, inv, flag)
+            ops.multi_tensor_scale_(sources, targets, inv, flag)
         if in_place:
-            _ops.multi_tensor_unscale_(in_place, flag, inv)
+            ops.multi_tensor_unscale_(in_place, flag, inv)
         self.inner._step_on_master_grads = bool(sources) or any(
             m.grad is not None for _, m in self.master_pairs())
         if self.kind == "fold":

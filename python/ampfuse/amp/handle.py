@@ -18,7 +18,7 @@ from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
 from ampfuse.amp.optimizer_access import grads_of
 from ampfuse.amp.reporting import OverflowReporter
-from ampfuse.loss_scaler import LossScaler
+from ampfuse.scaling.loss_scaler import LossScaler
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.overflow import ParamNames
 

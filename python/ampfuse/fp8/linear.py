@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ampfuse import _fp8_ops
+from ampfuse.ops import fp8 as fp8_ops
 from ampfuse.fp8.recipe import DelayedScaling
 
 # The tensors of a layer that are cast to FP8, in the order of the state lists.
@@ -41,11 +41,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state, fwd_format, bwd_format):
         amax, scale, scale_inv = state
-        x8 = _fp8_ops.fp8_cast_amax(x, scale[0], amax[0], fwd_format)
-        w8 = _fp8_ops.fp8_cast_amax(weight, scale[1], amax[1], fwd_format)
+        x8 = fp8_ops.fp8_cast_amax(x, scale[0], amax[0], fwd_format)
+        w8 = fp8_ops.fp8_cast_amax(weight, scale[1], amax[1], fwd_format)
         out_dtype = _gemm_dtype(x.dtype)
         gemm_bias = None if bias is None else bias.to(out_dtype)
-        out = _fp8_ops.fp8_gemm(x8, w8, scale_inv[0], scale_inv[1], gemm_bias, out_dtype)
+        out = fp8_ops.fp8_gemm(x8, w8, scale_inv[0], scale_inv[1], gemm_bias, out_dtype)
         ctx.save_for_backward(x8, w8)
         # The state tensors ride on ctx, not in save_for_backward: the grad cast writes the
         # amax during backward, and a second graph through this layer must not then see a
@@ -62,14 +62,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x8, w8 = ctx.saved_tensors
         x_scale_inv, w_scale_inv, g_scale, g_scale_inv, g_amax = ctx.fp8
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g8 = _fp8_ops.fp8_cast_amax(grad_out, g_scale, g_amax, ctx.bwd_format)
+        g8 = fp8_ops.fp8_cast_amax(grad_out, g_scale, g_amax, ctx.bwd_format)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # fp8_transpose: the FP8 GEMM takes both operands K-contiguous.
-            grad_x = _fp8_ops.fp8_gemm(g8, _fp8_ops.fp8_transpose(w8), g_scale_inv, w_scale_inv,
+            grad_x = fp8_ops.fp8_gemm(g8, fp8_ops.fp8_transpose(w8), g_scale_inv, w_scale_inv,
                                        None, _gemm_dtype(x_dtype)).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _fp8_ops.fp8_gemm(_fp8_ops.fp8_transpose(g8), _fp8_ops.fp8_transpose(x8),
+            grad_w = fp8_ops.fp8_gemm(fp8_ops.fp8_transpose(g8), fp8_ops.fp8_transpose(x8),
                                        g_scale_inv, x_scale_inv, None,
                                        _gemm_dtype(w_dtype)).to(w_dtype)
         if ctx.needs_input_grad[2]:
@@ -144,7 +144,7 @@ class Linear(torch.nn.Linear):
 
     def fp8_maxes(self):
         r = self.fp8_recipe
-        return [_fp8_ops.FP8_MAX[r.fwd_format]] * 2 + [_fp8_ops.FP8_MAX[r.bwd_format]]
+        return [fp8_ops.FP8_MAX[r.fwd_format]] * 2 + [fp8_ops.FP8_MAX[r.bwd_format]]
 
     def _apply(self, fn, recurse=True):
         # module.to(dtype) / .half() would round the scales and histories: the FP8 state

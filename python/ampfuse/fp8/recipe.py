@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from ampfuse._fp8_ops import AMAX_COMPUTE
+from ampfuse.ops.fp8 import AMAX_COMPUTE
 
 _FORMATS = {
     "e4m3": torch.float8_e4m3fn,

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from ampfuse import _fp8_ops
+from ampfuse.ops import fp8 as fp8_ops
 from ampfuse.fp8.linear import Linear
 
 
@@ -37,6 +37,6 @@ def update_scales(models, found_inf: torch.Tensor | None = None) -> None:
         lists = {kind: [t for m in mods for t in m.fp8_state(kind)]
                  for kind in ("amax", "amax_history", "scale", "scale_inv")}
         flag = found_inf if found_inf is not None and found_inf.device == device else None
-        _fp8_ops.fp8_update_scales_(
+        fp8_ops.fp8_update_scales_(
             lists["amax"], lists["amax_history"], lists["scale"], lists["scale_inv"],
             [v for m in mods for v in m.fp8_maxes()], margin, amax_compute, flag)

@@ -41,7 +41,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as _TrainerMixed 
 from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
-from ampfuse.grad_scaler import GradScaler  # noqa: E402
+from ampfuse.scaling.grad_scaler import GradScaler  # noqa: E402
 
 _MIXED = ("16-mixed", "bf16-mixed")
 _TRUE = ("bf16-true",)

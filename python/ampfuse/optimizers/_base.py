@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 
 from ampfuse.optimizers._call import OpCall
-from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin, param_name
+from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin
+from ampfuse.overflow import param_name
 from ampfuse.optimizers._masters import MasterWeightsMixin, ParamRecord, make_master
 from ampfuse.optimizers._plan import StepPlan, first_param_id
 from ampfuse.optimizers._precision import (

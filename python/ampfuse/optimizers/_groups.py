@@ -13,17 +13,13 @@ import torch
 
 from ampfuse.optimizers._precision import check_master_weights
 from ampfuse.optimizers._skip import check_skip_nonfinite
+from ampfuse.overflow import param_name
 from ampfuse.optimizers._torch_switches import (IMPLEMENTATION_SWITCHES,
                                                 check_implementation_switches)
 
 # The param dtypes the fused ops update; a complex64 param is updated as its real view (_base).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PARAM_DTYPES = FLOAT_DTYPES + (torch.complex64,)
-
-
-def param_name(group_index, param_index):
-    """How error messages name a param: the way the user would reach it."""
-    return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
 def check_flag(optimizer, index, group, key):

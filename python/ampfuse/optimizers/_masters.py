@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _C
+from ampfuse.ops import step_scan
 
 # The param dtypes that get an fp32 master when a group sets master_weights.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -120,7 +120,7 @@ class MasterWeightsMixin:
     def _mark_stepped(self, call):
         """mark_masters for the params of an op call that just ran, through their records: no
         dict lookup per param, and one C++ pass where every param is a plain tensor."""
-        if _C.mark_params(call.params, call.records):
+        if step_scan.mark_params(call.params, call.records):
             return
         for p, record in zip(call.params, call.records):  # a subclass such as DTensor
             record.mark = (p._version, p.data_ptr())  # param_mark(p), inline

@@ -6,7 +6,8 @@ something else wrote it since the last step (its fp32 master then follows it), i
 layout. In Python that is several attribute reads and two tensor-keyed dict lookups per param
 (Tensor.__hash__ is itself a Python function), which took longer than the fused SGD op on a
 CPU model of 291 small tensors. A plan keeps what the last full sort found, per param, and
-``ampfuse._C.scan_step`` confirms in one C++ pass per group that each param still matches it:
+``ampfuse.ops.step_scan.scan_step`` confirms in one C++ pass per group that each param still
+matches it:
 
 - the group's params list, the optimizer's state dict, master_weights and the state keys of the
   group's options are the objects (values) the plan was made from;
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _C
+from ampfuse.ops import step_scan
 from ampfuse.optimizers._precision import EXTRA_KEYS
 
 # Param types a plan covers. Subclasses (DTensor under FSDP2, FakeTensor, user subclasses) may
@@ -119,7 +120,7 @@ class StepPlan:
             return None
         if self.first_id is not None and first_param_id(optimizer, index) != self.first_id:
             return None
-        grads = _C.scan_step(self.params, self.state_map, self.entries)
+        grads = step_scan.scan_step(self.params, self.state_map, self.entries)
         if grads is None:
             return None
         if self.picks is None:

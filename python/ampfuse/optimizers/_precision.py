@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+from ampfuse.overflow import param_name
+
 # master_weights values that update bf16 params without an fp32 master.
 BF16_MODES = ("stochastic", "kahan", "split")
 MASTER_WEIGHTS_VALUES = (True, False) + BF16_MODES
@@ -67,7 +69,6 @@ def check_master_weights(optimizer, index, group, check_params=True):
 
 
 def check_param_for_mode(optimizer, group_index, param_index, p, value):
-    from ampfuse.optimizers._groups import param_name  # _groups imports this module
 
     if p.dtype == torch.float16:
         raise ValueError(

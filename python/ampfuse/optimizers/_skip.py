@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 from ampfuse.overflow import CheckRecord
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -109,7 +109,7 @@ def step_verdicts(plans, found_inf, own_check=None):
             if own_check is not None:
                 tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
                 own_check.add(where[device], tensor_flags)
-            _ops.multi_tensor_nonfinite_check_(grads, flags[device], tensor_flags)
+            ops.multi_tensor_nonfinite_check_(grads, flags[device], tensor_flags)
     if len(devices) > 1:
         home = devices[0]
         total = sum(moved(flags[d], home) for d in devices)

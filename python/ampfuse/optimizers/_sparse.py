@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.optimizers._groups import param_name
+from ampfuse.overflow import param_name
 from ampfuse.optimizers._state import fp32_like
 
 

@@ -22,7 +22,7 @@ import numbers
 
 import torch
 
-from ampfuse.optimizers._groups import param_name
+from ampfuse.overflow import param_name
 from ampfuse.optimizers._precision import export_extra, import_extras, param_mode
 from ampfuse.optimizers._skip import SkipRecord
 

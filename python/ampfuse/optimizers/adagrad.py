@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
@@ -114,7 +114,7 @@ class FusedAdagrad(FusedOptimizer):
         adagrad_step(group, p, grad, state, lr)
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
-        _ops.fused_adagrad_(
+        ops.fused_adagrad_(
             call.op_params(),
             call.grads,
             call.state_list("sum"),

@@ -4,7 +4,7 @@ optional fp32 master weights for fp16/bf16 params, on top of torch.ops.ampfuse.f
 from __future__ import annotations
 
 
-from ampfuse import _ops
+from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._torch_switches import check_implementation_switches
@@ -173,7 +173,7 @@ class FusedAdam(FusedOptimizer):
     def _launch(self, group, call, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
-        _ops.fused_adam_(
+        ops.fused_adam_(
             call.op_params(),
             call.grads,
             call.state_list("exp_avg"),

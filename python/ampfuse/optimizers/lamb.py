@@ -4,8 +4,8 @@ of torch.ops.ampfuse.fused_lamb_."""
 
 from __future__ import annotations
 
-from ampfuse import _ops
-from ampfuse._global_norm import l2norm_on_each_device
+from ampfuse import ops
+from ampfuse.scaling.global_norm import l2norm_on_each_device
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._state import add_group_steps, spread_group_steps
@@ -46,7 +46,7 @@ class FusedLAMB(FusedOptimizer):
     per param as torch.optim does (state_dict() also writes apex's per-group 'step', and
     load_state_dict() reads it), and fp16 grads may come scaled (GradScaler, amp): the norm and
     the grads are unscaled on the device. Params may be DTensors (FSDP2): the trust ratios are
-    then formed from norms summed over the shards (ampfuse.distributed), as one process would.
+    then formed from norms summed over the shards (ampfuse.ops.dtensor), as one process would.
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
@@ -142,7 +142,7 @@ class FusedLAMB(FusedOptimizer):
     def _launch(self, group, call, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
         clip = _clip_value(group)
-        _ops.fused_lamb_(
+        ops.fused_lamb_(
             call.op_params(),
             call.grads,
             call.state_list("exp_avg"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._precision import export_extra
@@ -64,7 +64,7 @@ class FusedNovoGrad(FusedOptimizer):
     load_state_dict() reads them from apex's checkpoints. fp16 grads may come scaled
     (GradScaler, amp): the norms and the update are taken of the unscaled grads, on the device.
     Params may be DTensors (FSDP2): each param's norm is then reduced over its shards
-    (ampfuse.distributed), as one process would.
+    (ampfuse.ops.dtensor), as one process would.
     """
 
     _TORCH_GROUP_KEYS = {"foreach": None, "fused": None, "differentiable": False}
@@ -141,14 +141,14 @@ class FusedNovoGrad(FusedOptimizer):
             state["exp_avg"] = fp32_like(p)
         if "norm_avg" not in state:
             # One running norm per param, replicated on every rank for a DTensor param: the
-            # op reduces its grads over the shards before blending it (ampfuse.distributed).
+            # op reduces its grads over the shards before blending it (ampfuse.ops.dtensor).
             state["norm_avg"] = torch.zeros((), dtype=torch.float32, device=_local_device(p))
 
     # ---- step -----------------------------------------------------------------------------
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
-        _ops.fused_novograd_(
+        ops.fused_novograd_(
             call.op_params(),
             call.grads,
             call.state_list("exp_avg"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
@@ -131,7 +131,7 @@ class FusedSGD(FusedOptimizer):
 
     def _launch(self, group, call, lr, grad_scale, found_inf):
         with_momentum = group["momentum"] != 0
-        _ops.fused_sgd_(
+        ops.fused_sgd_(
             call.op_params(),
             call.grads,
             call.state_list("momentum_buffer") if with_momentum else [],

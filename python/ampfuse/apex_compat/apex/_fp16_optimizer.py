@@ -4,7 +4,7 @@ update_master_grads, step, clip_master_grads, zero_grad, state_dict, inspect_mas
 loss_scale).
 
 Each backward's grads are unscaled into the masters' fp32 grads in one fused op that also finds
-inf/nan (ampfuse.loss_scaler.LossScaler, apex's dynamic rule: init 2**16, x2 after 2000 clean
+inf/nan (ampfuse.scaling.loss_scaler.LossScaler, apex's dynamic rule: init 2**16, x2 after 2000 clean
 steps, /2 on an overflow, within [min_loss_scale, 2**24]); an overflowing step is skipped with
 the masters, the optimizer state and the model as they were. As in apex, whether it overflowed
 is read on the host once per step.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.loss_scaler import LossScaler
+from ampfuse.scaling.loss_scaler import LossScaler
 
 _LOW = (torch.float16, torch.bfloat16)
 # dynamic_loss_args that apex's FP16_Optimizer passed on to its loss scaler, and ours.

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ampfuse._global_norm import l2norm_on_each_device
+from ampfuse.scaling.global_norm import l2norm_on_each_device
 
 
 def check_max_grad_norm(value):

@@ -4,7 +4,7 @@ and the scripts copied from it import with ``from apex.fp16_utils import *``.
 
 The copies and the unscale-with-overflow-check run as ampfuse's fused list ops (one launch for
 all tensors, where apex looped or used its amp_C kernels); FP16_Optimizer's loss scale is an
-ampfuse.loss_scaler.LossScaler with apex's dynamic rule. Differences from apex: fp16 and bf16
+ampfuse.scaling.loss_scaler.LossScaler with apex's dynamic rule. Differences from apex: fp16 and bf16
 params both get fp32 masters, on any device (apex took CUDA fp16 only), and state_dict() saves
 the loss scale as a dict rather than a pickled scaler object (load_state_dict() takes either).
 apex's module names (apex.fp16_utils.fp16util, .fp16_optimizer, .loss_scaler) are this module.
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ampfuse import _ops
+from ampfuse import ops
 
 __all__ = [
     "BN_convert_float", "DynamicLossScaler", "FP16Model", "FP16_Optimizer", "LossScaler",
@@ -151,7 +151,7 @@ def _copy(src, dst):
         pair[0].append(s)
         pair[1].append(d)
     for device, (s, d) in by_device.items():
-        _ops.multi_tensor_scale_(s, d, torch.ones(1, device=device),
+        ops.multi_tensor_scale_(s, d, torch.ones(1, device=device),
                                  torch.zeros(1, device=device))
 
 
@@ -164,7 +164,7 @@ def _has_inf_or_nan(params):
         found.setdefault(g.device, []).append(g)
     for device, tensors in found.items():
         flag = torch.zeros(1, device=device)
-        _ops.multi_tensor_nonfinite_check_(tensors, flag)
+        ops.multi_tensor_nonfinite_check_(tensors, flag)
         if flag.item():
             return True
     return False

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
-from ampfuse._global_norm import l2norm_on_each_device
+from ampfuse import ops
+from ampfuse.scaling.global_norm import l2norm_on_each_device
 
 __all__ = ["clip_grad_norm_"]
 
@@ -41,5 +41,5 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     # torch's rule: multiply by max_norm / (total + 1e-6), clamped at 1, with no host sync.
     for device, tensors in by_device.items():
         coef = torch.clamp(max_norm / (norms[device] + 1e-6), max=1.0).reshape(1)
-        _ops.multi_tensor_scale_(tensors, tensors, coef, torch.zeros(1, device=device))
+        ops.multi_tensor_scale_(tensors, tensors, coef, torch.zeros(1, device=device))
     return total

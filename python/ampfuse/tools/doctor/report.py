@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from ampfuse._doctor_adagrad import SMOKE_TESTS as ADAGRAD_SMOKE_TESTS
-from ampfuse._doctor_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
-from ampfuse._doctor_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
-from ampfuse._doctor_novograd import SMOKE_TESTS as NOVOGRAD_SMOKE_TESTS
-from ampfuse._doctor_smoke import SMOKE_TESTS as CORE_SMOKE_TESTS
+from ampfuse.tools.doctor.smoke_adagrad import SMOKE_TESTS as ADAGRAD_SMOKE_TESTS
+from ampfuse.tools.doctor.smoke_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
+from ampfuse.tools.doctor.smoke_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
+from ampfuse.tools.doctor.smoke_novograd import SMOKE_TESTS as NOVOGRAD_SMOKE_TESTS
+from ampfuse.tools.doctor.smoke_core import SMOKE_TESTS as CORE_SMOKE_TESTS
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+# The installed package (ampfuse/), two folders above this file.
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -165,11 +166,11 @@ def check_versions(report):
 
 
 def check_native(report, import_module=importlib.import_module):
-    """Loads ampfuse's native library and the op wrappers. Returns (the _ops module, the GPU
-    architectures the library has code for), or (None, []) when it cannot be loaded."""
+    """Loads ampfuse's native library and the op wrappers. Returns (the ampfuse.ops module, the
+    GPU architectures the library has code for), or (None, []) when it cannot be loaded."""
     try:
         native = import_module("ampfuse._C")
-        ops = import_module("ampfuse._ops")
+        ops = import_module("ampfuse.ops")
     except ImportError as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         report.add(
@@ -346,12 +347,12 @@ def run(import_module=importlib.import_module):
     ops, archs = check_native(report, import_module)
     gpus, why_none = probe_gpus()
     if ops is not None:
-        cuda_usable = check_kernels(report, list(ops._OPS), gpus)
+        cuda_usable = check_kernels(report, list(ops.OP_NAMES), gpus)
     check_cpu(report)
     check_gpus(report, gpus, why_none, archs)
     if ops is not None:
         devices = ["cpu"] + (["cuda"] if cuda_usable else [])
-        check_ops(report, ops, list(ops._OPS), devices)
+        check_ops(report, ops, list(ops.OP_NAMES), devices)
     print(report.render())
     sys.stdout.flush()
     return report.exit_code

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 
 
 class LossScaler:
@@ -67,7 +67,7 @@ class LossScaler:
         self.skipped_steps = torch.zeros(1, dtype=torch.float32, device=device)
         # Validates the rule's parameters once, with the op's own messages.
         if self.dynamic:
-            _ops.update_scale_(self.scale.clone(), self.growth_tracker.clone(),
+            ops.update_scale_(self.scale.clone(), self.growth_tracker.clone(),
                                self.hysteresis_tracker.clone(), torch.zeros_like(self.found_inf),
                                self.growth_factor, self.backoff_factor, self.growth_interval,
                                self.hysteresis, self.min_scale, self.max_scale)
@@ -95,15 +95,15 @@ class LossScaler:
     def check_(self, grads, tensor_flags=None) -> None:
         """Flags inf/nan in `grads` without changing them (a read-only pass); tensor_flags as
         for ampfuse.multi_tensor_nonfinite_check_."""
-        _ops.multi_tensor_nonfinite_check_(grads, self.found_inf, tensor_flags)
+        ops.multi_tensor_nonfinite_check_(grads, self.found_inf, tensor_flags)
 
     def unscale_(self, grads) -> None:
         """Divides `grads` by the scale in place (fp32 math) and flags inf/nan."""
-        _ops.multi_tensor_unscale_(grads, self.found_inf, self.inv_scale())
+        ops.multi_tensor_unscale_(grads, self.found_inf, self.inv_scale())
 
     def unscale_into_(self, grads, dst) -> None:
         """Writes grads / scale into `dst` (for example fp32 master grads) and flags inf/nan."""
-        _ops.multi_tensor_scale_(grads, dst, self.inv_scale(), self.found_inf)
+        ops.multi_tensor_scale_(grads, dst, self.inv_scale(), self.found_inf)
 
     def count_skipped(self) -> None:
         """Adds one to skipped_steps if the overflow flag is set (update() does this too)."""
@@ -120,7 +120,7 @@ class LossScaler:
             saved = [t.clone() for t in self._update_state()]
         self.count_skipped()
         if self.dynamic:
-            _ops.update_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker,
+            ops.update_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker,
                                self.found_inf, self.growth_factor, self.backoff_factor,
                                self.growth_interval, self.hysteresis, self.min_scale,
                                self.max_scale)

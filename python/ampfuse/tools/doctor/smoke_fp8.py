@@ -1,4 +1,4 @@
-"""ampfuse doctor's smoke tests of the FP8 ops (ampfuse.doctor runs every op's): each calls the
+"""ampfuse doctor's smoke tests of the FP8 ops (the doctor runs every op's): each calls the
 op on tiny tensors and compares with torch. Each returns None when the op is right, else what
 is wrong."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse._fp8_ops import FP8_MAX
+from ampfuse.ops.fp8 import FP8_MAX
 
 E4M3 = torch.float8_e4m3fn
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ampfuse._doctor_checks import check_skipped
+from ampfuse.tools.doctor.checks import check_skipped
 
 _TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,7 +62,7 @@ def _smoke_unscale(ops, device):
 def _wrong_tensor_flags(flags, index, kind):
     """None if `flags` names exactly tensor `index` as holding `kind` ("inf" or "nan"), else
     what is wrong. (Reached only once the op wrappers loaded.)"""
-    from ampfuse._ops import HELD_INF, HELD_NAN
+    from ampfuse.ops import HELD_INF, HELD_NAN
 
     expected = [{"inf": HELD_INF, "nan": HELD_NAN}[kind] if i == index else 0
                 for i in range(flags.numel())]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse import _ops
+from ampfuse import ops
 
 
 def l2norm_on_each_device(by_device):
     """{device: tensors} -> {device: the L2 norm of every tensor of every device}, each a
     float32 tensor on its device: one fused multi_tensor_l2norm per device, and with several
     devices their squares summed on the first and the total copied back to each."""
-    norms = {device: _ops.multi_tensor_l2norm(tensors, False)[0]
+    norms = {device: ops.multi_tensor_l2norm(tensors, False)[0]
              for device, tensors in by_device.items()}
     if len(norms) > 1:
         home = next(iter(norms))

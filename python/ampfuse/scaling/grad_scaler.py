@@ -15,13 +15,13 @@ adds:
 - ``get_skipped_steps()``: how many iterations skipped their step, counted on the device.
 
 It takes every gradient torch's does (float64, strided views, sparse: see
-``ampfuse.grad_unscale``) and keeps torch's private hooks, so subclasses written for torch's
+``ampfuse.scaling.unscale``) and keeps torch's private hooks, so subclasses written for torch's
 class work: ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)`` (every unscale and
 check goes through it), ``_maybe_opt_step``, ``_check_inf_per_device``,
 ``_found_inf_per_device``, ``_get_scale_async``, and ``_per_optimizer_states`` with torch's
 record per optimizer (``stage``, ``found_inf_per_device``, nothing else).
 
-The state (scale, growth and hysteresis trackers) is an ``ampfuse.loss_scaler.LossScaler``,
+The state (scale, growth and hysteresis trackers) is an ``ampfuse.scaling.loss_scaler.LossScaler``,
 created lazily on the device of the first outputs given to ``scale()``, as torch does.
 
 Host syncs: none on the path of an optimizer with ``_step_supports_amp_scaling`` (ampfuse's
@@ -49,11 +49,11 @@ import torch
 # code in the wild and torch's tests read and compare it, so it has exactly torch's keys.
 from torch.amp.grad_scaler import _refresh_per_optimizer_state as _fresh_optimizer_state
 
-from ampfuse import _ops
-from ampfuse._grad_scaler_iteration import ScalerIterationMixin
-from ampfuse._grad_scaler_state import ScalerOptionsMixin
-from ampfuse.grad_unscale import cuda_kernels_usable
-from ampfuse.loss_scaler import LossScaler
+from ampfuse import ops
+from ampfuse.scaling._grad_scaler_iteration import ScalerIterationMixin
+from ampfuse.scaling._grad_scaler_state import ScalerOptionsMixin
+from ampfuse.scaling.unscale import cuda_kernels_usable
+from ampfuse.scaling.loss_scaler import LossScaler
 from ampfuse.overflow import OverflowRecords
 
 __all__ = ["GradScaler"]
@@ -233,7 +233,7 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
                 "tensors only (torch.amp.GradScaler covers other devices)."
             )
         if device.type == "cuda" and not cuda_kernels_usable():
-            raise RuntimeError(f"ampfuse.GradScaler: {what} on {device}. {_ops.cuda_status()}")
+            raise RuntimeError(f"ampfuse.GradScaler: {what} on {device}. {ops.cuda_status()}")
 
     def _lazy_init(self, device):
         self._check_kernel_device(device, "the outputs passed to scale() are")

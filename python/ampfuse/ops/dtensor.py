@@ -19,10 +19,10 @@ tensors' meshes, so every rank gets the same verdict; the per-tensor overflow fl
 (tensor_flags) of the three flagging ops are OR-ed in the same collective, so every rank names
 the same tensors.
 
-Importing this module registers the rules; ampfuse._ops imports it as soon as
-torch.distributed.tensor is loaded (no DTensor can exist before that), so the wrappers in
-ampfuse._ops, the optimizers and the scalers take DTensors without further setup. Code that
-calls torch.ops.ampfuse.* directly on DTensors imports ampfuse.distributed first.
+Importing this module registers the rules; the wrappers of ampfuse.ops import it on their first
+call after torch.distributed.tensor is loaded (no DTensor can exist before that), so they, the
+optimizers and the scalers take DTensors without further setup. Code that calls
+torch.ops.ampfuse.* directly on DTensors imports ampfuse.ops.dtensor first.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ampfuse._ops import HELD_INF, HELD_NAN
+from ampfuse.ops._checks import HELD_INF, HELD_NAN
 
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
 POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_nonfinite_check_",

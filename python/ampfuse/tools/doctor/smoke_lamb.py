@@ -1,4 +1,4 @@
-"""ampfuse doctor's smoke test of fused_lamb_ (ampfuse.doctor runs every op's): one clipped,
+"""ampfuse doctor's smoke test of fused_lamb_ (the doctor runs every op's): one clipped,
 loss-scaled step on tiny fp32/bf16/fp16 params with fp32 masters against LAMB written in
 float64 torch ops, then a skipped step. Returns None when the op is right, else what is
 wrong."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse._doctor_checks import check_masters, check_skipped
+from ampfuse.tools.doctor.checks import check_masters, check_skipped
 
 _SHAPES = [(5,), (3, 4), (7,)]
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -1,21 +1,13 @@
 """Typed wrapper and fake (meta) kernel of fused_novograd_ (schema in csrc/registration.cpp).
-
-Kept beside ``_ops.py``, which imports this module, so the op loads with the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampfuse._ops import (
-    _check_companions,
-    _check_list,
-    _check_master_mode,
-    _check_scalar,
-    _check_step_scalars,
-    _dtensor_rules,
-    _lr_tensor,
-)
+from ampfuse.ops._checks import check_companions, check_list, check_master_mode, check_scalar, check_step_scalars, lr_tensor
+from ampfuse.ops._dtensor_hook import register_dtensor_rules
+from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 NOVOGRAD_PARTS = ("both", "norms", "apply")
 NORM_TYPES = (2, 0)  # apex's: 2 is the L2 norm, 0 the max (infinity) norm
@@ -37,8 +29,8 @@ def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr,
     reductions combined over the shards in between. The master modes (master_mode, param_ids,
     seed) as for fused_adam_; a bf16 mode changes the second half only (the first reads only
     the grads), but both halves take the same arguments."""
-    lr = _lr_tensor(lr, step)
-    _dtensor_rules()
+    lr = lr_tensor(lr, step)
+    register_dtensor_rules()
     torch.ops.ampfuse.fused_novograd_(
         list(params), list(grads), list(exp_avgs), list(norm_avgs), list(master_params), step,
         lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
@@ -61,18 +53,18 @@ def _novograd_fake(params, grads, exp_avgs, norm_avgs, master_params, step, lr, 
             f"ampfuse.{op}: norm_type={norm_type} is not supported; use 2 (the L2 norm) or 0 "
             "(the max norm), as apex.optimizers.FusedNovoGrad."
         )
-    device = _check_list(op, "params", params)
-    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
-    _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
-    _check_master_mode(op, params, master_params, master_mode, param_ids)
-    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+    device = check_list(op, "params", params)
+    check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
+    check_master_mode(op, params, master_params, master_mode, param_ids)
+    check_step_scalars(op, device, step, lr, grad_scale, found_inf)
     if len(norm_avgs) != len(params):
         raise RuntimeError(
             f"ampfuse.{op}: norm_avgs has {len(norm_avgs)} tensors but params has {len(params)}; "
             "pass one running grad norm (a one-element float32 tensor) per param."
         )
     for i, t in enumerate(norm_avgs):
-        _check_scalar(op, f"norm_avgs[{i}]", t, torch.float32, device, "params")
+        check_scalar(op, f"norm_avgs[{i}]", t, torch.float32, device, "params")
     home = device or step.device
     if tensor_reductions is None and part != "both":
         raise RuntimeError(

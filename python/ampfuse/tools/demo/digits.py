@@ -334,7 +334,7 @@ def run_demo(steps: int = 600, device: str | None = None, dtype: str | None = No
     options = dict(steps=steps, seed=seed, device=device, dtype=low,
                    inject_overflow=inject_overflow, progress=progress)
     if ranks > 1:
-        from ampfuse.demo_fsdp2 import train_sharded
+        from ampfuse.tools.demo.sharded import train_sharded
 
         print(f"  FSDP2 (fully_shard) on {ranks} CPU processes (gloo), {BATCH_SIZE // ranks} "
               "rows of each batch per process; memory: one process's shards")

@@ -1,13 +1,12 @@
 """Typed wrappers and fake (meta) kernels of the FP8 ops (schemas in csrc/registration.cpp).
-
-Kept beside ``_ops.py``, which imports this module, so the FP8 ops load with the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampfuse._ops import _check_scalar
+from ampfuse.ops._checks import check_scalar
+from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The largest finite value of each format: the cast saturates to it.
@@ -68,8 +67,8 @@ def _cast_amax_fake(input, scale, amax, dtype):
             "torch.float16 or torch.bfloat16 tensors."
         )
     _check_fp8_dtype(op, "dtype", dtype)
-    _check_scalar(op, "scale", scale, torch.float32, input.device, device_owner="input")
-    _check_scalar(op, "amax", amax, torch.float32, input.device, device_owner="input")
+    check_scalar(op, "scale", scale, torch.float32, input.device, device_owner="input")
+    check_scalar(op, "amax", amax, torch.float32, input.device, device_owner="input")
     return input.new_empty(input.shape, dtype=dtype)
 
 
@@ -90,13 +89,13 @@ def _update_scales_fake(amaxes, amax_histories, scales, scale_invs, fp8_maxes, m
     for i in range(n):
         for name, t in (("amaxes", amaxes[i]), ("scales", scales[i]),
                         ("scale_invs", scale_invs[i])):
-            _check_scalar(op, f"{name}[{i}]", t, torch.float32, device, "amaxes[0]")
+            check_scalar(op, f"{name}[{i}]", t, torch.float32, device, "amaxes[0]")
         h = amax_histories[i]
         if h.dtype != torch.float32 or h.dim() != 1 or h.numel() < 1 or h.device != device:
             raise RuntimeError(f"ampfuse.{op}: amax_histories[{i}] must be a 1-D torch.float32 "
                                f"tensor of >= 1 entries on {device}.")
     if found_inf is not None:
-        _check_scalar(op, "found_inf", found_inf, torch.float32, device, "amaxes")
+        check_scalar(op, "found_inf", found_inf, torch.float32, device, "amaxes")
 
 
 @torch.library.register_fake("ampfuse::fp8_gemm")

@@ -1,21 +1,13 @@
 """Typed wrapper and fake (meta) kernel of fused_lamb_ (schema in csrc/registration.cpp).
-
-Kept beside ``_ops.py``, which imports this module, so the op loads with the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampfuse._ops import (
-    _check_companions,
-    _check_list,
-    _check_master_mode,
-    _check_scalar,
-    _check_step_scalars,
-    _dtensor_rules,
-    _lr_tensor,
-)
+from ampfuse.ops._checks import check_companions, check_list, check_master_mode, check_scalar, check_step_scalars, lr_tensor
+from ampfuse.ops._dtensor_hook import register_dtensor_rules
+from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 
 def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2,
@@ -34,8 +26,8 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, b
     and update in tensor_sums (torch.float64, shape (len(params), 2)); part="apply" runs the
     second pass from them and advances step. For DTensor params (FSDP2) ampfuse.distributed
     runs the two halves with the sums added over the shards in between."""
-    lr = _lr_tensor(lr, step)
-    _dtensor_rules()
+    lr = lr_tensor(lr, step)
+    register_dtensor_rules()
     torch.ops.ampfuse.fused_lamb_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(master_params), step,
         lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
@@ -67,15 +59,15 @@ def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, be
             f"ampfuse.{op}: max_grad_norm={max_grad_norm} clips by the global grad norm; pass it "
             "as grad_norm, or max_grad_norm=0 for no clipping."
         )
-    device = _check_list(op, "params", params)
-    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
-    _check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
-    _check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
-    _check_master_mode(op, params, master_params, master_mode, param_ids)
-    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+    device = check_list(op, "params", params)
+    check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
+    check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
+    check_master_mode(op, params, master_params, master_mode, param_ids)
+    check_step_scalars(op, device, step, lr, grad_scale, found_inf)
     if max_grad_norm > 0.0 and part != "apply":
         owner = "params" if device is not None else "step, as params is empty"
-        _check_scalar(op, "grad_norm", grad_norm, torch.float32, device or step.device, owner)
+        check_scalar(op, "grad_norm", grad_norm, torch.float32, device or step.device, owner)
     if tensor_sums is None and part != "both":
         raise RuntimeError(
             f"ampfuse.{op}: part='moments' and part='apply' pass each tensor's sums of squares "

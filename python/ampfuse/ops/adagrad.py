@@ -1,20 +1,13 @@
 """Typed wrapper and fake (meta) kernel of fused_adagrad_ (schema in csrc/registration.cpp).
-
-Kept beside ``_ops.py``, which imports this module, so the op loads with the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampfuse._ops import (
-    _check_companions,
-    _check_list,
-    _check_master_mode,
-    _check_step_scalars,
-    _dtensor_rules,
-    _lr_tensor,
-)
+from ampfuse.ops._checks import check_companions, check_list, check_master_mode, check_step_scalars, lr_tensor
+from ampfuse.ops._dtensor_hook import register_dtensor_rules
+from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 
 def fused_adagrad_(params, grads, state_sums, master_params, step, lr, lr_decay=0.0,
@@ -25,8 +18,8 @@ def fused_adagrad_(params, grads, state_sums, master_params, step, lr, lr_decay=
     apex.optimizers.FusedAdagrad's adagrad_w_mode). state_sums are fp32 running sums of squared
     grads; lr, grad_scale, found_inf, write_unscaled_grads and the master modes (master_mode,
     param_ids, seed) as for fused_adam_."""
-    lr = _lr_tensor(lr, step)
-    _dtensor_rules()
+    lr = lr_tensor(lr, step)
+    register_dtensor_rules()
     torch.ops.ampfuse.fused_adagrad_(
         list(params), list(grads), list(state_sums), list(master_params), step, lr, lr_decay,
         weight_decay, eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
@@ -42,8 +35,8 @@ def _adagrad_fake(params, grads, state_sums, master_params, step, lr, lr_decay, 
     for name, value in (("lr_decay", lr_decay), ("weight_decay", weight_decay), ("eps", eps)):
         if not value >= 0.0:
             raise RuntimeError(f"ampfuse.{op}: {name} must be >= 0, got {value}.")
-    device = _check_list(op, "params", params)
-    _check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
-    _check_companions(op, params, "state_sums", state_sums, fp32_only=True, optional=False)
-    _check_master_mode(op, params, master_params, master_mode, param_ids)
-    _check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+    device = check_list(op, "params", params)
+    check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    check_companions(op, params, "state_sums", state_sums, fp32_only=True, optional=False)
+    check_master_mode(op, params, master_params, master_mode, param_ids)
+    check_step_scalars(op, device, step, lr, grad_scale, found_inf)

@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from ampfuse import demo
+from ampfuse.tools.demo import digits as demo
 
 
 class Sharding:

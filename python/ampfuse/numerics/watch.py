@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ampfuse._numerics_segments import ForwardSegments
-from ampfuse._numerics_stats import (
+from ampfuse.numerics._segments import ForwardSegments
+from ampfuse.numerics._stats import (
     FP16_MAX,
     FP16_TINY,
     Counts,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 from torch.amp.grad_scaler import _refresh_per_optimizer_state as _fresh_optimizer_state
 
-from ampfuse.grad_unscale import unscale_grads_
+from ampfuse.scaling.unscale import unscale_grads_
 
 
 class ScalerIterationMixin:
@@ -53,7 +53,7 @@ class ScalerIterationMixin:
         of `found_inf` set to 1 where that device's grads hold inf/nan. unscale_() and
         _check_inf_per_device() both go through it, so a subclass that overrides it (to reduce
         the flags over shards, say) works as it does with torch's class. Which op takes which
-        grad: ampfuse.grad_unscale. With attribute_overflow, each call starts the optimizer's
+        grad: ampfuse.scaling.unscale. With attribute_overflow, each call starts the optimizer's
         new overflow record."""
         record = None if self._overflow is None else self._overflow.begin(optimizer)
         return unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record)

@@ -26,9 +26,9 @@ import functools
 
 import torch
 
-from ampfuse import _ops
-from ampfuse._ops import HELD_INF, HELD_NAN
-from ampfuse.optimizers._groups import param_name
+from ampfuse import ops
+from ampfuse.ops import HELD_INF, HELD_NAN
+from ampfuse.overflow import param_name
 
 __all__ = ["unscale_grads_", "cuda_kernels_usable"]
 
@@ -40,7 +40,7 @@ _COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 @functools.lru_cache(maxsize=None)
 def cuda_kernels_usable():
     # Fixed for the life of the process; asked once rather than at every step.
-    return _ops.cuda_available()
+    return ops.cuda_available()
 
 
 def _has_kernels(device):
@@ -128,7 +128,7 @@ def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
             if record is not None:
                 tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
                 record.add([where for _, where in entries], tensor_flags)
-            _ops.multi_tensor_unscale_(grads, flag, factor, tensor_flags)
+            ops.multi_tensor_unscale_(grads, flag, factor, tensor_flags)
         for (device, _), entries in theirs.items():
             flag, factor = on(device)
             grads = [g for g, _ in entries]

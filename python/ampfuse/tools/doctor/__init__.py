@@ -1,0 +1,1 @@
+"""`python -m ampfuse doctor`: versions, kernels, the GPU and a smoke test of every op."""
