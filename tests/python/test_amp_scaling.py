@@ -42,7 +42,7 @@ def scale_of(optimizer, loss_id=0):
 def set_growth_interval(optimizer, interval):
     """amp.initialize takes no growth_interval (apex's does not either; it is fixed at 2000).
     The tests shorten it on the handle's loss scalers so that growth happens within a few dozen
-    steps; LossScaler.growth_interval is a public attribute of ampfuse.scaling.loss_scaler.LossScaler."""
+    steps; LossScaler.growth_interval is a public attribute of ampfuse.scaling.LossScaler."""
     for scaler in optimizer._ampfuse_amp.scalers:
         scaler.growth_interval = interval
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 try:
-    from ampfuse import _C as native  # importing it registers torch.ops.ampfuse.*
+    import ampfuse._C as native  # noqa: F401  (importing it registers torch.ops.ampfuse.*)
 except ImportError as error:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         "ampfuse's native library (ampfuse._C) could not be loaded: "

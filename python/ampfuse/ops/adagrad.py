@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.ops._checks import check_companions, check_list, check_master_mode, check_step_scalars, lr_tensor
+from ampfuse.ops._checks import (
+    check_companions,
+    check_list,
+    check_master_mode,
+    check_step_scalars,
+    lr_tensor,
+)
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
 from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 

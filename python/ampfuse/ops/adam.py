@@ -1,11 +1,18 @@
-"""Fused Adam/AdamW step over tensor lists: typed wrapper and fake kernel (C++ in csrc/ops/adam.cpp).
+"""Fused Adam/AdamW step over tensor lists: typed wrapper and fake kernel (C++ in
+csrc/ops/adam.cpp).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampfuse.ops._checks import check_companions, check_list, check_master_mode, check_step_scalars, lr_tensor
+from ampfuse.ops._checks import (
+    check_companions,
+    check_list,
+    check_master_mode,
+    check_step_scalars,
+    lr_tensor,
+)
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
 from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 

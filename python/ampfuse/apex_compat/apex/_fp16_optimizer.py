@@ -4,7 +4,7 @@ update_master_grads, step, clip_master_grads, zero_grad, state_dict, inspect_mas
 loss_scale).
 
 Each backward's grads are unscaled into the masters' fp32 grads in one fused op that also finds
-inf/nan (ampfuse.scaling.loss_scaler.LossScaler, apex's dynamic rule: init 2**16, x2 after 2000 clean
+inf/nan (ampfuse.scaling.LossScaler, apex's dynamic rule: init 2**16, x2 after 2000 clean
 steps, /2 on an overflow, within [min_loss_scale, 2**24]); an overflowing step is skipped with
 the masters, the optimizer state and the model as they were. As in apex, whether it overflowed
 is read on the host once per step.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ampfuse.apex_compat.apex._master_copies import master_params_to_model_params
 from ampfuse.scaling.loss_scaler import LossScaler
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -185,8 +186,6 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
         return retval
 
     def _master_params_to_model_params(self):
-        from ampfuse.apex_compat.apex.fp16_utils import master_params_to_model_params
-
         if self.all_fp16_params:
             master_params_to_model_params(self.all_fp16_params, self.all_fp32_from_fp16_params)
 

@@ -4,7 +4,7 @@ and the scripts copied from it import with ``from apex.fp16_utils import *``.
 
 The copies and the unscale-with-overflow-check run as ampfuse's fused list ops (one launch for
 all tensors, where apex looped or used its amp_C kernels); FP16_Optimizer's loss scale is an
-ampfuse.scaling.loss_scaler.LossScaler with apex's dynamic rule. Differences from apex: fp16 and bf16
+ampfuse.scaling.LossScaler with apex's dynamic rule. Differences from apex: fp16 and bf16
 params both get fp32 masters, on any device (apex took CUDA fp16 only), and state_dict() saves
 the loss scale as a dict rather than a pickled scaler object (load_state_dict() takes either).
 apex's module names (apex.fp16_utils.fp16util, .fp16_optimizer, .loss_scaler) are this module.
@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 
 from ampfuse import ops
+from ampfuse.apex_compat.apex._master_copies import (
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+)
 
 __all__ = [
     "BN_convert_float", "DynamicLossScaler", "FP16Model", "FP16_Optimizer", "LossScaler",
@@ -114,45 +118,6 @@ def prep_param_lists(model, flat_master=False):
         flat.grad = torch.empty_like(flat)
         return model_params, [flat]
     return model_params, [p.detach().clone().float().requires_grad_() for p in model_params]
-
-
-def model_grads_to_master_grads(model_params, master_params, flat_master=False):
-    """Copies the model's grads into the masters' (fp32) in one fused op; a param without a
-    grad leaves its master without one."""
-    if flat_master:
-        master_params[0].grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
-        return
-    src, dst = [], []
-    for model, master in zip(model_params, master_params):
-        if model.grad is None:
-            master.grad = None
-            continue
-        if master.grad is None:
-            master.grad = torch.empty_like(master)
-        src.append(model.grad)
-        dst.append(master.grad)
-    _copy(src, dst)
-
-
-def master_params_to_model_params(model_params, master_params, flat_master=False):
-    """Copies the masters into the model's params (rounded to their dtype) in one fused op."""
-    if flat_master:
-        masters = _unflatten_dense_tensors(master_params[0].detach(), model_params)
-    else:
-        masters = [m.detach() for m in master_params]
-    _copy(masters, [p.data for p in model_params])
-
-
-def _copy(src, dst):
-    """dst[i] = src[i] in dst's dtype, one multi-tensor op per device (scale 1)."""
-    by_device = {}
-    for s, d in zip(src, dst):
-        pair = by_device.setdefault(d.device, ([], []))
-        pair[0].append(s)
-        pair[1].append(d)
-    for device, (s, d) in by_device.items():
-        ops.multi_tensor_scale_(s, d, torch.ones(1, device=device),
-                                 torch.zeros(1, device=device))
 
 
 # ---- apex's legacy loss scalers -------------------------------------------------------------
