@@ -13,7 +13,7 @@ from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 def multi_tensor_l2norm(tensors, per_tensor: bool = False):
     """Returns ``(global_norm, per_tensor_norms)`` in fp32. For DTensors (e.g. FSDP2 grads)
-    both are the norms of the whole tensors, as Replicate DTensors (see ampfuse.distributed)."""
+    both are the norms of the whole tensors, as Replicate DTensors (see ampfuse.ops.dtensor)."""
     register_dtensor_rules()
     return torch.ops.ampfuse.multi_tensor_l2norm(list(tensors), per_tensor)
 

@@ -31,7 +31,7 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, b
     passes read the value a mode holds, and only the second writes the params.
     part="moments" runs the first pass alone and leaves each tensor's sums of squares of param
     and update in tensor_sums (torch.float64, shape (len(params), 2)); part="apply" runs the
-    second pass from them and advances step. For DTensor params (FSDP2) ampfuse.distributed
+    second pass from them and advances step. For DTensor params (FSDP2) ampfuse.ops.dtensor
     runs the two halves with the sums added over the shards in between."""
     lr = lr_tensor(lr, step)
     register_dtensor_rules()

@@ -32,7 +32,7 @@ def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr,
     write_unscaled_grads as for fused_adam_. part="norms" reduces each tensor's unscaled grads
     alone (sum of squares, or max |g|) into tensor_reductions (torch.float64, shape
     (len(params),)); part="apply" blends the running norms from them, updates the params and
-    advances step. For DTensor params (FSDP2) ampfuse.distributed runs the two halves with the
+    advances step. For DTensor params (FSDP2) ampfuse.ops.dtensor runs the two halves with the
     reductions combined over the shards in between. The master modes (master_mode, param_ids,
     seed) as for fused_adam_; a bf16 mode changes the second half only (the first reads only
     the grads), but both halves take the same arguments."""

@@ -22,7 +22,7 @@ def multi_tensor_nonfinite_check_(tensors, found_inf: torch.Tensor,
                                   tensor_flags: torch.Tensor | None = None) -> None:
     """Sets ``found_inf`` to 1 if any element of ``tensors`` is inf/nan; reads them only and
     never clears the flag. For DTensors the flag is all-reduced (MAX) over their device meshes,
-    so every rank gets the same verdict (see ampfuse.distributed)."""
+    so every rank gets the same verdict (see ampfuse.ops.dtensor)."""
     register_dtensor_rules()
     torch.ops.ampfuse.multi_tensor_nonfinite_check_(list(tensors), found_inf, tensor_flags)
 

@@ -1,4 +1,4 @@
-"""Checks the doctor's optimizer smoke tests share (doctor.py and the _doctor_*.py modules of
+"""Checks the doctor's optimizer smoke tests share (report.py and the smoke_*.py modules of
 the optimizers added after it). Each returns None when the op is right, else what is wrong."""
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ def check_gpus(report, gpus, why_none=None, archs=()):
         report.add(f"{label} tensor cores", f"fp16 {fp16}; bf16 {bf16}")
 
 
-# ---- op smoke tests (each op's own module: _doctor_smoke for the scaler ops, Adam and SGD) ----
+# ---- op smoke tests (each op's own module: smoke_core for the scaler ops, Adam and SGD) ----
 
 SMOKE_TESTS = {
     **CORE_SMOKE_TESTS,

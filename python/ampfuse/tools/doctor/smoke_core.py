@@ -1,5 +1,5 @@
 """ampfuse doctor's smoke tests of the scaler ops, fused_adam_ and fused_sgd_ (the other
-optimizers' and FP8's are in their own _doctor_* modules).
+optimizers' and FP8's are in their own smoke_* modules).
 
 Each runs one op on a few tiny tensors and returns None when it agrees with torch, or what
 differs. The point is to catch a broken build or kernel, not the last unit in the last place:
