@@ -188,7 +188,7 @@ __device__ inline std::int64_t first_chunk_of(const std::int32_t* chunk_owner,
 // Blocks per SM a functor's kernel is compiled for (its launch bounds, hence its register
 // cap): Functor::kMinBlocksPerSm where the functor says, kMinBlocksPerSm otherwise. At least
 // two: that caps registers at 64 per thread (Adam would take 72 on sm_90; see
-// docs/DESIGN-NOTES.md for its one spilled value). The list kernels ask for the occupancy they
+// docs/design/kernels.md for its one spilled value). The list kernels ask for the occupancy they
 // had with one load in flight per thread (3 or 4 blocks), so batching loads (chunk_visit.h)
 // costs them no warps.
 template <typename Functor, typename = void>

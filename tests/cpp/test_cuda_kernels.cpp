@@ -284,7 +284,7 @@ bool within_one_ulp(float a, float b) {
   return a == b || std::nextafter(a, b) == b;
 }
 
-// The FMA contract (docs/DESIGN-NOTES.md): the element updates use explicitly rounded
+// The FMA contract (docs/design/kernels.md): the element updates use explicitly rounded
 // products on the GPU, so for the same inputs and step constants CUDA and CPU agree bit for
 // bit. The constants themselves come from each platform's double-precision pow (as torch's
 // fused optimizers use on each), whose last bit may differ, so they are compared to within

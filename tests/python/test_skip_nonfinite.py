@@ -140,7 +140,7 @@ def test_a_bad_grad_in_one_group_skips_every_group():
 
 @pytest.mark.parametrize(("dtype", "skip"), [(torch.float32, None), (torch.bfloat16, False)])
 def test_none_leaves_fp32_unchecked_and_the_default_checks_nothing(dtype, skip, check_calls):
-    # The default is off: the check is one more read of every grad (docs/DESIGN-NOTES.md).
+    # The default is off: the check is one more read of every grad (docs/design/optimizers.md).
     model = make_model(dtype)
     optimizer = FusedAdamW(model.parameters()) if skip is False else FusedAdamW(
         model.parameters(), skip_nonfinite=skip)

@@ -6,7 +6,7 @@ every list is sharded alike (the same device mesh, placements and global shape),
 therefore runs the op on its local shards and gets exactly its shard of the unsharded result,
 with no communication. That is what torch's own sharding strategy for its fused Adam
 (list_pointwise_strategy) concludes for FSDP2 too; here it is a torch_dispatch rule for DTensor
-(torch.library.register_torch_dispatch, public API), see docs/DESIGN-NOTES.md for why not a
+(torch.library.register_torch_dispatch, public API), see docs/design/distributed.md for why not a
 sharding strategy.
 
 multi_tensor_l2norm is the one reduction: the local sums of squares become a DTensor whose

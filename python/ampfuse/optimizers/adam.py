@@ -76,7 +76,7 @@ class FusedAdam(FusedOptimizer):
         skip_nonfinite: skip the whole step (params, moments, masters, step counts all left as
             they were) when any grad holds inf/nan, decided on the device with no host sync.
             False (default): never check; the check is one more read of every grad, measurably
-            slower (docs/DESIGN-NOTES.md). None: check a param group with fp16/bf16 params when
+            slower (docs/design/optimizers.md). None: check a param group with fp16/bf16 params when
             no loss scaler drives the step (step() gets no found_inf; a GradScaler or amp has
             already checked the grads and hands over its verdict instead), not fp32 groups: the
             guard a bf16 run without a scaler wants. True: check every step, also on top of a
