@@ -25,7 +25,7 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 
 FENCE = re.compile(
     r"(?:^<!-- test: (?P<marker>[a-z]+) -->\n)?^```(?P<lang>[^\n`]*)\n(?P<body>.*?)^```[ \t]*$",
-    re.M | re.S,
+    re.MULTILINE | re.DOTALL,
 )
 SHELLS = ("sh", "bash", "console")
 LANGUAGES = {"python", "text", *SHELLS}
@@ -74,7 +74,7 @@ def test_every_fence_is_a_known_kind():
 def test_no_fence_is_left_unmatched():
     # An opening fence the pattern missed (say, indented) would be a block nobody runs.
     for page in PAGES:
-        fences = re.findall(r"^\s*```", page.read_text(), re.M)
+        fences = re.findall(r"^\s*```", page.read_text(), re.MULTILINE)
         found = sum(1 for p, _, _ in BLOCKS if p == page.relative_to(ROOT).as_posix())
         assert len(fences) == 2 * found, f"{page}: a fence the test does not see"
 
@@ -100,7 +100,7 @@ def _free_port():
 def test_python_block_runs(block, monkeypatch):
     code = block["body"]
     for name in FRAMEWORKS:
-        if re.search(rf"^\s*(from|import) {name}\b", code, re.M):
+        if re.search(rf"^\s*(from|import) {name}\b", code, re.MULTILINE):
             pytest.importorskip(name)
     if block["marker"] == "torchrun":
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
@@ -108,7 +108,8 @@ def test_python_block_runs(block, monkeypatch):
                            "MASTER_PORT": str(_free_port())}.items():
             monkeypatch.setenv(key, value)
     try:
-        exec(compile(code, "docs example", "exec"), {"__name__": "docs_example"})
+        # Running the documented example is the test.
+        exec(compile(code, "docs example", "exec"), {"__name__": "docs_example"})  # noqa: S102
     finally:
         if block["marker"] == "torchrun":
             import torch.distributed as dist
@@ -117,10 +118,10 @@ def test_python_block_runs(block, monkeypatch):
                 dist.destroy_process_group()
 
 
-MAKE_TARGETS = set(re.findall(r"^([A-Za-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+MAKE_TARGETS = set(re.findall(r"^([A-Za-z][\w-]*):", (ROOT / "Makefile").read_text(), re.MULTILINE))
 
 
 @pytest.mark.parametrize("block", _params(*SHELLS))
 def test_shell_block_names_real_make_targets(block):
-    for target in re.findall(r"^\s*(?:\$\s*)?make\s+([\w-]+)", block["body"], re.M):
+    for target in re.findall(r"^\s*(?:\$\s*)?make\s+([\w-]+)", block["body"], re.MULTILINE):
         assert target in MAKE_TARGETS, f"`make {target}` is not a target of the Makefile"
