@@ -6,17 +6,18 @@ import pytest
 import torch
 
 from ampfuse.tools.demo import digits as demo
+from ampfuse.tools.demo import training
 
 STEPS = 300  # about 13 epochs: fp32 is at 98% and every run has converged
 TOLERANCE = 1.0  # percentage points of test accuracy
 
 
 def _check_parity(device, dtype):
-    data = demo.load_digits(device)
+    data = training.load_digits(device)
     accuracy = {}
     for level in ("O0", "O1", "O2"):
-        result = demo.train_run(level, level, data, steps=STEPS, seed=0, device=device,
-                                dtype=dtype, progress=False)
+        result = training.train_run(level, level, data, steps=STEPS, seed=0, device=device,
+                                    dtype=dtype, progress=False)
         assert demo.failures([result], inject_overflow=None) == []
         accuracy[level] = result["accuracy"]
     assert accuracy["O0"] >= 97.0, accuracy

@@ -3,8 +3,10 @@
 
 import argparse
 
-# The demo's defaults live here so that building the parser imports nothing of the demo's.
+# The demo's defaults live here so that building the parser imports nothing of the demo's
+# (digits.DEFAULT_STEPS and EMULATED_STEPS; a test keeps them equal).
 _DEMO_STEPS = 600
+_DEMO_EMULATED_STEPS = 160
 _DEMO_OPT_LEVELS = ("O1", "O2", "O3")
 
 
@@ -46,15 +48,19 @@ def _overflow_step(text: str):
 def _add_demo_parser(commands):
     demo = commands.add_parser(
         "demo", help="train a small CNN on the digits data set in fp32, O1 and O2 and compare",
-        description="Trains the same small CNN on scikit-learn's digits data set once in fp32 "
-        "and once per opt level with amp and FusedAdamW, then prints a table and saves a plot.")
+        description="Says whether this CPU or GPU computes natively in bf16/fp16, trains the "
+        "same small CNN on scikit-learn's digits data set once in fp32 and once per opt level "
+        "with amp and FusedAdamW (with bf16 also per FusedAdamW master_weights mode, and on the "
+        "CPU an fp16 run with a dynamic loss scale), then prints a table and saves a plot.")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                       help="low-precision type (default: bf16 on cpu, fp16 on cuda)")
     demo.add_argument("--opt-levels", type=_opt_levels, default=("O1", "O2"), metavar="LIST",
                       help="comma-separated amp opt levels to run beside fp32 (default: O1,O2)")
-    demo.add_argument("--steps", type=_positive_int, default=_DEMO_STEPS,
-                      help=f"training steps per run (default: {_DEMO_STEPS})")
+    demo.add_argument("--steps", type=_positive_int, default=None,
+                      help=f"training steps of the fp32, O1 and O2 runs; the other runs train a "
+                      f"quarter (default: {_DEMO_STEPS}, or {_DEMO_EMULATED_STEPS} where the low "
+                      "precision is emulated on this hardware)")
     demo.add_argument("--out", default="demo_out", metavar="DIR",
                       help="where the plot is saved (default: ./demo_out)")
     demo.add_argument("--seed", type=int, default=0, help="model and batch-order seed")
@@ -62,7 +68,8 @@ def _add_demo_parser(commands):
                       help="train with FSDP2 (fully_shard) on N CPU processes (default: 1, "
                       "no sharding)")
     demo.add_argument("--inject-overflow", type=_overflow_step, default=None, metavar="STEP",
-                      help="write an inf into a gradient at STEP, which every run must skip "
+                      help="write an inf into a gradient at STEP of the fp32, O1 and O2 runs "
+                      "(shorter runs: at the same fraction), which every run must skip "
                       "(default: the middle step; 'off' to disable)")
     demo.add_argument("--watch", action="store_true",
                       help="then run a few O1 steps under ampfuse.numerics.watch and print the "
@@ -88,10 +95,10 @@ def _run_demo(args, demo) -> int:
                    "add --device cpu")
     inject = args.inject_overflow
     if inject is None:
-        inject = args.steps // 2
+        inject = "middle"  # of each run, whose length the demo picks for the hardware
     elif inject == "off":
         inject = None
-    elif inject >= args.steps:
+    elif args.steps is not None and inject >= args.steps:
         demo.error(f"argument --inject-overflow: step {inject} is past the last step "
                    f"({args.steps - 1})")
     from ampfuse.tools.demo.digits import main as demo_main

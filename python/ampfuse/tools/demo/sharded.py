@@ -24,11 +24,11 @@ import tempfile
 
 import torch
 
-from ampfuse.tools.demo import digits as demo
+from ampfuse.tools.demo import training
 
 
 class Sharding:
-    """One process's part of a sharded run; demo.train_run calls it."""
+    """One process's part of a sharded run; training.train_run calls it."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
@@ -57,7 +57,7 @@ class Sharding:
         return model, options
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """This process's rows of a batch (demo.BATCH_SIZE is a multiple of world_size)."""
+        """This process's rows of a batch (training.BATCH_SIZE is a multiple of world_size)."""
         return index.view(self.world_size, -1)[self.rank]
 
     def overflowing_shard(self, grad):
@@ -82,10 +82,10 @@ def _worker(rank, world_size, threads, port, runs, options, out_dir):
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        data = demo.load_digits("cpu")
+        data = training.load_digits("cpu")
         sharding = Sharding(rank, world_size)
         progress = options.pop("progress", True) and rank == 0  # one progress bar
-        results = [demo.train_run(name, level, data, sharding=sharding, progress=progress,
+        results = [training.train_run(name, level, data, sharding=sharding, progress=progress,
                                   **options) for name, level in runs]
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
@@ -104,10 +104,10 @@ def _worker(rank, world_size, threads, port, runs, options, out_dir):
 
 
 def train_sharded(runs, world_size: int, **options) -> list[dict]:
-    """demo.train_run for each (name, opt level) of `runs` on `world_size` CPU processes;
+    """training.train_run for each (name, opt level) of `runs` on `world_size` CPU processes;
     returns rank 0's results (losses averaged over the processes)."""
-    if demo.BATCH_SIZE % world_size:
-        raise ValueError(f"--ranks {world_size} must divide the batch size, {demo.BATCH_SIZE}")
+    if training.BATCH_SIZE % world_size:
+        raise ValueError(f"--ranks {world_size} must divide the batch size, {training.BATCH_SIZE}")
     import torch.multiprocessing as mp
 
     threads = max(1, torch.get_num_threads() // world_size)  # the cores, shared out
