@@ -4,6 +4,10 @@ Importing ampfuse loads its native library, which registers the fused ops as
 ``torch.ops.ampfuse.*``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from ampfuse.ops import (
     cuda_available,
     cuda_status,
@@ -22,8 +26,11 @@ from ampfuse.scaling import GradScaler, LossScaler  # noqa: E402
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from types import ModuleType
 
-def __getattr__(name):
+
+def __getattr__(name: str) -> ModuleType:
     # ampfuse.numerics on first use: its dispatch-mode machinery is not needed to train.
     if name == "numerics":
         import importlib

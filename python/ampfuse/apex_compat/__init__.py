@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Sequence
+from types import ModuleType
 
 __all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed", "real_apex"]
 
@@ -97,7 +100,8 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
     ModuleNotFoundError, an ImportError, so libraries that probe with try/except still fall
     back as they would without apex."""
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith("apex.") or fullname in sys.modules:
             return None
         for prefix, advice in _REPLACEMENTS.items():
@@ -112,7 +116,7 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
             f"does not provide it; {advice}.", name=fullname)
 
 
-def _is_alias_module(module) -> bool:
+def _is_alias_module(module: object) -> bool:
     return getattr(module, "__name__", None) == _MODULES["apex"]
 
 
@@ -121,7 +125,7 @@ def apex_alias_installed() -> bool:
     return _is_alias_module(sys.modules.get("apex"))
 
 
-def _is_stub(origin) -> bool:
+def _is_stub(origin: str | None) -> bool:
     """Whether the apex at `origin` is the stub package written by `python -m
     ampfuse.apex_compat install`, which only forwards to this alias."""
     if not origin or not origin.endswith("__init__.py"):
@@ -133,7 +137,7 @@ def _is_stub(origin) -> bool:
         return False
 
 
-def real_apex():
+def real_apex() -> str | None:
     """Where an apex that is not ampfuse's lives, or None: a module already imported under the
     name apex, or a package that ``import apex`` would find. Nothing is imported."""
     module = sys.modules.get("apex")
@@ -154,7 +158,7 @@ def real_apex():
     return f"a directory named apex without __init__.py at {locations}"
 
 
-def install_apex_alias(*, replace_real_apex: bool = False):
+def install_apex_alias(*, replace_real_apex: bool = False) -> ModuleType:
     """Makes ``import apex`` give ampfuse's apex compatibility package in this process, and
     returns that package. Call it before the code that imports apex; calling it again changes
     nothing.

@@ -4,6 +4,8 @@ csrc/ops/adam.cpp).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from ampfuse.ops._checks import (
@@ -17,10 +19,16 @@ from ampfuse.ops._dtensor_hook import register_dtensor_rules
 from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 
-def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
-                beta1, beta2, eps, weight_decay, adam_w_mode=True, bias_correction=True,
-                amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
-                write_unscaled_grads=False, master_mode="fp32", param_ids=(), seed=0) -> None:
+def fused_adam_(
+    params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+    exp_avgs: Iterable[torch.Tensor], exp_avg_sqs: Iterable[torch.Tensor],
+    max_exp_avg_sqs: Iterable[torch.Tensor], master_params: Iterable[torch.Tensor],
+    step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
+    weight_decay: float, adam_w_mode: bool = True, bias_correction: bool = True,
+    amsgrad: bool = False, maximize: bool = False, grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None, write_unscaled_grads: bool = False,
+    master_mode: str = "fp32", param_ids: Iterable[int] = (), seed: int = 0,
+) -> None:
     """One Adam/AdamW step over lists (see the op's schema in csrc/registration.cpp).
 
     lr is a float or a one-element float32 tensor on the params' device. With
@@ -39,10 +47,16 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
 
 
 @torch.library.register_fake("ampfuse::fused_adam_")
-def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, step, lr,
-               beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize,
-               grad_scale, found_inf, write_unscaled_grads=False, master_mode="fp32",
-               param_ids=(), seed=0):
+def _adam_fake(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
+    step: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
+    weight_decay: float, adam_w_mode: bool, bias_correction: bool, amsgrad: bool,
+    maximize: bool, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+    write_unscaled_grads: bool = False, master_mode: str = "fp32",
+    param_ids: Sequence[int] = (), seed: int = 0,
+) -> None:
     op = "fused_adam_"
     device = check_list(op, "params", params)
     check_companions(op, params, "grads", grads, fp32_only=False, optional=False)

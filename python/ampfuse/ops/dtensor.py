@@ -27,8 +27,13 @@ torch.ops.ampfuse.* directly on DTensors imports ampfuse.ops.dtensor first.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from ampfuse.ops._checks import HELD_INF, HELD_NAN
 
@@ -43,12 +48,16 @@ POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_n
 FOUND_INF_READS = {"multi_tensor_unscale_": "grads", "multi_tensor_scale_": "src",
                    "multi_tensor_nonfinite_check_": "tensors"}
 
+# A DTensor rule, as torch.library.register_torch_dispatch calls it:
+# (cls, func, types, args, kwargs) -> what the op returns.
+_Rule = Callable[..., Any]
 
-def _is_tensor_list(value):
+
+def _is_tensor_list(value: object) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in value)
 
 
-def _refuse_partial(op, what, t):
+def _refuse_partial(op: str, what: str, t: DTensor) -> None:
     if any(p.is_partial() for p in t.placements):
         raise RuntimeError(
             f"ampfuse.{op}: {what} is a DTensor with placements {tuple(t.placements)}, i.e. it "
@@ -57,7 +66,7 @@ def _refuse_partial(op, what, t):
         )
 
 
-def _local_scalar(op, name, t):
+def _local_scalar(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
     """A one-element argument (step, lr, a scale or a flag): its local tensor, which must be the
     same value on every rank."""
     if not isinstance(t, DTensor):
@@ -70,7 +79,8 @@ def _local_scalar(op, name, t):
     return t.to_local()
 
 
-def _local_lists(op, names, lists):
+def _local_lists(op: str, names: Sequence[str],
+                 lists: Sequence[Sequence[Any]]) -> list[list[torch.Tensor]]:
     """The lists with each DTensor replaced by its local shard, after checking that tensor i of
     every non-empty list is sharded like tensor i of the first one (otherwise their local shards
     would not line up element by element)."""
@@ -110,7 +120,8 @@ def _local_lists(op, names, lists):
     return out
 
 
-def _reduced_over_shards(local, mesh, placements, reduce_op):
+def _reduced_over_shards(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                         reduce_op: str) -> torch.Tensor:
     """`local` reduced with `reduce_op` ("sum", "max") over the ranks that hold different shards
     of a tensor placed as `placements`, by DTensor's own Partial -> Replicate redistribution;
     ranks along a Replicate dimension hold the same part and count once."""
@@ -118,13 +129,15 @@ def _reduced_over_shards(local, mesh, placements, reduce_op):
     return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
 
 
-def _max_over_shards(flag, tensors, tensor_flags=None):
+def _max_over_shards(flag: torch.Tensor, tensors: Sequence[torch.Tensor],
+                     tensor_flags: torch.Tensor | None = None) -> None:
     """Sets the local one-element `flag` to its maximum over the ranks that hold different
     shards of `tensors`; ranks along a Replicate dimension saw the same values. With
     `tensor_flags` (the ops' per-tensor HELD_INF | HELD_NAN bits), the element of each sharded
     tensor is OR-ed over the ranks that hold its shards in the same collective, so every rank
     names the same tensors: as the MAX of each bit, since NCCL has no bitwise reduction."""
-    groups = {}  # (mesh, placements) -> indices of the tensors sharded that way
+    # (mesh, placements) -> indices of the tensors sharded that way
+    groups: dict[tuple[DeviceMesh, tuple[Placement, ...]], list[int]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
             groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
@@ -143,12 +156,13 @@ def _max_over_shards(flag, tensors, tensor_flags=None):
         tensor_flags[index] = inf.to(torch.int32) | nan.to(torch.int32)
 
 
-def _pointwise_rule(op):
+def _pointwise_rule(op: str) -> _Rule:
     overload = getattr(torch.ops.ampfuse, op).default
     arg_names = [a.name for a in overload._schema.arguments]
     flag_source = FOUND_INF_READS.get(op)
 
-    def rule(cls, func, types, args=(), kwargs=None):
+    def rule(cls: type, func: Callable[..., Any], types: tuple[type, ...],
+             args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         bound = dict(zip(arg_names, args))
         bound.update(kwargs or {})
         flag_tensors = bound.get(flag_source, ()) if flag_source else ()  # still DTensors
@@ -167,7 +181,9 @@ def _pointwise_rule(op):
     return rule
 
 
-def _l2norm_rule(cls, func, types, args=(), kwargs=None):
+def _l2norm_rule(cls: type, func: Callable[..., Any], types: tuple[type, ...],
+                 args: tuple[Any, ...] = (),
+                 kwargs: Mapping[str, Any] | None = None) -> tuple[DTensor, DTensor]:
     """Global norms of DTensors: the local shards' squared norms, summed over the ranks that
     hold different shards by DTensor's own Partial -> Replicate redistribution."""
     op = "multi_tensor_l2norm"
@@ -190,10 +206,13 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
                 f"ampfuse.{op}: tensors[{i}] is on {t.device_mesh} but tensors[0] on {mesh}; "
                 "take the norm of each device mesh's tensors in a separate call."
             )
+    # DTensor dispatches here only with a DTensor among the tensors, so there is a mesh.
+    assert mesh is not None
     _, local_norms = func([t.to_local() for t in tensors], True)
     # float64 so that squaring a large fp32 norm cannot overflow before the sqrt.
     squares = local_norms.double().square()
-    groups = {}  # placements -> indices of the tensors sharded that way
+    # placements -> indices of the tensors sharded that way
+    groups: dict[tuple[Placement, ...], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(tuple(t.placements), []).append(i)
     total = torch.empty_like(squares)
@@ -211,7 +230,9 @@ def _l2norm_rule(cls, func, types, args=(), kwargs=None):
     )
 
 
-def _two_pass_rule(op, buffer, first_part, columns, reduce_op, per_param_scalars=()):
+def _two_pass_rule(op: str, buffer: str, first_part: str, columns: int | None,
+                   reduce_op: Callable[[dict[str, Any]], str],
+                   per_param_scalars: tuple[str, ...] = ()) -> _Rule:
     """The DTensor rule of an optimizer op that is element-wise except for a reduction of each
     whole param (fused_lamb_'s trust ratios, fused_novograd_'s grad norms). The first pass
     (part=first_part) runs on the local shards and leaves each tensor's local reduction in
@@ -223,7 +244,8 @@ def _two_pass_rule(op, buffer, first_part, columns, reduce_op, per_param_scalars
     norms), which every rank holds whole: plain tensors or Replicate() DTensors."""
     arg_names = [a.name for a in getattr(torch.ops.ampfuse, op).default._schema.arguments]
 
-    def rule(cls, func, types, args=(), kwargs=None):
+    def rule(cls: type, func: Callable[..., Any], types: tuple[type, ...],
+             args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> None:
         bound = dict(zip(arg_names, args))
         bound.update(kwargs or {})
         if bound.get("part", "both") != "both" or bound.get(buffer) is not None:
@@ -245,7 +267,8 @@ def _two_pass_rule(op, buffer, first_part, columns, reduce_op, per_param_scalars
         shape = (len(params),) if columns is None else (len(params), columns)
         values = torch.zeros(shape, dtype=torch.float64, device=bound["step"].device)
         func(**dict(bound, **{buffer: values, "part": first_part}))
-        groups = {}  # (mesh, placements) -> indices of the params sharded that way
+        # (mesh, placements) -> indices of the params sharded that way
+        groups: dict[tuple[DeviceMesh, tuple[Placement, ...]], list[int]] = {}
         for i, t in enumerate(params):
             if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
                 groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from ampfuse.ops._checks import check_scalar
@@ -25,8 +27,10 @@ def fp8_cast_amax(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     return torch.ops.ampfuse.fp8_cast_amax(input, scale, amax, dtype)
 
 
-def fp8_update_scales_(amaxes, amax_histories, scales, scale_invs, fp8_maxes, margin: int = 0,
-                       amax_compute: str = "max", found_inf: torch.Tensor | None = None) -> None:
+def fp8_update_scales_(amaxes: Iterable[torch.Tensor], amax_histories: Iterable[torch.Tensor],
+                       scales: Iterable[torch.Tensor], scale_invs: Iterable[torch.Tensor],
+                       fp8_maxes: Iterable[float], margin: int = 0, amax_compute: str = "max",
+                       found_inf: torch.Tensor | None = None) -> None:
     """Delayed scaling for every FP8 tensor of a step in one call (see the schema's comment)."""
     torch.ops.ampfuse.fp8_update_scales_(
         list(amaxes), list(amax_histories), list(scales), list(scale_invs),
@@ -51,7 +55,7 @@ def fp8_transpose(input: torch.Tensor) -> torch.Tensor:
 # ---- fake kernels: the checks that need no data, with the real kernels' wording ----------
 
 
-def _check_fp8_dtype(op, what, dtype):
+def _check_fp8_dtype(op: str, what: str, dtype: torch.dtype) -> None:
     if dtype not in FP8_DTYPES:
         raise RuntimeError(
             f"ampfuse.{op}: {what} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
@@ -59,7 +63,8 @@ def _check_fp8_dtype(op, what, dtype):
 
 
 @torch.library.register_fake("ampfuse::fp8_cast_amax")
-def _cast_amax_fake(input, scale, amax, dtype):
+def _cast_amax_fake(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
     op = "fp8_cast_amax"
     if input.dtype not in _INPUT_DTYPES:
         raise RuntimeError(
@@ -73,8 +78,10 @@ def _cast_amax_fake(input, scale, amax, dtype):
 
 
 @torch.library.register_fake("ampfuse::fp8_update_scales_")
-def _update_scales_fake(amaxes, amax_histories, scales, scale_invs, fp8_maxes, margin,
-                        amax_compute, found_inf=None):
+def _update_scales_fake(amaxes: Sequence[torch.Tensor], amax_histories: Sequence[torch.Tensor],
+                        scales: Sequence[torch.Tensor], scale_invs: Sequence[torch.Tensor],
+                        fp8_maxes: Sequence[float], margin: int, amax_compute: str,
+                        found_inf: torch.Tensor | None = None) -> None:
     op = "fp8_update_scales_"
     n = len(amaxes)
     if not (len(amax_histories) == len(scales) == len(scale_invs) == len(fp8_maxes) == n):
@@ -99,7 +106,9 @@ def _update_scales_fake(amaxes, amax_histories, scales, scale_invs, fp8_maxes, m
 
 
 @torch.library.register_fake("ampfuse::fp8_gemm")
-def _gemm_fake(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
+def _gemm_fake(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+               b_scale_inv: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
     op = "fp8_gemm"
     _check_fp8_dtype(op, "a", a.dtype)
     _check_fp8_dtype(op, "b", b.dtype)
@@ -113,7 +122,7 @@ def _gemm_fake(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
 
 
 @torch.library.register_fake("ampfuse::fp8_transpose")
-def _transpose_fake(input):
+def _transpose_fake(input: torch.Tensor) -> torch.Tensor:
     op = "fp8_transpose"
     _check_fp8_dtype(op, "input", input.dtype)
     if input.dim() != 2:

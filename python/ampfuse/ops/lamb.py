@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from ampfuse.ops._checks import (
@@ -17,11 +19,18 @@ from ampfuse.ops._dtensor_hook import register_dtensor_rules
 from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 
-def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2,
-                eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_averaging=True,
-                use_nvlamb=False, max_grad_norm=0.0, grad_norm=None, grad_scale=None,
-                found_inf=None, write_unscaled_grads=False, tensor_sums=None, part="both",
-                master_mode="fp32", param_ids=(), seed=0) -> None:
+def fused_lamb_(
+    params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+    exp_avgs: Iterable[torch.Tensor], exp_avg_sqs: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor], step: torch.Tensor, lr: float | torch.Tensor,
+    beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: bool = True,
+    bias_correction: bool = True, grad_averaging: bool = True, use_nvlamb: bool = False,
+    max_grad_norm: float = 0.0, grad_norm: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    write_unscaled_grads: bool = False, tensor_sums: torch.Tensor | None = None,
+    part: str = "both", master_mode: str = "fp32", param_ids: Iterable[int] = (),
+    seed: int = 0,
+) -> None:
     """One LAMB step over lists, in apex.optimizers.FusedLAMB's math.
 
     grad_norm is the global L2 norm of every grad of the step as passed (still carrying
@@ -47,10 +56,17 @@ LAMB_PARTS = ("both", "moments", "apply")
 
 
 @torch.library.register_fake("ampfuse::fused_lamb_")
-def _lamb_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr, beta1, beta2, eps,
-               weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
-               max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads=False,
-               tensor_sums=None, part="both", master_mode="fp32", param_ids=(), seed=0):
+def _lamb_fake(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
+    beta2: float, eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+    grad_averaging: bool, use_nvlamb: bool, max_grad_norm: float,
+    grad_norm: torch.Tensor | None, grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None, write_unscaled_grads: bool = False,
+    tensor_sums: torch.Tensor | None = None, part: str = "both", master_mode: str = "fp32",
+    param_ids: Sequence[int] = (), seed: int = 0,
+) -> None:
     op = "fused_lamb_"
     if part not in LAMB_PARTS:
         raise RuntimeError(

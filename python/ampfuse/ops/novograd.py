@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from ampfuse.ops._checks import (
@@ -20,11 +22,17 @@ NOVOGRAD_PARTS = ("both", "norms", "apply")
 NORM_TYPES = (2, 0)  # apex's: 2 is the L2 norm, 0 the max (infinity) norm
 
 
-def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
-                    eps, weight_decay, bias_correction=True, grad_averaging=True,
-                    reg_inside_moment=False, norm_type=2, init_zero=False, grad_scale=None,
-                    found_inf=None, write_unscaled_grads=False, tensor_reductions=None,
-                    part="both", master_mode="fp32", param_ids=(), seed=0) -> None:
+def fused_novograd_(
+    params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+    exp_avgs: Iterable[torch.Tensor], norm_avgs: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor], step: torch.Tensor, lr: float | torch.Tensor,
+    beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool = True,
+    grad_averaging: bool = True, reg_inside_moment: bool = False, norm_type: int = 2,
+    init_zero: bool = False, grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None, write_unscaled_grads: bool = False,
+    tensor_reductions: torch.Tensor | None = None, part: str = "both",
+    master_mode: str = "fp32", param_ids: Iterable[int] = (), seed: int = 0,
+) -> None:
     """One NovoGrad step over lists, in apex.optimizers.FusedNovoGrad's math.
 
     norm_avgs holds each param's running grad norm (a one-element float32 tensor, 0 before the
@@ -47,11 +55,16 @@ def fused_novograd_(params, grads, exp_avgs, norm_avgs, master_params, step, lr,
 
 
 @torch.library.register_fake("ampfuse::fused_novograd_")
-def _novograd_fake(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
-                   eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
-                   norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads=False,
-                   tensor_reductions=None, part="both", master_mode="fp32", param_ids=(),
-                   seed=0):
+def _novograd_fake(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor], norm_avgs: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
+    beta2: float, eps: float, weight_decay: float, bias_correction: bool, grad_averaging: bool,
+    reg_inside_moment: bool, norm_type: int, init_zero: bool, grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None, write_unscaled_grads: bool = False,
+    tensor_reductions: torch.Tensor | None = None, part: str = "both",
+    master_mode: str = "fp32", param_ids: Sequence[int] = (), seed: int = 0,
+) -> None:
     op = "fused_novograd_"
     if part not in NOVOGRAD_PARTS:
         raise RuntimeError(f"ampfuse.{op}: part={part!r} is not one of 'both', 'norms', 'apply'.")

@@ -4,6 +4,8 @@ kernels (schemas in csrc/registration.cpp; C++ in csrc/ops/scale.cpp).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from ampfuse.ops._checks import check_list, check_scalar, check_tensor_flags
@@ -11,14 +13,15 @@ from ampfuse.ops._dtensor_hook import register_dtensor_rules
 from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 
-def multi_tensor_unscale_(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor,
+def multi_tensor_unscale_(grads: Iterable[torch.Tensor], found_inf: torch.Tensor,
+                          inv_scale: torch.Tensor,
                           tensor_flags: torch.Tensor | None = None) -> None:
     """In place ``g *= inv_scale`` (fp32 math); ``found_inf`` set to 1 on any inf/nan."""
     register_dtensor_rules()
     torch.ops.ampfuse.multi_tensor_unscale_(list(grads), found_inf, inv_scale, tensor_flags)
 
 
-def multi_tensor_nonfinite_check_(tensors, found_inf: torch.Tensor,
+def multi_tensor_nonfinite_check_(tensors: Iterable[torch.Tensor], found_inf: torch.Tensor,
                                   tensor_flags: torch.Tensor | None = None) -> None:
     """Sets ``found_inf`` to 1 if any element of ``tensors`` is inf/nan; reads them only and
     never clears the flag. For DTensors the flag is all-reduced (MAX) over their device meshes,
@@ -27,7 +30,8 @@ def multi_tensor_nonfinite_check_(tensors, found_inf: torch.Tensor,
     torch.ops.ampfuse.multi_tensor_nonfinite_check_(list(tensors), found_inf, tensor_flags)
 
 
-def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor,
+def multi_tensor_scale_(src: Iterable[torch.Tensor], dst: Iterable[torch.Tensor],
+                        scale: torch.Tensor, found_inf: torch.Tensor,
                         tensor_flags: torch.Tensor | None = None) -> None:
     """``dst[i] = src[i] * scale`` cast to ``dst[i].dtype``; flags non-finite sources."""
     register_dtensor_rules()
@@ -35,7 +39,8 @@ def multi_tensor_scale_(src, dst, scale: torch.Tensor, found_inf: torch.Tensor,
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_unscale_")
-def _unscale_fake(grads, found_inf, inv_scale, tensor_flags=None):
+def _unscale_fake(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                  inv_scale: torch.Tensor, tensor_flags: torch.Tensor | None = None) -> None:
     device = check_list("multi_tensor_unscale_", "grads", grads)
     check_scalar("multi_tensor_unscale_", "found_inf", found_inf, torch.float32, device)
     check_scalar("multi_tensor_unscale_", "inv_scale", inv_scale, torch.float32, device)
@@ -43,7 +48,8 @@ def _unscale_fake(grads, found_inf, inv_scale, tensor_flags=None):
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_nonfinite_check_")
-def _nonfinite_check_fake(tensors, found_inf, tensor_flags=None):
+def _nonfinite_check_fake(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                          tensor_flags: torch.Tensor | None = None) -> None:
     op = "multi_tensor_nonfinite_check_"
     device = check_list(op, "tensors", tensors)
     check_scalar(op, "found_inf", found_inf, torch.float32, device)
@@ -51,7 +57,8 @@ def _nonfinite_check_fake(tensors, found_inf, tensor_flags=None):
 
 
 @torch.library.register_fake("ampfuse::multi_tensor_scale_")
-def _scale_fake(src, dst, scale, found_inf, tensor_flags=None):
+def _scale_fake(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: torch.Tensor,
+                found_inf: torch.Tensor, tensor_flags: torch.Tensor | None = None) -> None:
     op = "multi_tensor_scale_"
     if len(src) != len(dst):
         raise RuntimeError(

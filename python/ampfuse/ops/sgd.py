@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from ampfuse.ops._checks import (
@@ -16,10 +18,16 @@ from ampfuse.ops._dtensor_hook import register_dtensor_rules
 from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
 
 
-def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentum=0.0,
-               dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
-               found_inf=None, write_unscaled_grads=False, wd_after_momentum=False,
-               master_mode="fp32", param_ids=(), seed=0) -> None:
+def fused_sgd_(
+    params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+    momentum_buffers: Iterable[torch.Tensor], master_params: Iterable[torch.Tensor],
+    step: torch.Tensor, lr: float | torch.Tensor, momentum: float = 0.0,
+    dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+    maximize: bool = False, grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None, write_unscaled_grads: bool = False,
+    wd_after_momentum: bool = False, master_mode: str = "fp32", param_ids: Iterable[int] = (),
+    seed: int = 0,
+) -> None:
     """One SGD step over lists (see the op's schema in csrc/registration.cpp).
 
     lr is a float or a one-element float32 tensor on the params' device; write_unscaled_grads
@@ -35,9 +43,15 @@ def fused_sgd_(params, grads, momentum_buffers, master_params, step, lr, momentu
 
 
 @torch.library.register_fake("ampfuse::fused_sgd_")
-def _sgd_fake(params, grads, momentum_buffers, master_params, step, lr, momentum, dampening,
-              weight_decay, nesterov, maximize, grad_scale, found_inf, write_unscaled_grads=False,
-              wd_after_momentum=False, master_mode="fp32", param_ids=(), seed=0):
+def _sgd_fake(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
+    step: torch.Tensor, lr: torch.Tensor, momentum: float, dampening: float,
+    weight_decay: float, nesterov: bool, maximize: bool, grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None, write_unscaled_grads: bool = False,
+    wd_after_momentum: bool = False, master_mode: str = "fp32", param_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> None:
     op = "fused_sgd_"
     device = check_list(op, "params", params)
     check_companions(op, params, "grads", grads, fp32_only=False, optional=False)

@@ -30,8 +30,10 @@ def update_scale_(
 
 
 @torch.library.register_fake("ampfuse::update_scale_")
-def _update_scale_fake(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                       backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+def _update_scale_fake(scale: torch.Tensor, growth_tracker: torch.Tensor,
+                       hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor,
+                       growth_factor: float, backoff_factor: float, growth_interval: int,
+                       hysteresis: int, min_scale: float, max_scale: float) -> None:
     op = "update_scale_"
     check_scalar(op, "scale", scale, torch.float32, scale.device)
     for name, t, dtype in (("growth_tracker", growth_tracker, torch.int32),
