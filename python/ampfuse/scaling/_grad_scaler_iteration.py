@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,13 +28,31 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 from torch.amp.grad_scaler import _refresh_per_optimizer_state as _fresh_optimizer_state
 
+from ampfuse.overflow import OverflowRecords
+from ampfuse.scaling.loss_scaler import LossScaler
 from ampfuse.scaling.unscale import unscale_grads_
 
 
 class ScalerIterationMixin:
     """unscale_(), step(), update() and the hooks torch's GradScaler has on that path."""
 
-    def _require_state(self, what):
+    # Made by GradScaler.__init__ (declared here for type checkers only).
+    _enabled: bool
+    _min_scale: float
+    _max_scale: float
+    _loss_scaler: LossScaler | None
+    _scale: torch.Tensor | None
+    _per_optimizer_states: defaultdict[int, dict[str, Any]]
+    _reduced: set[int]
+    _ones: dict[torch.device, torch.Tensor]
+    _all_reduce: bool
+    _process_group: dist.ProcessGroup | None
+    _overflow: OverflowRecords | None
+
+    if TYPE_CHECKING:
+        def _clamp(self, value: float) -> float: ...  # ScalerOptionsMixin's
+
+    def _require_state(self, what: str) -> LossScaler:
         if self._loss_scaler is None:
             raise RuntimeError(
                 f"ampfuse.GradScaler.{what} was called before any scale(): the scaler has no "
@@ -42,12 +61,14 @@ class ScalerIterationMixin:
         return self._loss_scaler
 
     # torch's hook for optimizers that take the scaler: the scale as a device tensor, no sync.
-    def _get_scale_async(self):
+    def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
 
     # ---- unscale and check ----------------------------------------------------------------
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         """torch's hook, with torch's signature and result: multiplies the optimizer's grads by
         `inv_scale` in place (1.0 only checks them) and returns {device: flag}, each flag a copy
         of `found_inf` set to 1 where that device's grads hold inf/nan. unscale_() and
@@ -58,7 +79,7 @@ class ScalerIterationMixin:
         record = None if self._overflow is None else self._overflow.begin(optimizer)
         return unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record)
 
-    def unscale_(self, optimizer):
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place and records whether any is
         inf/nan. Optional; call it once per optimizer per step, after all gradients are
         accumulated and before step(), e.g. to clip them. Disabled: does nothing."""
@@ -81,7 +102,9 @@ class ScalerIterationMixin:
         )
         state["stage"] = OptState.UNSCALED
 
-    def _check_inf_per_device(self, optimizer):
+    def _check_inf_per_device(
+        self, optimizer: torch.optim.Optimizer
+    ) -> dict[torch.device, torch.Tensor]:
         """Checks the optimizer's gradients for inf/nan without unscaling them; returns and
         records the per-device flags. (torch's name, used by optimizers that take the scaler.)"""
         device = self._require_state("_check_inf_per_device()").device
@@ -94,13 +117,16 @@ class ScalerIterationMixin:
         self._reduced.discard(id(optimizer))
         return state["found_inf_per_device"]
 
-    def _found_inf_per_device(self, optimizer):
+    def _found_inf_per_device(
+        self, optimizer: torch.optim.Optimizer
+    ) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    def _found_inf(self, key, state):
+    def _found_inf(self, key: int, state: dict[str, Any]) -> torch.Tensor:
         """The overflow flag of the optimizer whose id is `key` as one 0-dim tensor on the
         scale's device, all-reduced over the process group when asked for (once per
         iteration: the reduced flag then replaces the per-device ones). No host read."""
+        assert self._scale is not None  # step() and update() call this after scale()
         device = self._scale.device
         flags = list(state["found_inf_per_device"].values())
         if len(flags) == 1 and flags[0].device == device:
@@ -118,7 +144,7 @@ class ScalerIterationMixin:
             self._note_verdict(key, found_inf)
         return found_inf
 
-    def _note_verdict(self, key, found_inf):
+    def _note_verdict(self, key: int, found_inf: torch.Tensor) -> None:
         """The all-reduced flag decides the step: a rank whose own grads were clean still
         reports the overflow another rank saw (with no names of its own)."""
         if self._overflow is None:
@@ -126,7 +152,7 @@ class ScalerIterationMixin:
         for record in self._overflow.records_by_id(key):
             record.set_verdict(found_inf)
 
-    def _all_reduce_(self, found_inf):
+    def _all_reduce_(self, found_inf: torch.Tensor) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ampfuse.GradScaler: process_group/all_reduce_found_inf asks for the overflow "
@@ -140,7 +166,7 @@ class ScalerIterationMixin:
 
     # ---- step -----------------------------------------------------------------------------
 
-    def step(self, optimizer, *args, **kwargs):
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Steps the optimizer unless its gradients hold inf/nan; returns what
         optimizer.step(*args, **kwargs) returns (None when skipped).
 
@@ -182,7 +208,8 @@ class ScalerIterationMixin:
         state["stage"] = OptState.STEPPED
         return retval
 
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Any:
         """torch's hook: steps an optimizer whose grads were unscaled unless they overflowed,
         which costs one host read of the flag (all devices' flags summed first)."""
         retval = None
@@ -195,7 +222,8 @@ class ScalerIterationMixin:
     # mutation on an optimizer in some resumed frames, e.g. after unscale_() and clipping).
     # The call is a graph break instead, and the optimizer steps as in eager mode.
     @torch._disable_dynamo
-    def _fused_step(self, optimizer, state, args, kwargs):
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             # torch's older contract: the optimizer gets the scaler and does the rest itself.
             warnings.warn(
@@ -205,7 +233,8 @@ class ScalerIterationMixin:
                 FutureWarning,
                 stacklevel=3,
             )
-            return optimizer.step(*args, **kwargs, grad_scaler=self)
+            # An optimizer of that older contract: its step() takes the keyword.
+            return optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
         unscaled = state["stage"] is OptState.UNSCALED
         if not unscaled:
             self._check_inf_per_device(optimizer)
@@ -217,8 +246,9 @@ class ScalerIterationMixin:
             grad_scale = self._scale
         else:
             grad_scale = self._scale * user_scale  # a scale of the caller's own on top
-        optimizer.grad_scale = grad_scale
-        optimizer.found_inf = found_inf
+        # torch's contract with optimizers that take the scale: these two attributes.
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:
@@ -230,7 +260,7 @@ class ScalerIterationMixin:
 
     # ---- update ---------------------------------------------------------------------------
 
-    def update(self, new_scale=None):
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Ends the iteration: backs the scale off if any optimizer's gradients overflowed
         since the last update(), grows it after growth_interval clean steps (the rule in the
         class docstring), or sets it to `new_scale` (a float, or a one-element tensor on the
@@ -264,7 +294,7 @@ class ScalerIterationMixin:
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._reduced = set()
 
-    def _set_scale(self, loss_scaler, new_scale):
+    def _set_scale(self, loss_scaler: LossScaler, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
             loss_scaler.scale.fill_(self._clamp(float(new_scale)))
             return

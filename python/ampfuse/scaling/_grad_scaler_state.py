@@ -15,18 +15,40 @@ from __future__ import annotations
 import math
 import numbers
 from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
+import torch
 from torch.amp.grad_scaler import OptState
 from torch.amp.grad_scaler import _refresh_per_optimizer_state as _fresh_optimizer_state
+
+from ampfuse.scaling.loss_scaler import LossScaler
 
 
 class ScalerOptionsMixin:
     """Validation, getters and setters, state_dict()/load_state_dict() and pickling."""
 
+    # Made by GradScaler.__init__ (declared here for type checkers only).
+    _enabled: bool
+    _growth_factor: float
+    _backoff_factor: float
+    _growth_interval: int
+    _hysteresis: int
+    _min_scale: float
+    _max_scale: float
+    _init_scale: float
+    _init_growth_tracker: int
+    _init_hysteresis_tracker: int
+    _init_skipped_steps: int
+    _loss_scaler: LossScaler | None
+    _scale: torch.Tensor | None
+    _growth_tracker: torch.Tensor | None
+    _per_optimizer_states: defaultdict[int, dict[str, Any]]
+
     # ---- validation -----------------------------------------------------------------------
 
     @staticmethod
-    def _check_growth_factor(value):
+    def _check_growth_factor(value: float) -> None:
         if not (math.isfinite(value) and value > 1.0):
             raise ValueError(
                 f"ampfuse.GradScaler: growth_factor must be a finite number > 1.0, got {value} "
@@ -34,26 +56,26 @@ class ScalerOptionsMixin:
             )
 
     @staticmethod
-    def _check_backoff_factor(value):
+    def _check_backoff_factor(value: float) -> None:
         if not 0.0 < value < 1.0:
             raise ValueError(
                 f"ampfuse.GradScaler: backoff_factor must be in (0, 1), got {value}."
             )
 
     @staticmethod
-    def _check_growth_interval(value):
+    def _check_growth_interval(value: int) -> None:
         if not (isinstance(value, numbers.Integral) and 1 <= value <= 2**31 - 1):
             raise ValueError(
                 f"ampfuse.GradScaler: growth_interval must be an int between 1 and 2**31 - 1, "
                 f"got {value!r}."
             )
 
-    def _clamp(self, value):
+    def _clamp(self, value: float) -> float:
         return min(max(value, self._min_scale), self._max_scale)
 
     # ---- getters and setters --------------------------------------------------------------
 
-    def get_scale(self):
+    def get_scale(self) -> float:
         """The current scale as a Python float (a host sync); 1.0 when disabled."""
         if not self._enabled:
             return 1.0
@@ -61,19 +83,19 @@ class ScalerOptionsMixin:
             return self._init_scale
         return float(self._scale.item())
 
-    def _get_growth_tracker(self):
+    def _get_growth_tracker(self) -> int:
         if not self._enabled:
             return 0
         if self._growth_tracker is None:
             return self._init_growth_tracker
         return int(self._growth_tracker.item())
 
-    def _get_hysteresis_tracker(self):
+    def _get_hysteresis_tracker(self) -> int:
         if self._loss_scaler is None:
             return self._init_hysteresis_tracker
         return int(self._loss_scaler.hysteresis_tracker.item())
 
-    def get_skipped_steps(self):
+    def get_skipped_steps(self) -> int:
         """How many iterations so far skipped their optimizer step(s) because gradients held
         inf/nan (counted at update(), once per iteration), as a Python int. Reads the device
         counter (a host sync, like get_scale()): ask when logging, not every step. 0 when
@@ -84,41 +106,41 @@ class ScalerOptionsMixin:
             return self._init_skipped_steps
         return int(self._loss_scaler.skipped_steps.item())
 
-    def get_growth_factor(self):
+    def get_growth_factor(self) -> float:
         return self._growth_factor
 
-    def set_growth_factor(self, new_factor):
+    def set_growth_factor(self, new_factor: float) -> None:
         new_factor = float(new_factor)
         self._check_growth_factor(new_factor)
         self._growth_factor = new_factor
         if self._loss_scaler is not None:
             self._loss_scaler.growth_factor = new_factor
 
-    def get_backoff_factor(self):
+    def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
-    def set_backoff_factor(self, new_factor):
+    def set_backoff_factor(self, new_factor: float) -> None:
         new_factor = float(new_factor)
         self._check_backoff_factor(new_factor)
         self._backoff_factor = new_factor
         if self._loss_scaler is not None:
             self._loss_scaler.backoff_factor = new_factor
 
-    def get_growth_interval(self):
+    def get_growth_interval(self) -> int:
         return self._growth_interval
 
-    def set_growth_interval(self, new_interval):
+    def set_growth_interval(self, new_interval: int) -> None:
         self._check_growth_interval(new_interval)
         self._growth_interval = new_interval
         if self._loss_scaler is not None:
             self._loss_scaler.growth_interval = new_interval
 
-    def is_enabled(self):
+    def is_enabled(self) -> bool:
         return self._enabled
 
     # ---- checkpoints ----------------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch's five entries ("scale", "growth_factor", "backoff_factor", "growth_interval",
         "_growth_tracker") plus "hysteresis", "_hysteresis_tracker", "min_scale", "max_scale"
         and "skipped_steps"; {} when disabled. torch.amp.GradScaler loads it (ignoring ours), and a
@@ -139,7 +161,7 @@ class ScalerOptionsMixin:
             "skipped_steps": self.get_skipped_steps(),
         }
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a state dict of this class or of torch.amp.GradScaler. Our entries that a
         torch state dict lacks keep their current values (the hysteresis count restarts).
         Disabled: does nothing."""
@@ -176,7 +198,9 @@ class ScalerOptionsMixin:
             )
         if skipped_steps is None:  # a torch state dict: the count goes on from its value
             skipped_steps = self.get_skipped_steps()
-        elif not (isinstance(skipped_steps, numbers.Integral) and skipped_steps >= 0):
+        # (typeshed's numbers.Integral has no comparisons; int, numpy's ints and the like do)
+        elif not (isinstance(skipped_steps, numbers.Integral)
+                  and skipped_steps >= 0):  # type: ignore[operator]
             raise ValueError(
                 "ampfuse.GradScaler.load_state_dict: skipped_steps must be an int >= 0, got "
                 f"{skipped_steps!r}."
@@ -204,7 +228,7 @@ class ScalerOptionsMixin:
             loss_scaler.hysteresis_tracker.fill_(self._init_hysteresis_tracker)
             loss_scaler.skipped_steps.fill_(self._init_skipped_steps)
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._enabled:
             if any(s["stage"] is not OptState.READY or s["found_inf_per_device"]
@@ -226,7 +250,7 @@ class ScalerOptionsMixin:
         state["_reduced"] = set()
         return state
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         # Pickles made before these attributes existed.
         self.__dict__.setdefault("_reduced", set())

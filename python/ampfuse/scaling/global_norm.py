@@ -4,12 +4,16 @@ apex.contrib.clip_grad all need."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from ampfuse import ops
 
 
-def l2norm_on_each_device(by_device):
+def l2norm_on_each_device(
+    by_device: Mapping[torch.device, Sequence[torch.Tensor]]
+) -> dict[torch.device, torch.Tensor]:
     """{device: tensors} -> {device: the L2 norm of every tensor of every device}, each a
     float32 tensor on its device: one fused multi_tensor_l2norm per device, and with several
     devices their squares summed on the first and the total copied back to each."""

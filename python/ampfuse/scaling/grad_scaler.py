@@ -42,8 +42,11 @@ import math
 import numbers
 import warnings
 from collections import abc, defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar, overload
 
 import torch
+import torch.distributed as dist
 
 # torch's record of an optimizer's progress through an iteration, made by torch's own factory:
 # code in the wild and torch's tests read and compare it, so it has exactly torch's keys.
@@ -54,11 +57,15 @@ from ampfuse.scaling._grad_scaler_iteration import ScalerIterationMixin
 from ampfuse.scaling._grad_scaler_state import ScalerOptionsMixin
 from ampfuse.scaling.unscale import cuda_kernels_usable
 from ampfuse.scaling.loss_scaler import LossScaler
-from ampfuse.overflow import OverflowRecords
+from ampfuse.overflow import OverflowRecords, OverflowReport
 
 __all__ = ["GradScaler"]
 
 _KERNEL_DEVICE_TYPES = ("cpu", "cuda")
+
+# What scale() hands back in the structure it was given: lists, tuples (named ones too) and
+# mappings of tensors, nested.
+_Nested = TypeVar("_Nested", bound="list[Any] | tuple[Any, ...] | Mapping[Any, Any]")
 
 
 class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
@@ -138,20 +145,20 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
 
     def __init__(
         self,
-        device="cuda",
-        init_scale=2.0**16,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=2000,
-        enabled=True,
+        device: str | torch.device = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
         *,
-        hysteresis=1,
-        min_scale=0.0,
-        max_scale=math.inf,
-        process_group=None,
-        all_reduce_found_inf=False,
-        attribute_overflow=False,
-    ):
+        hysteresis: int = 1,
+        min_scale: float | None = 0.0,
+        max_scale: float | None = math.inf,
+        process_group: dist.ProcessGroup | None = None,
+        all_reduce_found_inf: bool = False,
+        attribute_overflow: bool = False,
+    ) -> None:
         if not isinstance(attribute_overflow, bool):
             raise ValueError(
                 f"ampfuse.GradScaler: attribute_overflow must be True or False, got "
@@ -211,22 +218,25 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = self._hysteresis
         self._init_skipped_steps = 0
-        self._loss_scaler = None
+        self._loss_scaler: LossScaler | None = None
         # 0-dim views of the LossScaler's scale and growth tracker, under torch's names.
-        self._scale = None
-        self._growth_tracker = None
-        self._ones = {}  # device -> 1.0, the inv_scale of a check that does not unscale
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        # device -> 1.0, the inv_scale of a check that does not unscale
+        self._ones: dict[torch.device, torch.Tensor] = {}
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(
+            _fresh_optimizer_state)
         # id(optimizer) of the optimizers whose flags were all-reduced this iteration (kept
         # out of their per-optimizer records, which hold torch's keys only).
-        self._reduced = set()
+        self._reduced: set[int] = set()
         # Which grads overflowed at each optimizer's last check (attribute_overflow=True).
-        self._overflow = OverflowRecords() if attribute_overflow else None
+        self._overflow: OverflowRecords | None = (
+            OverflowRecords() if attribute_overflow else None)
 
     # ---- the state ------------------------------------------------------------------------
 
     @staticmethod
-    def _check_kernel_device(device, what):
+    def _check_kernel_device(device: torch.device, what: str) -> None:
         if device.type not in _KERNEL_DEVICE_TYPES:
             raise RuntimeError(
                 f"ampfuse.GradScaler: {what} on {device}; ampfuse's kernels run on CPU and CUDA "
@@ -235,7 +245,7 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         if device.type == "cuda" and not cuda_kernels_usable():
             raise RuntimeError(f"ampfuse.GradScaler: {what} on {device}. {ops.cuda_status()}")
 
-    def _lazy_init(self, device):
+    def _lazy_init(self, device: torch.device) -> None:
         self._check_kernel_device(device, "the outputs passed to scale() are")
         scaler = LossScaler(
             self._init_scale,
@@ -254,10 +264,12 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
         self._scale = scaler.scale.view(())
         self._growth_tracker = scaler.growth_tracker.view(())
 
-    def _scale_on(self, device, cache):
+    def _scale_on(self, device: torch.device,
+                  cache: dict[torch.device, torch.Tensor]) -> torch.Tensor:
         """The scale as a 0-dim tensor on `device`, copied at most once per call of scale()."""
         if self._scale is None:
             self._lazy_init(device)
+        assert self._scale is not None  # made by _lazy_init
         if self._scale.device == device:
             return self._scale
         if device not in cache:
@@ -266,7 +278,7 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
 
     # ---- overflow attribution -------------------------------------------------------------
 
-    def _overflow_on(self, what):
+    def _overflow_on(self, what: str) -> OverflowRecords:
         if self._overflow is None:
             raise RuntimeError(
                 f"ampfuse.GradScaler.{what}: overflow attribution is off; construct the scaler "
@@ -274,13 +286,17 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
             )
         return self._overflow
 
-    def name_parameters(self, source):
+    def name_parameters(
+        self, source: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
+    ) -> None:
         """Names params in last_overflow() reports: `source` is a model (its
         named_parameters(), looked up when a report is made) or an iterable of (name, param)
         pairs. May be called for several models."""
         self._overflow_on("name_parameters()").names.add(source, "GradScaler.name_parameters")
 
-    def last_overflow(self, optimizer=None):
+    def last_overflow(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> OverflowReport | None:
         """None if the last step checked for `optimizer` was clean (or none was checked), else
         an OverflowReport naming the grads that held inf/nan. optimizer=None: the one
         optimizer this scaler checks (an error if it checked several). Reads device flags,
@@ -290,7 +306,16 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
 
     # ---- scale ----------------------------------------------------------------------------
 
-    def scale(self, outputs):
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: _Nested) -> _Nested: ...
+
+    @overload
+    def scale(self, outputs: Iterable[Any]) -> Iterable[Any]: ...
+
+    def scale(self, outputs: Any) -> Any:
         """Multiplies a tensor, or the tensors of nested lists/tuples (or a dict's values), by
         the scale; returns them in the same structure. The first call creates the state on the
         first tensor's device. Disabled: returns `outputs` unchanged."""
@@ -300,9 +325,9 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
             # The scale is 0-dim, as torch's: a 0-dim fp16 loss comes back in fp32 and any
             # other tensor keeps its dtype and shape.
             return outputs * self._scale_on(outputs.device, {})
-        cache = {}
+        cache: dict[torch.device, torch.Tensor] = {}
 
-        def apply(value):
+        def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 return value * self._scale_on(value.device, cache)
             if isinstance(value, (str, bytes)):
@@ -311,7 +336,9 @@ class GradScaler(ScalerIterationMixin, ScalerOptionsMixin):
                     f"lists/tuples of Tensors, got a {type(value).__name__}."
                 )
             if isinstance(value, abc.Mapping):
-                return type(value)((key, apply(item)) for key, item in value.items())
+                # A dict-like type, built from (key, value) pairs as dict is.
+                return type(value)(  # type: ignore[call-arg]
+                    (key, apply(item)) for key, item in value.items())
             if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
                 return type(value)(*(apply(item) for item in value))
             if isinstance(value, (list, tuple)):

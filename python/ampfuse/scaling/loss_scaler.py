@@ -12,6 +12,8 @@ Both ``ampfuse.amp`` (one LossScaler per loss) and ``ampfuse.GradScaler`` are bu
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -34,9 +36,11 @@ class LossScaler:
         device: where the state lives (the device the gradients are on).
     """
 
-    def __init__(self, init_scale=2.0**16, *, dynamic=True, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, hysteresis=1, min_scale=0.0, max_scale=float("inf"),
-                 device="cpu"):
+    def __init__(self, init_scale: float = 2.0**16, *, dynamic: bool = True,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, hysteresis: int = 1,
+                 min_scale: float | None = 0.0, max_scale: float | None = float("inf"),
+                 device: str | torch.device = "cpu") -> None:
         init_scale = float(init_scale)
         if not (math.isfinite(init_scale) and init_scale > 0.0):
             raise ValueError(
@@ -76,7 +80,7 @@ class LossScaler:
     def device(self) -> torch.device:
         return self.scale.device
 
-    def to(self, device) -> "LossScaler":
+    def to(self, device: str | torch.device) -> LossScaler:
         """Moves the state to `device` (in place; returns self)."""
         for name in ("scale", "growth_tracker", "hysteresis_tracker", "found_inf",
                      "skipped_steps"):
@@ -92,16 +96,17 @@ class LossScaler:
     def inv_scale(self) -> torch.Tensor:
         return self.scale.double().reciprocal().float()
 
-    def check_(self, grads, tensor_flags=None) -> None:
+    def check_(self, grads: Iterable[torch.Tensor],
+               tensor_flags: torch.Tensor | None = None) -> None:
         """Flags inf/nan in `grads` without changing them (a read-only pass); tensor_flags as
         for ampfuse.multi_tensor_nonfinite_check_."""
         ops.multi_tensor_nonfinite_check_(grads, self.found_inf, tensor_flags)
 
-    def unscale_(self, grads) -> None:
+    def unscale_(self, grads: Iterable[torch.Tensor]) -> None:
         """Divides `grads` by the scale in place (fp32 math) and flags inf/nan."""
         ops.multi_tensor_unscale_(grads, self.found_inf, self.inv_scale())
 
-    def unscale_into_(self, grads, dst) -> None:
+    def unscale_into_(self, grads: Iterable[torch.Tensor], dst: Iterable[torch.Tensor]) -> None:
         """Writes grads / scale into `dst` (for example fp32 master grads) and flags inf/nan."""
         ops.multi_tensor_scale_(grads, dst, self.inv_scale(), self.found_inf)
 
@@ -109,7 +114,7 @@ class LossScaler:
         """Adds one to skipped_steps if the overflow flag is set (update() does this too)."""
         self.skipped_steps += self.found_inf.clamp(max=1.0)
 
-    def update(self, counted_already=None) -> None:
+    def update(self, counted_already: torch.Tensor | None = None) -> None:
         """Ends a step: counts it if it overflowed and, for a dynamic scale, applies the rule.
 
         counted_already: an optional device flag; where it is set, this call leaves the scale,
@@ -125,11 +130,12 @@ class LossScaler:
                                self.growth_interval, self.hysteresis, self.min_scale,
                                self.max_scale)
         if saved is not None:
+            assert counted_already is not None  # saved is made only with it
             keep = counted_already.reshape(1) != 0
             for current, before in zip(self._update_state(), saved):
                 current.copy_(torch.where(keep.to(current.device), before, current))
 
-    def _update_state(self):
+    def _update_state(self) -> tuple[torch.Tensor, ...]:
         return (self.scale, self.growth_tracker, self.hysteresis_tracker, self.skipped_steps)
 
     # ---- reading and checkpoints (these read values back to the host) ---------------------
@@ -137,7 +143,7 @@ class LossScaler:
     def scale_value(self) -> float:
         return float(self.scale.item())
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self.scale_value(),
             "growth_tracker": int(self.growth_tracker.item()),
@@ -146,7 +152,7 @@ class LossScaler:
             "dynamic": self.dynamic,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         missing = {"scale", "growth_tracker"} - set(state)
         if missing:
             raise KeyError(f"LossScaler.load_state_dict: the state lacks {sorted(missing)}.")

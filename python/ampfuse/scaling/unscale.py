@@ -23,12 +23,13 @@ inf/nan (see ``ampfuse.overflow``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from ampfuse import ops
 from ampfuse.ops import HELD_INF, HELD_NAN
-from ampfuse.overflow import param_name
+from ampfuse.overflow import CheckRecord, param_name
 
 __all__ = ["unscale_grads_", "cuda_kernels_usable"]
 
@@ -36,18 +37,21 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TORCH_DTYPES = (torch.float64,)
 _COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
+# A grad to unscale and where it is: (grad, (group index, param index, param)).
+_Entry = tuple[torch.Tensor, tuple[int, int, torch.Tensor]]
+
 
 @functools.lru_cache(maxsize=None)
-def cuda_kernels_usable():
+def cuda_kernels_usable() -> bool:
     # Fixed for the life of the process; asked once rather than at every step.
     return ops.cuda_available()
 
 
-def _has_kernels(device):
+def _has_kernels(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_usable())
 
 
-def _fp16_refused(name):
+def _fp16_refused(name: str) -> ValueError:
     return ValueError(
         f"ampfuse.GradScaler: Attempting to unscale FP16 gradients ({name} has an fp16 grad). "
         "Dividing a scaled fp16 gradient in place flushes its small components to zero. Keep "
@@ -57,11 +61,14 @@ def _fp16_refused(name):
     )
 
 
-def _collect(optimizer, allow_fp16):
+def _collect(
+    optimizer: torch.optim.Optimizer, allow_fp16: bool
+) -> tuple[dict[torch.device, list[_Entry]], dict[tuple[torch.device, torch.dtype], list[_Entry]]]:
     """The grads to unscale, sorted into the two paths of the module docstring, with the
     checks torch makes (fp16, sparse) and a clear error for dtypes no scaler takes. Each path
     maps to a list of (grad, (group index, param index, param)) entries."""
-    ours, theirs = {}, {}  # device -> entries; theirs: (device, dtype) -> entries
+    ours: dict[torch.device, list[_Entry]] = {}  # device -> entries
+    theirs: dict[tuple[torch.device, torch.dtype], list[_Entry]] = {}  # (device, dtype) -> entries
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             grad = param.grad
@@ -94,14 +101,16 @@ def _collect(optimizer, allow_fp16):
     return ours, theirs
 
 
-def _torch_flags(grads):
+def _torch_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """HELD_INF | HELD_NAN per grad, for the grads torch's op unscales (float64, other devices):
     that op has no per-tensor output, so these take one more read with torch's own ops."""
     held = [g.isinf().any().int() * HELD_INF + g.isnan().any().int() * HELD_NAN for g in grads]
     return torch.stack(held).to(torch.int32)
 
 
-def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
+def unscale_grads_(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                   found_inf: torch.Tensor, allow_fp16: bool,
+                   record: CheckRecord | None = None) -> dict[torch.device, torch.Tensor]:
     """Multiplies every grad of `optimizer` by `inv_scale` in place (1.0 only checks) and
     returns {device: flag}: a copy of `found_inf` on each device that holds grads, set to 1 if
     any of that device's grads holds inf/nan. torch.amp.GradScaler._unscale_grads_'s contract.
@@ -110,9 +119,10 @@ def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
     record: an ampfuse.overflow.CheckRecord to fill with which grads held inf/nan; the kernels
     write those flags in the pass they make anyway."""
     ours, theirs = _collect(optimizer, allow_fp16)
-    per_device = {}  # device -> (found_inf, inv_scale) there
+    # device -> (found_inf, inv_scale) there
+    per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def on(device):
+    def on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in per_device:
             per_device[device] = (
                 found_inf.to(device=device, dtype=torch.float32, non_blocking=True, copy=True),
@@ -124,7 +134,7 @@ def unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16, record=None):
         for device, entries in ours.items():
             flag, factor = on(device)
             grads = [g for g, _ in entries]
-            tensor_flags = None
+            tensor_flags: torch.Tensor | None = None
             if record is not None:
                 tensor_flags = torch.zeros(len(grads), dtype=torch.int32, device=device)
                 record.add([where for _, where in entries], tensor_flags)
