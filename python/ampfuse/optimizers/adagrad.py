@@ -4,10 +4,14 @@ them, on top of torch.ops.ampfuse.fused_adagrad_."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._sparse import adagrad_step
@@ -55,24 +59,24 @@ class FusedAdagrad(FusedOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-2,
-        lr_decay=0.0,
-        weight_decay=0.0,
-        initial_accumulator_value=0.0,
-        eps=1e-10,
-        foreach=None,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        foreach: bool | None = None,
         *,
-        maximize=False,
-        adagrad_w_mode=False,
-        master_weights=False,
-        set_grad_none=True,
-        write_unscaled_grads=True,
-        skip_nonfinite=False,
-        rounding_seed=0,
-        fused=None,
-        differentiable=False,
-    ):
+        maximize: bool = False,
+        adagrad_w_mode: bool = False,
+        master_weights: bool | str = False,
+        set_grad_none: bool = True,
+        write_unscaled_grads: bool = True,
+        skip_nonfinite: bool | None = False,
+        rounding_seed: int = 0,
+        fused: bool | None = None,
+        differentiable: bool = False,
+    ) -> None:
         check_implementation_switches(type(self).__name__, self._TORCH_COUNTERPART, foreach,
                                       fused, differentiable)
         defaults = {
@@ -90,30 +94,33 @@ class FusedAdagrad(FusedOptimizer):
         }
         super().__init__(params, defaults, set_grad_none)
 
-    def _check_hyperparameters(self, index, group):
+    def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
         self._check_lr(index, group["lr"])
         for key in ("maximize", "adagrad_w_mode", "write_unscaled_grads"):
             check_flag(self, index, group, key)
         for key in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
             self._check_nonnegative(index, group, key)
 
-    def _state_keys(self, group):
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("sum",)
 
-    def _prepare_state(self, group, p, state):
+    def _prepare_state(self, group: dict[str, Any], p: torch.Tensor,
+                       state: dict[str, Any]) -> None:
         if "sum" not in state:
-            value = float(group["initial_accumulator_value"])
+            value: float | complex = float(group["initial_accumulator_value"])
             if p.is_complex():
                 # Both parts of the real view start from it, as in torch.optim.Adagrad.
                 value = complex(value, value)
             state["sum"] = torch.full_like(p, value, dtype=state_dtype(p),
                                            memory_format=torch.preserve_format)
 
-    def _sparse_step(self, group, p, grad, state, lr):
+    def _sparse_step(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
+                     state: dict[str, Any], lr: torch.Tensor) -> None:
         self._prepare_state(group, p, state)  # the sum, on a param's first step
         adagrad_step(group, p, grad, state, lr)
 
-    def _launch(self, group, call, lr, grad_scale, found_inf):
+    def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         ops.fused_adagrad_(
             call.op_params(),
             call.grads,
@@ -132,14 +139,16 @@ class FusedAdagrad(FusedOptimizer):
             **call.master_args(group),
         )
 
-    def _export_state(self, group, state, step_value):
+    def _export_state(self, group: dict[str, Any], state: dict[str, Any],
+                      step_value: torch.Tensor | None) -> dict[str, Any]:
         if step_value is None or "sum" not in state:
             return {}
         out = {"step": step_value, "sum": state["sum"]}
         export_extra(state, out)
         return out
 
-    def _import_state(self, group, p, saved, where):
+    def _import_state(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                      where: str) -> tuple[dict[str, Any], float | None]:
         if not saved:
             return {}, None
         if "sum" not in saved:

@@ -3,14 +3,20 @@ optional fp32 master weights for fp16/bf16 params, on top of torch.ops.ampfuse.f
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
-def _resolve_adam_w_mode(name, adam_w_mode, decoupled_weight_decay):
+def _resolve_adam_w_mode(name: str, adam_w_mode: bool | None,
+                         decoupled_weight_decay: bool | None) -> bool:
     """adam_w_mode (apex's spelling) or decoupled_weight_decay (torch.optim.Adam's), whichever
     was given; decoupled decay when neither was, as in apex. Both given must agree."""
     for key, value in (("adam_w_mode", adam_w_mode),
@@ -111,27 +117,27 @@ class FusedAdam(FusedOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
         *,
-        adam_w_mode=None,
-        bias_correction=True,
-        maximize=False,
-        master_weights=False,
-        capturable=False,
-        set_grad_none=True,
-        write_unscaled_grads=True,
-        skip_nonfinite=False,
-        rounding_seed=0,
-        decoupled_weight_decay=None,
-        foreach=None,
-        fused=None,
-        differentiable=False,
-    ):
+        adam_w_mode: bool | None = None,
+        bias_correction: bool = True,
+        maximize: bool = False,
+        master_weights: bool | str = False,
+        capturable: bool = False,
+        set_grad_none: bool = True,
+        write_unscaled_grads: bool = True,
+        skip_nonfinite: bool | None = False,
+        rounding_seed: int = 0,
+        decoupled_weight_decay: bool | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+    ) -> None:
         adam_w_mode = _resolve_adam_w_mode(type(self).__name__, adam_w_mode,
                                            decoupled_weight_decay)
         check_implementation_switches(
@@ -155,22 +161,23 @@ class FusedAdam(FusedOptimizer):
         }
         super().__init__(params, defaults, set_grad_none)
 
-    def _torch_counterpart(self, group):
+    def _torch_counterpart(self, group: dict[str, Any]) -> str:
         return "torch.optim.AdamW" if group.get("adam_w_mode", True) else "torch.optim.Adam"
 
-    def _check_hyperparameters(self, index, group):
+    def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
         self._check_lr(index, group["lr"])
         check_flag(self, index, group, "write_unscaled_grads")
         self._check_betas(index, group)
         self._check_nonnegative(index, group, "eps")
         self._check_nonnegative(index, group, "weight_decay")
 
-    def _state_keys(self, group):
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         if group["amsgrad"]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
-    def _launch(self, group, call, lr, grad_scale, found_inf):
+    def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
         ops.fused_adam_(
@@ -196,16 +203,19 @@ class FusedAdam(FusedOptimizer):
             **call.master_args(group),
         )
 
-    def _export_state(self, group, state, step_value):
+    def _export_state(self, group: dict[str, Any], state: dict[str, Any],
+                      step_value: torch.Tensor | None) -> dict[str, Any]:
         return self._export_moments(state, step_value, optional=("max_exp_avg_sq",))
 
-    def _import_state(self, group, p, saved, where):
+    def _import_state(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                      where: str) -> tuple[dict[str, Any], float | None]:
         return self._import_moments(
             group, p, saved, where, "an Adam state needs 'step', 'exp_avg' and 'exp_avg_sq'.",
             optional=("max_exp_avg_sq",),
         )
 
-    def _import_group(self, saved, current, new):
+    def _import_group(self, saved: dict[str, Any], current: dict[str, Any],
+                      new: dict[str, Any]) -> None:
         # A torch.optim checkpoint says Adam or AdamW through decoupled_weight_decay.
         if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
             new["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
@@ -218,25 +228,25 @@ class FusedAdamW(FusedAdam):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        amsgrad=False,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        bias_correction=True,
-        maximize=False,
-        master_weights=False,
-        capturable=False,
-        set_grad_none=True,
-        write_unscaled_grads=True,
-        skip_nonfinite=False,
-        rounding_seed=0,
-        foreach=None,
-        fused=None,
-        differentiable=False,
-    ):
+        bias_correction: bool = True,
+        maximize: bool = False,
+        master_weights: bool | str = False,
+        capturable: bool = False,
+        set_grad_none: bool = True,
+        write_unscaled_grads: bool = True,
+        skip_nonfinite: bool | None = False,
+        rounding_seed: int = 0,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+    ) -> None:
         super().__init__(
             params,
             lr,
@@ -258,7 +268,7 @@ class FusedAdamW(FusedAdam):
             differentiable=differentiable,
         )
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             group["adam_w_mode"] = True

@@ -4,9 +4,16 @@ of torch.ops.ampfuse.fused_lamb_."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
+
 from ampfuse import ops
 from ampfuse.scaling.global_norm import l2norm_on_each_device
 from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._state import add_group_steps, spread_group_steps
 
@@ -55,25 +62,25 @@ class FusedLAMB(FusedOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        bias_correction=True,
-        betas=(0.9, 0.999),
-        eps=1e-6,
-        weight_decay=0.01,
-        amsgrad=False,
-        adam_w_mode=True,
-        grad_averaging=True,
-        set_grad_none=True,
-        max_grad_norm=1.0,
-        use_nvlamb=False,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float | None = 1.0,
+        use_nvlamb: bool = False,
         *,
-        master_weights=False,
-        capturable=False,
-        write_unscaled_grads=True,
-        skip_nonfinite=False,
-        rounding_seed=0,
-    ):
+        master_weights: bool | str = False,
+        capturable: bool = False,
+        write_unscaled_grads: bool = True,
+        skip_nonfinite: bool | None = False,
+        rounding_seed: int = 0,
+    ) -> None:
         if amsgrad:
             raise ValueError("FusedLAMB: amsgrad=True has no LAMB variant; leave it False.")
         betas = float_betas(betas)
@@ -94,16 +101,16 @@ class FusedLAMB(FusedOptimizer):
             "rounding_seed": rounding_seed,
         }
         # The step's global grad norm per device, set by _before_launches.
-        self._grad_norms = {}
+        self._grad_norms: dict[torch.device, torch.Tensor] = {}
         super().__init__(params, defaults, set_grad_none)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_grad_norms", {})
 
     # ---- checks ---------------------------------------------------------------------------
 
-    def _check_hyperparameters(self, index, group):
+    def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
         name = type(self).__name__
         self._check_lr(index, group["lr"])
         for key in ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb",
@@ -119,19 +126,21 @@ class FusedLAMB(FusedOptimizer):
                 "number >= 0, or None (0 and None turn the global grad-norm clipping off)."
             )
 
-    def _state_keys(self, group):
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
     # ---- step -----------------------------------------------------------------------------
 
-    def _before_launches(self, plans):
+    def _before_launches(
+        self, plans: Sequence[tuple[int, dict[str, Any], Sequence[OpCall]]]
+    ) -> None:
         """The global L2 norm of every grad of the step, once, on each device that steps.
         (The dict is refilled, not replaced: torch.compile traces step() whole, and Dynamo
         refuses to set an attribute of the optimizer.)"""
         self._grad_norms.clear()
         if not any(_clip_value(group) for _, group, _ in plans):
             return
-        by_device = {}
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, _, calls in plans:
             for call in calls:
                 by_device.setdefault(call.step.device, []).extend(call.grads)
@@ -139,7 +148,8 @@ class FusedLAMB(FusedOptimizer):
             return
         self._grad_norms.update(l2norm_on_each_device(by_device))
 
-    def _launch(self, group, call, lr, grad_scale, found_inf):
+    def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         clip = _clip_value(group)
         ops.fused_lamb_(
@@ -168,26 +178,28 @@ class FusedLAMB(FusedOptimizer):
 
     # ---- state_dict -----------------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout with each param's 'step', plus apex's per-group 'step' (an
         int) where every param of the group has taken the same number of steps, so apex's
         FusedLAMB resumes from it too."""
         return add_group_steps(super().state_dict())
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads ours, or apex FusedLAMB's (whose step count is one int per group)."""
         super().load_state_dict(spread_group_steps(state_dict))
 
-    def _export_state(self, group, state, step_value):
+    def _export_state(self, group: dict[str, Any], state: dict[str, Any],
+                      step_value: torch.Tensor | None) -> dict[str, Any]:
         return self._export_moments(state, step_value)
 
-    def _import_state(self, group, p, saved, where):
+    def _import_state(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                      where: str) -> tuple[dict[str, Any], float | None]:
         return self._import_moments(
             group, p, saved, where, "a LAMB state needs 'exp_avg' and 'exp_avg_sq', and a 'step' "
             "of its own or in its param group.",
         )
 
 
-def _clip_value(group):
+def _clip_value(group: dict[str, Any]) -> float:
     clip = group["max_grad_norm"]
     return 0.0 if clip is None else float(clip)

@@ -4,10 +4,15 @@ master weights or the master-free bf16 modes, on top of torch.ops.ampfuse.fused_
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
 import torch
+from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import check_flag, float_betas
 from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._state import (
@@ -74,25 +79,25 @@ class FusedNovoGrad(FusedOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        bias_correction=True,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
-        reg_inside_moment=False,
-        grad_averaging=True,
-        norm_type=2,
-        init_zero=False,
-        set_grad_none=True,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        set_grad_none: bool = True,
         *,
-        master_weights=False,
-        capturable=False,
-        write_unscaled_grads=True,
-        skip_nonfinite=False,
-        rounding_seed=0,
-    ):
+        master_weights: bool | str = False,
+        capturable: bool = False,
+        write_unscaled_grads: bool = True,
+        skip_nonfinite: bool | None = False,
+        rounding_seed: int = 0,
+    ) -> None:
         if amsgrad:
             raise ValueError("FusedNovoGrad: amsgrad=True has no NovoGrad variant (apex refuses "
                              "it too); leave it False.")
@@ -117,7 +122,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     # ---- checks ---------------------------------------------------------------------------
 
-    def _check_hyperparameters(self, index, group):
+    def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
         name = type(self).__name__
         self._check_lr(index, group["lr"])
         for key in ("bias_correction", "reg_inside_moment", "grad_averaging", "init_zero",
@@ -133,10 +138,11 @@ class FusedNovoGrad(FusedOptimizer):
                 "norm) or 0 (the max norm), as apex.optimizers.FusedNovoGrad."
             )
 
-    def _state_keys(self, group):
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "norm_avg")
 
-    def _prepare_state(self, group, p, state):
+    def _prepare_state(self, group: dict[str, Any], p: torch.Tensor,
+                       state: dict[str, Any]) -> None:
         if "exp_avg" not in state:
             state["exp_avg"] = fp32_like(p)
         if "norm_avg" not in state:
@@ -146,7 +152,8 @@ class FusedNovoGrad(FusedOptimizer):
 
     # ---- step -----------------------------------------------------------------------------
 
-    def _launch(self, group, call, lr, grad_scale, found_inf):
+    def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         ops.fused_novograd_(
             call.op_params(),
@@ -173,7 +180,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     # ---- state_dict -----------------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout, each param's state holding 'step', 'exp_avg' and 'norm_avg'
         (its running grad norm), plus apex's per-group 'step' and 'exp_avg_sq' where every
         param of the group has the same step count, so apex's FusedNovoGrad resumes from it
@@ -187,7 +194,7 @@ class FusedNovoGrad(FusedOptimizer):
                     group["exp_avg_sq"] = norms
         return state_dict
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads ours, or apex FusedNovoGrad's (a step count and the running norms of the
         group's fp16 and fp32 params per group, only 'exp_avg' per param)."""
         state_dict = dict(state_dict)
@@ -205,21 +212,23 @@ class FusedNovoGrad(FusedOptimizer):
         state_dict["param_groups"] = groups + list(state_dict["param_groups"][len(groups):])
         super().load_state_dict(spread_group_steps(state_dict))
 
-    def _params_by_index(self):
-        params = {}
+    def _params_by_index(self) -> dict[int, torch.Tensor]:
+        params: dict[int, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 params.setdefault(len(params), p)
         return params
 
-    def _export_state(self, group, state, step_value):
+    def _export_state(self, group: dict[str, Any], state: dict[str, Any],
+                      step_value: torch.Tensor | None) -> dict[str, Any]:
         if step_value is None or "exp_avg" not in state:
             return {}
         out = {"step": step_value, "exp_avg": state["exp_avg"], "norm_avg": state["norm_avg"]}
         export_extra(state, out)
         return out
 
-    def _import_state(self, group, p, saved, where):
+    def _import_state(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                      where: str) -> tuple[dict[str, Any], float | None]:
         if not saved:
             return {}, None
         if "step" not in saved or "exp_avg" not in saved or "norm_avg" not in saved:
@@ -246,17 +255,18 @@ class FusedNovoGrad(FusedOptimizer):
         return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
 
 
-def _local_device(p):
+def _local_device(p: torch.Tensor) -> torch.device:
     """The device a param's own tensors live on (a DTensor's local shard's)."""
     local = getattr(p, "_local_tensor", None)
     return local.device if local is not None else p.device
 
 
-def _apex_group_norms(indices, saved_state, params_by_index):
+def _apex_group_norms(indices: Iterable[int], saved_state: Mapping[Any, dict[str, Any]],
+                      params_by_index: Mapping[int, torch.Tensor]) -> list[torch.Tensor] | None:
     """apex's group 'exp_avg_sq': [the running norms of the group's fp16 params, of its fp32
     params], each a float32 tensor in param order; None unless every param has a norm and is
     fp16 or fp32 (apex's only dtypes)."""
-    by_dtype = {torch.float16: [], torch.float32: []}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {torch.float16: [], torch.float32: []}
     for i in indices:
         p = params_by_index.get(i)
         norm = saved_state.get(i, {}).get("norm_avg")
@@ -268,7 +278,8 @@ def _apex_group_norms(indices, saved_state, params_by_index):
             for norms in by_dtype.values()]
 
 
-def _spread_apex_norms(name, index, norms, saved_ids, params, saved_state):
+def _spread_apex_norms(name: str, index: int, norms: object, saved_ids: Sequence[int],
+                       params: Sequence[torch.Tensor], saved_state: dict[Any, Any]) -> None:
     """Gives each saved param state without a 'norm_avg' its entry of apex's group
     'exp_avg_sq' ([fp16 params' norms, fp32 params' norms], in param order)."""
     if not (isinstance(norms, (list, tuple)) and len(norms) == 2):
@@ -278,7 +289,7 @@ def _spread_apex_norms(name, index, norms, saved_ids, params, saved_state):
         )
     if all("norm_avg" in saved_state[i] for i in saved_ids if saved_state.get(i)):
         return  # ours: each state has its own norm, and the group's copy is only for apex
-    lists = {torch.float16: [], torch.float32: []}
+    lists: dict[torch.dtype, list[int]] = {torch.float16: [], torch.float32: []}
     for i, p in zip(saved_ids, params):
         entry = saved_state.get(i)
         if entry and "norm_avg" not in entry:

@@ -3,10 +3,14 @@ op call per device, with optional fp32 master weights, on top of torch.ops.ampfu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import check_flag
 from ampfuse.optimizers._precision import export_extra
 from ampfuse.optimizers._sparse import sgd_step
@@ -66,25 +70,25 @@ class FusedSGD(FusedOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        momentum=0.0,
-        dampening=0.0,
-        weight_decay=0.0,
-        nesterov=False,
-        wd_after_momentum=False,
-        materialize_master_grads=True,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
         *,
-        maximize=False,
-        master_weights=False,
-        set_grad_none=True,
-        write_unscaled_grads=True,
-        skip_nonfinite=False,
-        rounding_seed=0,
-        foreach=None,
-        fused=None,
-        differentiable=False,
-    ):
+        maximize: bool = False,
+        master_weights: bool | str = False,
+        set_grad_none: bool = True,
+        write_unscaled_grads: bool = True,
+        skip_nonfinite: bool | None = False,
+        rounding_seed: int = 0,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+    ) -> None:
         check_implementation_switches(type(self).__name__, self._TORCH_COUNTERPART, foreach,
                                       fused, differentiable)
         defaults = {
@@ -103,7 +107,7 @@ class FusedSGD(FusedOptimizer):
         }
         super().__init__(params, defaults, set_grad_none)
 
-    def _check_hyperparameters(self, index, group):
+    def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
         self._check_lr(index, group["lr"])
         for key in ("wd_after_momentum", "materialize_master_grads", "write_unscaled_grads"):
             check_flag(self, index, group, key)
@@ -116,20 +120,21 @@ class FusedSGD(FusedOptimizer):
                 "momentum needs momentum > 0 and dampening == 0."
             )
 
-    def _state_keys(self, group):
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _implied_step_count(self, state):
+    def _implied_step_count(self, state: dict[str, Any]) -> float:
         # torch.optim.SGD keeps no count: a state holding a momentum buffer has stepped (the
         # op would otherwise seed the buffer from the grad again), as load_state_dict infers.
         return 1.0 if "momentum_buffer" in state else self._first_step_count
 
-    def _starts_over(self, group, state):
+    def _starts_over(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         # A buffer made after the param's first step (momentum switched on later) is seeded
         # from the grad like torch's, which needs the op to see step == 0.
         return group["momentum"] != 0 and "momentum_buffer" not in state
 
-    def _launch(self, group, call, lr, grad_scale, found_inf):
+    def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         with_momentum = group["momentum"] != 0
         ops.fused_sgd_(
             call.op_params(),
@@ -150,11 +155,13 @@ class FusedSGD(FusedOptimizer):
             **call.master_args(group),
         )
 
-    def _sparse_step(self, group, p, grad, state, lr):
+    def _sparse_step(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
+                     state: dict[str, Any], lr: torch.Tensor) -> None:
         sgd_step(group, p, grad, state, lr)
 
-    def _export_state(self, group, state, step_value):
-        out = {}
+    def _export_state(self, group: dict[str, Any], state: dict[str, Any],
+                      step_value: torch.Tensor | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         if group["master_weights"] == "stochastic" and step_value is not None:
             # The step keys the random bits: a resumed run draws the same ones only with it.
             out["step"] = step_value
@@ -163,8 +170,9 @@ class FusedSGD(FusedOptimizer):
         export_extra(state, out)
         return out
 
-    def _import_state(self, group, p, saved, where):
-        imported = {}
+    def _import_state(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                      where: str) -> tuple[dict[str, Any], float | None]:
+        imported: dict[str, Any] = {}
         buffer = saved.get("momentum_buffer")
         if buffer is not None:
             self._check_saved_shape(where, "momentum_buffer", buffer, p)
