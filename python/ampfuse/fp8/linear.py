@@ -9,6 +9,9 @@ optimizer step, see ampfuse.fp8.scaling).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -21,13 +24,13 @@ ROLES = ("input", "weight", "grad_output")
 ALIGN = 16
 
 
-def _pad_rows(x2d):
+def _pad_rows(x2d: torch.Tensor) -> torch.Tensor:
     """Zero rows up to a multiple of ALIGN: they add nothing to either GEMM, nor to an amax."""
     extra = -x2d.shape[0] % ALIGN
     return F.pad(x2d, (0, 0, 0, extra)) if extra else x2d
 
 
-def _gemm_dtype(dtype):
+def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp8_gemm writes bf16 or fp32; other dtypes (fp16) get fp32, then a cast."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
@@ -39,7 +42,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     under torch.compile an output that is a view or alias lost its gradient (torch 2.11)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state, fwd_format, bwd_format):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                state: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+                fwd_format: torch.dtype, bwd_format: torch.dtype) -> torch.Tensor:
         amax, scale, scale_inv = state
         x8 = fp8_ops.fp8_cast_amax(x, scale[0], amax[0], fwd_format)
         w8 = fp8_ops.fp8_cast_amax(weight, scale[1], amax[1], fwd_format)
@@ -58,7 +63,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x8, w8 = ctx.saved_tensors
         x_scale_inv, w_scale_inv, g_scale, g_scale_inv, g_amax = ctx.fp8
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -89,13 +94,29 @@ class Linear(torch.nn.Linear):
     training mode only; in eval mode the layer uses the current scales and changes nothing.
     """
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
-                 recipe: DelayedScaling | None = None):
+    fp8_recipe: DelayedScaling
+    # The FP8 state buffers (registered by _init_fp8), fp32 whatever the module's dtype.
+    fp8_input_amax: torch.Tensor
+    fp8_input_amax_history: torch.Tensor
+    fp8_input_scale: torch.Tensor
+    fp8_input_scale_inv: torch.Tensor
+    fp8_weight_amax: torch.Tensor
+    fp8_weight_amax_history: torch.Tensor
+    fp8_weight_scale: torch.Tensor
+    fp8_weight_scale_inv: torch.Tensor
+    fp8_grad_output_amax: torch.Tensor
+    fp8_grad_output_amax_history: torch.Tensor
+    fp8_grad_output_scale: torch.Tensor
+    fp8_grad_output_scale_inv: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 recipe: DelayedScaling | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(recipe)
 
     @classmethod
-    def from_linear(cls, module: torch.nn.Linear, recipe: DelayedScaling | None = None):
+    def from_linear(cls, module: torch.nn.Linear, recipe: DelayedScaling | None = None) -> Linear:
         """Turns an nn.Linear into an fp8.Linear in place (same object, same Parameters, same
         hooks, so optimizers and wrappers keep pointing at it) and returns it."""
         if type(module) is not torch.nn.Linear:
@@ -104,11 +125,12 @@ class Linear(torch.nn.Linear):
                             f"{name}; subclasses may change forward, so they are not converted.")
         recipe = cls._checked(module, recipe)  # before the class changes: no half conversion
         module.__class__ = cls
-        module._init_fp8(recipe)
-        return module
+        # module is a cls now, which mypy cannot follow through the __class__ assignment.
+        module._init_fp8(recipe)  # type: ignore[operator]
+        return module  # type: ignore[return-value]
 
     @staticmethod
-    def _checked(module, recipe):
+    def _checked(module: torch.nn.Linear, recipe: DelayedScaling | None) -> DelayedScaling:
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, DelayedScaling):
             raise TypeError(f"ampfuse.fp8.Linear: recipe must be an ampfuse.fp8.DelayedScaling, "
@@ -121,7 +143,7 @@ class Linear(torch.nn.Linear):
                              "nn.Linear or pad its features.")
         return recipe
 
-    def _init_fp8(self, recipe):
+    def _init_fp8(self, recipe: DelayedScaling | None) -> None:
         recipe = self._checked(self, recipe)
         self.fp8_recipe = recipe
         device = self.weight.device
@@ -134,19 +156,21 @@ class Linear(torch.nn.Linear):
             self.register_buffer(f"fp8_{role}_scale_inv", torch.ones(1, device=device))
 
     @property
-    def fp32_buffers(self):
+    def fp32_buffers(self) -> tuple[str, ...]:
         """Buffers that amp's O2/O3 model cast leaves in fp32 (ampfuse.amp.casting)."""
         return tuple(n for n in self._buffers if n.startswith("fp8_"))
 
-    def fp8_state(self, kind):
+    def fp8_state(self, kind: str) -> list[torch.Tensor]:
         """The buffers of one kind ("amax", "amax_history", "scale", "scale_inv") per role."""
         return [getattr(self, f"fp8_{role}_{kind}") for role in ROLES]
 
-    def fp8_maxes(self):
+    def fp8_maxes(self) -> list[float]:
         r = self.fp8_recipe
-        return [fp8_ops.FP8_MAX[r.fwd_format]] * 2 + [fp8_ops.FP8_MAX[r.bwd_format]]
+        # __post_init__ made the recipe's formats torch dtypes.
+        return ([fp8_ops.FP8_MAX[r.fwd_format]] * 2  # type: ignore[index]
+                + [fp8_ops.FP8_MAX[r.bwd_format]])  # type: ignore[index]
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
         # module.to(dtype) / .half() would round the scales and histories: the FP8 state
         # follows the module's device only, and stays fp32.
         names = [n for n in self._buffers if n.startswith("fp8_")]
@@ -155,10 +179,11 @@ class Linear(torch.nn.Linear):
             super()._apply(fn, recurse)
         finally:
             for n, t in saved.items():
-                self._buffers[n] = t.to(device=fn(t[:0]).device)
+                # (the fp8_ buffers are tensors, never None)
+                self._buffers[n] = t.to(device=fn(t[:0]).device)  # type: ignore[union-attr,index]
         return self
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"ampfuse.fp8.Linear: input has {x.shape[-1]} features in its "
                              f"last dimension, the layer takes {self.in_features}.")
@@ -173,7 +198,7 @@ class Linear(torch.nn.Linear):
                                        r.fwd_format, r.bwd_format)
         return out[: x2d.shape[0]].reshape(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         r = self.fp8_recipe
         return (f"{super().extra_repr()}, margin={r.margin}, amax_history_len="
                 f"{r.amax_history_len}, amax_compute={r.amax_compute!r}")

@@ -16,7 +16,7 @@ _FORMATS = {
 }
 
 
-def _format(field, value):
+def _format(field: str, value: object) -> torch.dtype:
     try:
         return _FORMATS[value]
     except (KeyError, TypeError):
@@ -45,10 +45,11 @@ class DelayedScaling:
     margin: int = 0
     amax_history_len: int = 1024
     amax_compute: str = "max"
-    fwd_format: object = "e4m3"
-    bwd_format: object = "e5m2"
+    # A name or a torch dtype; __post_init__ stores the torch dtype.
+    fwd_format: str | torch.dtype = "e4m3"
+    bwd_format: str | torch.dtype = "e5m2"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         name = "ampfuse.fp8.DelayedScaling"
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not (
                 0 <= self.margin <= 64):

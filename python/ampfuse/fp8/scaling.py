@@ -10,10 +10,13 @@ from ampfuse.ops import fp8 as fp8_ops
 from ampfuse.fp8.linear import Linear
 
 
-def fp8_modules(models):
+def fp8_modules(
+    models: torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...]
+) -> list[Linear]:
     """Every ampfuse.fp8.Linear in `models` (a module or a list), each once."""
     models = models if isinstance(models, (list, tuple)) else [models]
-    seen, found = set(), []
+    seen: set[int] = set()
+    found: list[Linear] = []
     for model in models:
         for m in model.modules():
             if isinstance(m, Linear) and id(m) not in seen:
@@ -22,14 +25,15 @@ def fp8_modules(models):
     return found
 
 
-def update_scales(models, found_inf: torch.Tensor | None = None) -> None:
+def update_scales(models: torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...],
+                  found_inf: torch.Tensor | None = None) -> None:
     """Moves every FP8 tensor's amax history one step and sets its next scale, on the device:
     one ``fp8_update_scales_`` call per (device, margin, amax_compute), so usually one.
 
     Call it once per optimizer step, after the step's backward passes (amp.initialize with
     fp8 does, in an optimizer step pre-hook). ``found_inf``: this step's overflow flag; when
     it is set the step's amaxes are dropped and the scales stay."""
-    groups = defaultdict(list)
+    groups: defaultdict[tuple[torch.device, int, str], list[Linear]] = defaultdict(list)
     for m in fp8_modules(models):
         r = m.fp8_recipe
         groups[(m.fp8_input_amax.device, r.margin, r.amax_compute)].append(m)
