@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from collections.abc import Iterable
 
 import torch
 
@@ -29,18 +30,19 @@ class _Token:
 
 
 class ForwardSegments:
-    def __init__(self, outside):
+    def __init__(self, outside: str) -> None:
         self._outside = outside
-        self._marks = []  # (sequence number, module), sorted by the number
+        # (sequence number, module), sorted by the number
+        self._marks: list[tuple[int, str]] = []
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._marks)
 
     @staticmethod
-    def next_number():
+    def next_number() -> int:
         return torch._C._autograd._get_sequence_nr()
 
-    def mark(self, module):
+    def mark(self, module: str) -> None:
         """Nodes created from now on belong to `module`."""
         mark = (self.next_number(), module)
         marks = self._marks
@@ -49,7 +51,7 @@ class ForwardSegments:
         if not marks or marks[-1][1] != module:
             marks.append(mark)
 
-    def module_of(self, node):
+    def module_of(self, node: torch.autograd.graph.Node) -> str:
         seq = node._sequence_nr()
         if seq == _NO_SEQUENCE_NR:
             return self._outside  # AccumulateGrad, which has no forward
@@ -57,7 +59,7 @@ class ForwardSegments:
         at = bisect.bisect_right(self._marks, seq, key=_number) - 1
         return self._marks[at][1] if at >= 0 else self._outside
 
-    def release_with(self, start, outputs):
+    def release_with(self, start: int, outputs: Iterable[object]) -> None:
         """The segments from sequence number `start` to now belong to one root forward whose
         outputs are `outputs` (tensors): they are dropped once the nodes of those outputs are
         all freed. A forward whose outputs need no gradient made no node to look up later."""
@@ -69,17 +71,18 @@ class ForwardSegments:
             return
         token = _Token()
         for node in nodes.values():
-            node.metadata[_TOKEN_KEY + f".{id(self)}.{start}"] = token
+            # (torch's stubs declare Node.metadata a method; it is a dict property)
+            node.metadata[_TOKEN_KEY + f".{id(self)}.{start}"] = token  # type: ignore[index]
         this = weakref.ref(self)
         weakref.finalize(token, ForwardSegments._forget_if_alive, this, start, end)
 
     @staticmethod
-    def _forget_if_alive(this, start, end):
+    def _forget_if_alive(this: weakref.ref[ForwardSegments], start: int, end: int) -> None:
         segments = this()
         if segments is not None:
             segments._forget(start, end)
 
-    def _forget(self, start, end):
+    def _forget(self, start: int, end: int) -> None:
         """Drops the marks in [start, end). The root forward's closing mark, at `end`, stays:
         the nodes made after the forward fall in it."""
         marks = self._marks
@@ -90,5 +93,5 @@ class ForwardSegments:
             del marks[lo]  # the marks now side by side say the same
 
 
-def _number(mark):
+def _number(mark: tuple[int, str]) -> int:
     return mark[0]

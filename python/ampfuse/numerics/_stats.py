@@ -4,6 +4,7 @@ the host in one transfer per device, and the report's rows and table."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -39,21 +40,21 @@ class Flag(NamedTuple):
     what: str  # "output" or "grad"
     problem: str  # "overflow" or "underflow"
     value: float  # the scaled absmax (overflow) or the fraction of values below the smallest normal
-    names: tuple  # the functions it called that a custom_black_list can name
+    names: tuple[str, ...]  # the functions it called that a custom_black_list can name
 
 
-class Report(list):
+class Report(list[Row]):
     """report()'s rows; str() (and print) gives a table."""
 
-    def __str__(self):
+    def __str__(self) -> str:
         return format_rows(self)
 
 
-def _dtype_name(dtype):
+def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def format_rows(rows) -> str:
+def format_rows(rows: Iterable[Row]) -> str:
     """The rows as a table, one line each."""
     header = ("module", "phase", "op", "dtype", "calls", "absmax", "underflow", "headroom")
     cells = [header] + [
@@ -75,7 +76,7 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
-def measure(tensor):
+def measure(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(absmax as a 0-dim fp32 tensor, int64 histogram of binary exponents) of one tensor, on
     its device, with nothing read back to the host."""
     x = tensor.detach()
@@ -96,11 +97,12 @@ class Stat:
 
     __slots__ = ("calls", "numel", "absmax", "hist")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.calls = self.numel = 0
-        self.absmax = self.hist = None
+        self.absmax: torch.Tensor | None = None
+        self.hist: torch.Tensor | None = None
 
-    def add(self, numel, measured):
+    def add(self, numel: int, measured: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Adds one call; `measured` is measure()'s result, or None for an op whose output was
         not measured (no floating output, or not an ordinary tensor)."""
         self.calls += 1
@@ -113,7 +115,8 @@ class Stat:
             return
         device = self.absmax.device
         torch.maximum(self.absmax, absmax.to(device, non_blocking=True), out=self.absmax)
-        self.hist.add_(hist.to(device, non_blocking=True))
+        # hist is set whenever absmax is.
+        self.hist.add_(hist.to(device, non_blocking=True))  # type: ignore[union-attr]
         self.numel += numel
 
 
@@ -122,7 +125,7 @@ class Counts(NamedTuple):
     calls: int
     numel: int
     absmax: float
-    hist: list | None
+    hist: list[int] | None
 
     def below(self, threshold: float) -> float:
         """Share of the values with 0 < |x| < threshold (to the power of two above threshold:

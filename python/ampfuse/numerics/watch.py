@@ -32,11 +32,15 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Callable, Collection
+from typing import Any, Literal
 
 import torch
+from torch._ops import OpOverload
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ampfuse.numerics._segments import ForwardSegments
@@ -58,15 +62,18 @@ __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
 OUTSIDE = "(outside)"  # ops run outside every module's forward: a loss, an optimizer step
 ROOT = "(model)"  # the watched model itself (named "" by named_modules)
 
+# What a Stat is kept per: (module, phase, op, dtype).
+_Key = tuple[str, str, str, torch.dtype]
 
-def _first_float(values):
+
+def _first_float(values: Any) -> torch.Tensor | None:
     for value in tree_leaves(values):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value
     return None
 
 
-def _fp16_headroom(absmax):
+def _fp16_headroom(absmax: float) -> float:
     """log2(65504 / absmax): +inf for an all-zero tensor, -inf once an inf was seen (the
     tensor overflowed), nan when nothing was measured."""
     if math.isnan(absmax):
@@ -76,7 +83,7 @@ def _fp16_headroom(absmax):
     return -math.inf if math.isinf(absmax) else math.log2(FP16_MAX / absmax)
 
 
-def _plain(tensor):
+def _plain(tensor: torch.Tensor | None) -> bool:
     """Only ordinary dense tensors are measured (not meta, fake or subclass tensors)."""
     return (tensor is not None and type(tensor) in (torch.Tensor, torch.nn.Parameter)
             and tensor.layout == torch.strided and tensor.device.type != "meta")
@@ -85,11 +92,13 @@ def _plain(tensor):
 class _OpMode(TorchDispatchMode):
     """Records every op that computes floating values (views and aliases are skipped)."""
 
-    def __init__(self, watch):
+    def __init__(self, watch: Watch) -> None:
         super().__init__()
         self.watch = watch
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: OpOverload, types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         watch = self.watch
         if watch._quiet:
@@ -114,11 +123,13 @@ class _OpMode(TorchDispatchMode):
 class _NameMode(TorchFunctionMode):
     """Notes the torch functions each module's forward calls (the names custom lists use)."""
 
-    def __init__(self, watch):
+    def __init__(self, watch: Watch) -> None:
         super().__init__()
         self.watch = watch
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         watch = self.watch
         if not watch._quiet and watch._stack:
             name = getattr(func, "__name__", None)
@@ -132,35 +143,39 @@ class Watch:
     what it recorded for report(), flags() and suggest_black_list() afterwards. It can be
     entered again to record more (the statistics add up)."""
 
-    _watched = weakref.WeakSet()  # models inside a `with` now: one watch per model at a time
+    # models inside a `with` now: one watch per model at a time
+    _watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"numerics.watch: expected a torch.nn.Module, got {type(model)}. "
                             "Pass the model whose forward you run inside the `with`.")
         self.model = model
-        self._stats = {}  # (module, phase, op, dtype) -> Stat, in first-seen order
-        self._called = {}  # module -> names of the torch functions its forward called
-        self._installed = None
-        self._stack = []
+        self._stats: dict[_Key, Stat] = {}  # in first-seen order
+        # module -> names of the torch functions its forward called
+        self._called: dict[str, set[str]] = {}
+        # (hook handles, entered modes) while inside the `with`
+        self._installed: tuple[list[RemovableHandle], list[Any]] | None = None
+        self._stack: list[str] = []
         self._measured = WeakTensorKeyDictionary()  # tensor -> (version, measure(tensor))
         self._quiet = 0  # > 0 while the watch computes statistics of its own
         # Where each module's forward starts and ends in autograd's node count, to attribute
         # the backward's ops to modules. Kept across re-entries: a backward in a later `with`
         # than its forward is still attributed.
         self._segments = ForwardSegments(OUTSIDE)
-        self._root_start = None  # the node count when the running root forward began
+        self._root_start: int | None = None  # the node count when the running root forward began
 
     # ---- entering and leaving ------------------------------------------------------------------
 
-    def __enter__(self):
+    def __enter__(self) -> Watch:
         if self._installed is not None:
             raise RuntimeError("numerics.watch: this watch is already active; leave its `with` "
                                "before entering it again.")
         if self.model in Watch._watched:
             raise RuntimeError("numerics.watch: this model is already being watched; nest the "
                                "code in the existing `with` instead of a second watch.")
-        handles, modes = [], []
+        handles: list[RemovableHandle] = []
+        modes: list[Any] = []
         self._installed = (handles, modes)
         self._stack, self._root_start = [], None
         self._mark()  # from here until a forward starts: outside the model
@@ -179,11 +194,12 @@ class Watch:
             raise
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> Literal[False]:
         self._uninstall()
         return False
 
-    def _uninstall(self):
+    def _uninstall(self) -> None:
+        assert self._installed is not None  # called inside the `with` only
         handles, modes = self._installed
         try:
             for mode in reversed(modes):
@@ -203,16 +219,16 @@ class Watch:
 
     # ---- recording -----------------------------------------------------------------------------
 
-    def _current(self):
+    def _current(self) -> str:
         return self._stack[-1] if self._stack else OUTSIDE
 
-    def _mark(self):
+    def _mark(self) -> None:
         self._segments.mark(self._current())
 
-    def _module_of_node(self, node):
+    def _module_of_node(self, node: torch.autograd.graph.Node) -> str:
         return self._segments.module_of(node)
 
-    def _measure(self, tensor):
+    def _measure(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """measure(tensor), once per tensor and version: a module's output is usually the
         output of its last op, and its input the previous module's output."""
         cached = self._measured.get(tensor)
@@ -222,7 +238,8 @@ class Watch:
         self._measured[tensor] = (tensor._version, measured)
         return measured
 
-    def _record(self, module, phase, op, dtype, tensor):
+    def _record(self, module: str, phase: str, op: str, dtype: torch.dtype,
+                tensor: torch.Tensor | None) -> None:
         key = (module, phase, op, dtype)
         stat = self._stats.get(key)
         if stat is None:
@@ -238,13 +255,13 @@ class Watch:
         finally:
             self._quiet -= 1
 
-    def _record_values(self, module, phase, what, values):
+    def _record_values(self, module: str, phase: str, what: str, values: Any) -> None:
         for value in tree_leaves(values):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and _plain(value):
                 self._record(module, phase, what, value.dtype, value)
 
-    def _pre_hook(self, name):
-        def hook(module, args):
+    def _pre_hook(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             if self._quiet:
                 return
             if not self._stack:
@@ -254,8 +271,8 @@ class Watch:
             self._record_values(name, "forward", "input", args)
         return hook
 
-    def _post_hook(self, name):
-        def hook(module, args, output):
+    def _post_hook(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._quiet or not self._stack or self._stack[-1] != name:
                 return None
             self._stack.pop()
@@ -275,25 +292,25 @@ class Watch:
             return None
         return hook
 
-    def _grad_hook(self, name):
-        def hook(grad):
+    def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
             if self._installed is not None and grad is not None and _plain(grad):
                 self._record_values(name, "backward", "grad", grad)
         return hook
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _read(self) -> dict:
+    def _read(self) -> dict[_Key, Counts]:
         """key -> Counts, with one transfer per device."""
-        by_device = {}
+        by_device: dict[torch.device, list[_Key]] = {}
         for key, stat in self._stats.items():
             if stat.absmax is not None:
                 by_device.setdefault(stat.absmax.device, []).append(key)
-        values = {}
+        values: dict[_Key, tuple[float, list[int]]] = {}
         for device, keys in by_device.items():
-            stats = [self._stats[k] for k in keys]
-            absmax = torch.stack([s.absmax for s in stats]).cpu().tolist()
-            hists = torch.stack([s.hist for s in stats]).cpu().tolist()
+            stats = [self._stats[k] for k in keys]  # measured ones: absmax and hist are set
+            absmax = torch.stack([s.absmax for s in stats]).cpu().tolist()  # type: ignore[misc]
+            hists = torch.stack([s.hist for s in stats]).cpu().tolist()  # type: ignore[misc]
             values.update(zip(keys, zip(absmax, hists)))
         return {key: Counts(stat.calls, stat.numel, *values.get(key, (math.nan, None)))
                 for key, stat in self._stats.items()}
@@ -313,7 +330,8 @@ class Watch:
         """report() as a table."""
         return format_rows(self.report())
 
-    def flags(self, dtype=torch.float16, loss_scale=1.0, underflow=0.01) -> list:
+    def flags(self, dtype: torch.dtype = torch.float16, loss_scale: float | torch.Tensor = 1.0,
+              underflow: float = 0.01) -> list[Flag]:
         """The modules whose values would overflow or underflow in `dtype`: forward outputs as
         they are, gradients times `loss_scale`. An output counts when it is beyond the limit and
         the module's input was not (the module made it so: a ReLU after an overflowing layer is
@@ -322,12 +340,12 @@ class Watch:
         dtype, loss_scale, underflow = _check_limits(dtype, loss_scale, underflow)
         info = torch.finfo(dtype)
         counts = self._read()
-        by_module = {}
+        by_module: dict[tuple[str, str], list[Counts]] = {}
         for (module, phase, op, _), c in counts.items():
             if op in ("input", "output", "grad"):
                 by_module.setdefault((module, op), []).append(c)
 
-        def problems(module, what, scale):
+        def problems(module: str, what: str, scale: float) -> list[tuple[str, float]]:
             found = []
             cs = by_module.get((module, what), [])
             absmax = max((c.absmax * scale for c in cs), default=0.0)
@@ -352,7 +370,7 @@ class Watch:
                 result.append(Flag(module, what, problem, value, self._names(module)))
         return result
 
-    def _names(self, module) -> tuple:
+    def _names(self, module: str) -> tuple[str, ...]:
         names = []
         for name in sorted(self._called.get(module, ())):
             if name in FP32_FUNCTIONS or not _computes(name):
@@ -364,7 +382,9 @@ class Watch:
             names.append(name)
         return tuple(names)
 
-    def suggest_black_list(self, dtype=torch.float16, loss_scale=1.0, underflow=0.01) -> list:
+    def suggest_black_list(self, dtype: torch.dtype = torch.float16,
+                           loss_scale: float | torch.Tensor = 1.0,
+                           underflow: float = 0.01) -> list[str]:
         """Names of the functions called by the modules flags() finds, ready for
         amp.initialize(custom_black_list=...): at O1 they then run in fp32. Lists are
         model-wide: a name runs in fp32 wherever the model calls it."""
@@ -372,7 +392,8 @@ class Watch:
         return sorted(names)
 
 
-def _check_limits(dtype, loss_scale, underflow):
+def _check_limits(dtype: torch.dtype, loss_scale: float | torch.Tensor,
+                  underflow: float) -> tuple[torch.dtype, float, float]:
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"numerics: dtype must be torch.float16 or torch.bfloat16, the dtypes "
                          f"amp runs in, got {dtype!r}.")
@@ -390,7 +411,7 @@ def _check_limits(dtype, loss_scale, underflow):
 
 
 @functools.cache
-def _computes(name) -> bool:
+def _computes(name: str) -> bool:
     """Whether a list entry's aten ops compute new tensors (not views, shapes or copies of
     metadata), so that running it in fp32 changes something."""
     for aten in aten_names(name):
