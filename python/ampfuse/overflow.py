@@ -11,6 +11,8 @@ report is asked for.
 Names: a ``ParamNames`` knows models (their ``named_parameters()``, looked up when a report is
 made, so a model whose params were replaced is named as it is now) and explicit ``(name, param)``
 pairs. A param it does not know is named by its place in the optimizer, ``"group0.param7"``.
+Every report and summary names a param through ``report_name``, and finds its place through
+``place_in_groups``; error messages name it as the user reaches it, ``param_name``.
 """
 
 from __future__ import annotations
@@ -57,14 +59,31 @@ class OverflowReport:
         return f"overflow at step {self.step} in {count} tensor{'s' * (count != 1)}: {named}"
 
 
-def param_name(group_index, param_index):
+def param_name(group_index: int, param_index: int) -> str:
     """How error messages name a param: the way the user would reach it through the optimizer."""
     return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
-def position_name(group_index, param_index):
+def position_name(group_index: int, param_index: int) -> str:
     """The name of a param no model names: its place in the optimizer."""
     return f"group{group_index}.param{param_index}"
+
+
+def report_name(known: dict[int, str], param: torch.Tensor, group_index: int,
+                param_index: int) -> str:
+    """How overflow reports and summaries name `param`: the name `known` ({id(param): name},
+    from ParamNames.lookup()) gives it, else its place in the optimizer (position_name)."""
+    return known.get(id(param)) or position_name(group_index, param_index)
+
+
+def place_in_groups(param_groups: list[dict], param: torch.Tensor) -> tuple[int, int]:
+    """(group index, param index) of `param` in an optimizer's param groups; (-1, -1) once it
+    left them."""
+    for group_index, group in enumerate(param_groups):
+        for param_index, p in enumerate(group["params"]):
+            if p is param:
+                return group_index, param_index
+    return -1, -1
 
 
 class ParamNames:
@@ -154,7 +173,7 @@ class CheckRecord:
                 if bits:
                     if group_index is None:
                         group_index, param_index = locate(param)
-                    name = known.get(id(param)) or position_name(group_index, param_index)
+                    name = report_name(known, param, group_index, param_index)
                     entry = held.setdefault(name, [(group_index, param_index), 0])
                     entry[1] |= bits
         # Calls go by device and path (ours, float64 to torch's): report in optimizer order.

@@ -365,3 +365,17 @@ def test_optimizer_report_survives_its_param_leaving_the_optimizer():
     _own_check_step(model, optimizer, lambda m: set_grad(m.head.weight, 3, float("inf")))
     optimizer.param_groups.pop()
     assert optimizer.last_overflow().param_names == ["group-1.param-1"]
+
+
+def test_one_rule_names_a_param_in_every_report():
+    """GradScaler's, the optimizers' and amp's reports and amp's summaries name a param with one
+    function: the model's name for it when known, else its place in the optimizer."""
+    from ampfuse.overflow import place_in_groups, report_name
+
+    a, b, c = (torch.zeros(1) for _ in range(3))
+    groups = [{"params": [a]}, {"params": [b, c]}]
+    assert place_in_groups(groups, c) == (1, 1)
+    assert place_in_groups(groups, torch.zeros(1)) == (-1, -1)
+    assert report_name({id(c): "head.bias"}, c, 1, 1) == "head.bias"
+    assert report_name({id(a): "layer1.weight"}, c, *place_in_groups(groups, c)) == "group1.param1"
+    assert report_name({id(c): ""}, c, 1, 1) == "group1.param1"  # an empty name is no name

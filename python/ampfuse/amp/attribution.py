@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.overflow import CheckRecord
+from ampfuse.overflow import CheckRecord, place_in_groups
 
 
 class StepAttribution:
@@ -63,8 +63,4 @@ def place_in_optimizer(optimizer, masters, param):
     holds: the place of its fp32 master for a model param amp keeps one for (`masters`: the
     (model param, master) pairs of the "masters" kind); (-1, -1) once it left the optimizer."""
     target = {id(p): m for p, m in masters}.get(id(param), param)
-    for group_index, group in enumerate(optimizer.param_groups):
-        for param_index, p in enumerate(group["params"]):
-            if p is target:
-                return group_index, param_index
-    return -1, -1
+    return place_in_groups(optimizer.param_groups, target)

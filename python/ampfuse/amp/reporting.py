@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ampfuse.overflow import position_name
+from ampfuse.overflow import report_name
 
 REPORT_EVERY = 100
 MOST_FREQUENT = 3  # tensors a summary names
@@ -106,6 +106,6 @@ class OverflowReporter:
         names = self._handle.param_names.lookup()
         parts = []
         for count, binding, param in new[:MOST_FREQUENT]:
-            name = names.get(id(param)) or position_name(*binding.locate(param))
+            name = report_name(names, param, *binding.locate(param))
             parts.append(f"{name} ({count} step{'s' * (count != 1)})")
         return " Most often: " + ", ".join(parts) + "."

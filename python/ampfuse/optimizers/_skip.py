@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse import ops
-from ampfuse.overflow import CheckRecord
+from ampfuse.overflow import CheckRecord, place_in_groups
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -134,11 +134,7 @@ class _GroupNames:
     def locate(self, param):
         """(group index, param index); (-1, -1) once the param left the optimizer, as amp's
         reports say it."""
-        for group_index, group in enumerate(self._groups):
-            for param_index, p in enumerate(group["params"]):
-                if p is param:
-                    return group_index, param_index
-        return -1, -1
+        return place_in_groups(self._groups, param)
 
 
 class SkipRecord:
