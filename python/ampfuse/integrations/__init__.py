@@ -14,9 +14,10 @@ imports none of them. Install them with the `integrations` extra (`pip install
 """
 
 import importlib
+from types import ModuleType
 
 
-def require(module, purpose):
+def require(module: str, purpose: str) -> ModuleType:
     """Imports `module` (a framework) or raises an ImportError that names the extra to install."""
     try:
         return importlib.import_module(module)

@@ -29,6 +29,10 @@ standalone `pytorch_lightning` package has its own copies of these classes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union, overload
+
+import torch
+
 from ampfuse.integrations import require
 
 require("lightning.pytorch", "ampfuse.integrations.lightning")
@@ -48,8 +52,11 @@ _TRUE = ("bf16-true",)
 # Devices with ampfuse kernels; the device is the one torch.autocast and the GradScaler use.
 _DEVICES = ("cuda", "cpu")
 
+# The scalers a mixed mode takes: ampfuse's (the default for 16-mixed) or torch's.
+_Scaler = Union[GradScaler, torch.amp.GradScaler]
 
-def _check_precision(cls_name, precision):
+
+def _check_precision(cls_name: str, precision: object) -> None:
     if precision not in _MIXED + _TRUE:
         raise ValueError(
             f"{cls_name}: precision={precision!r} is not one of "
@@ -58,7 +65,8 @@ def _check_precision(cls_name, precision):
         )
 
 
-def _mixed_scaler(cls_name, precision, device, scaler):
+def _mixed_scaler(cls_name: str, precision: str, device: str,
+                  scaler: _Scaler | None) -> _Scaler | None:
     """Checks a mixed mode's options; returns the scaler it uses (ampfuse's for 16-mixed unless
     one is given, none for bf16-mixed)."""
     if device not in _DEVICES:
@@ -76,7 +84,8 @@ def _mixed_scaler(cls_name, precision, device, scaler):
     return scaler
 
 
-def _check_true(cls_name, precision, device, scaler):
+def _check_true(cls_name: str, precision: str, device: str | None,
+                scaler: _Scaler | None) -> None:
     if device is not None or scaler is not None:
         raise ValueError(
             f"{cls_name}({precision!r}) takes no device and no scaler: the model itself is cast "
@@ -84,7 +93,7 @@ def _check_true(cls_name, precision, device, scaler):
         )
 
 
-def _handles_unscaling(optimizer):
+def _handles_unscaling(optimizer: object) -> bool:
     """Lightning's own test for an optimizer that divides the loss scale out inside step()."""
     return getattr(optimizer, "_step_supports_amp_scaling", False)
 
@@ -97,16 +106,17 @@ class _UnscaleOnce:
     asks for it. A second clip in the same step finds the grads already unscaled: GradScaler
     would refuse a second unscale_."""
 
-    def __init__(self):
-        self._done = set()  # id() of optimizers whose grads are unscaled in the current step
+    def __init__(self) -> None:
+        # id() of optimizers whose grads are unscaled in the current step
+        self._done: set[int] = set()
 
-    def __call__(self, scaler, optimizer):
+    def __call__(self, scaler: _Scaler | None, optimizer: torch.optim.Optimizer) -> None:
         if scaler is None or not _handles_unscaling(optimizer) or id(optimizer) in self._done:
             return
         scaler.unscale_(optimizer)
         self._done.add(id(optimizer))
 
-    def step_done(self, optimizer):
+    def step_done(self, optimizer: object) -> None:
         self._done.discard(id(optimizer))
 
 
@@ -116,7 +126,10 @@ class _PickedByPrecision:
     the throughput monitor) see what they expect. The public class lists its two kinds in
     `_kinds` once they are defined."""
 
-    def __new__(cls, precision=None, *args, **kwargs):
+    # (the mixed-mode class, the bf16-true class), set on the public class below
+    _kinds: ClassVar[tuple[type, type]]
+
+    def __new__(cls, precision: object = None, *args: Any, **kwargs: Any) -> Any:
         kinds = cls.__dict__.get("_kinds")  # only the public class has them
         if kinds is None:
             return super().__new__(cls)
@@ -128,14 +141,18 @@ class _PickedByPrecision:
 class _MixedModes:
     """The mixed-mode plugins of both families: autocast, a GradScaler for 16-mixed."""
 
-    def __init__(self, precision, device="cuda", scaler=None):
+    _public_name: str
+
+    def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str = "cuda",
+                 scaler: _Scaler | None = None) -> None:
         scaler = _mixed_scaler(self._public_name, precision, device, scaler)
-        super().__init__(precision, device, scaler)
+        # (super() is Lightning's MixedPrecision, after the public class in the MRO)
+        super().__init__(precision, device, scaler)  # type: ignore[call-arg]
         self._unscale_once = _UnscaleOnce()
 
-    def optimizer_step(self, optimizer, *args, **kwargs):
+    def optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().optimizer_step(optimizer, *args, **kwargs)
+            return super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
         finally:
             self._unscale_once.step_done(optimizer)
 
@@ -143,9 +160,13 @@ class _MixedModes:
 class _TrueModes:
     """The bf16-true plugins of both families: Lightning's HalfPrecision as it is."""
 
-    def __init__(self, precision, device=None, scaler=None):
+    _public_name: str
+
+    def __init__(self, precision: Literal["bf16-true"], device: None = None,
+                 scaler: None = None) -> None:
         _check_true(self._public_name, precision, device, scaler)
-        super().__init__(precision)
+        # (super() is Lightning's HalfPrecision, after the public class in the MRO)
+        super().__init__(precision)  # type: ignore[call-arg]
 
 
 class AmpfusePrecision(_PickedByPrecision, _TrainerPrecision):
@@ -166,11 +187,26 @@ class AmpfusePrecision(_PickedByPrecision, _TrainerPrecision):
 
     _public_name = "AmpfusePrecision"
 
+    # The constructor, for type checkers: _PickedByPrecision.__new__ makes the object of the
+    # mode's kind, whose __init__ (_MixedModes', _TrueModes') takes these.
+    if TYPE_CHECKING:
+        @overload
+        def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str = "cuda",
+                     scaler: _Scaler | None = None) -> None: ...
+
+        @overload
+        def __init__(self, precision: Literal["bf16-true"], device: None = None,
+                     scaler: None = None) -> None: ...
+
+        def __init__(self, precision: str, device: str | None = None,
+                     scaler: _Scaler | None = None) -> None: ...
+
 
 class _AmpfuseTrainerMixed(_MixedModes, AmpfusePrecision, _TrainerMixed):
     def clip_gradients(
-        self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM
-    ):
+        self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         if clip_val <= 0:
             return
         self._unscale_once(self.scaler, optimizer)
@@ -195,9 +231,23 @@ class AmpfuseFabricPrecision(_PickedByPrecision, _FabricPrecision):
 
     _public_name = "AmpfuseFabricPrecision"
 
+    # The constructor, for type checkers: _PickedByPrecision.__new__ makes the object of the
+    # mode's kind, whose __init__ (_MixedModes', _TrueModes') takes these.
+    if TYPE_CHECKING:
+        @overload
+        def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str = "cuda",
+                     scaler: _Scaler | None = None) -> None: ...
+
+        @overload
+        def __init__(self, precision: Literal["bf16-true"], device: None = None,
+                     scaler: None = None) -> None: ...
+
+        def __init__(self, precision: str, device: str | None = None,
+                     scaler: _Scaler | None = None) -> None: ...
+
 
 class _AmpfuseFabricMixed(_MixedModes, AmpfuseFabricPrecision, _FabricMixed):
-    def unscale_gradients(self, optimizer):
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # Fabric calls this before clipping; its MixedPrecision refuses fused optimizers here.
         if self.scaler is not None and _handles_unscaling(optimizer):
             self._unscale_once(self.scaler, optimizer)

@@ -15,11 +15,20 @@ Trainer prepares it just before) and undoes it when training ends.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from ampfuse.integrations import require
 
 require("transformers", "ampfuse.integrations.transformers")
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import (  # noqa: E402
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from ampfuse.integrations.accelerate import (  # noqa: E402
     track_skipped_steps,
@@ -33,10 +42,14 @@ class AmpfuseTrainerCallback(TrainerCallback):
     optimizer (passed in `optimizers=` or made by a `create_optimizer` override); anything else
     is a TypeError naming it."""
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, optimizer: torch.optim.Optimizer | None = None,
+                       **kwargs: Any) -> None:
         track_skipped_steps(optimizer)
 
-    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, optimizer: torch.optim.Optimizer | None = None,
+                     **kwargs: Any) -> None:
         untrack_skipped_steps(optimizer)
 
 
