@@ -10,8 +10,15 @@ fp32 scenarios are also checked against torch.optim."""
 import pytest
 import torch
 
-from ampfuse.optimizers import FusedAdagrad, FusedAdamW, FusedLAMB, FusedNovoGrad, FusedSGD
-from ampfuse.optimizers import _base, _plan
+from ampfuse.optimizers import (
+    FusedAdagrad,
+    FusedAdamW,
+    FusedLAMB,
+    FusedNovoGrad,
+    FusedOptimizer,
+    FusedSGD,
+)
+from ampfuse.optimizers import _plan
 
 SHAPES = [(4, 8), (8,), (3, 5, 2), (16,)]
 STEPS = 6
@@ -33,13 +40,13 @@ def set_grads(params, step, skip=()):
 
 def count_full_sorts(monkeypatch):
     calls = {"n": 0}
-    original = _base.FusedOptimizer._sort_into_calls
+    original = FusedOptimizer._sort_into_calls
 
     def counting(self, *args, **kwargs):
         calls["n"] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(_base.FusedOptimizer, "_sort_into_calls", counting)
+    monkeypatch.setattr(FusedOptimizer, "_sort_into_calls", counting)
     return calls
 
 

@@ -283,7 +283,7 @@ def master_params(optimizer):
     clip_grad_norm_(amp.master_params(optimizer), max_norm), works. With a fused optimizer this
     costs one extra pass (fp32 grads are made for the masters), which is skipped when
     master_params is not called."""
-    from ampfuse.optimizers._base import FusedOptimizer
+    from ampfuse.optimizers import FusedOptimizer
 
     handle = getattr(optimizer, ATTR, None)
     if handle is not None and handle.enabled:

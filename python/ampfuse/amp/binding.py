@@ -30,7 +30,7 @@ from ampfuse import ops
 from ampfuse.amp.attribution import StepAttribution, place_in_optimizer
 from ampfuse.amp.masters import MasterTracker, refresh_master
 from ampfuse.amp.optimizer_access import hookable, optimizer_params, params_and_grads
-from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers import FusedOptimizer
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -313,8 +313,8 @@ class Binding:
             # Master grads made for clipping (materialize_unscaled_grads) serve one step only.
             # Only that method makes them, and it sets the flag, so a step without it walks no
             # params here.
-            if self.inner._step_on_master_grads:
-                self.inner._step_on_master_grads = False
+            if self.inner.step_on_master_grads:
+                self.inner.step_on_master_grads = False
                 for p, master in self.master_pairs():
                     master.grad = None
         elif self.kind == "masters":
@@ -380,7 +380,7 @@ class Binding:
             ops.multi_tensor_scale_(sources, targets, inv, flag)
         if in_place:
             ops.multi_tensor_unscale_(in_place, flag, inv)
-        self.inner._step_on_master_grads = bool(sources) or any(
+        self.inner.step_on_master_grads = bool(sources) or any(
             m.grad is not None for _, m in self.master_pairs())
         if self.kind == "fold":
             self.window = torch.ones_like(self.window)  # the grads no longer carry a scale

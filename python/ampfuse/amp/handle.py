@@ -19,7 +19,7 @@ from ampfuse.amp.masters import LoadCapture
 from ampfuse.amp.optimizer_access import grads_of
 from ampfuse.amp.reporting import OverflowReporter
 from ampfuse.scaling.loss_scaler import LossScaler
-from ampfuse.optimizers._base import FusedOptimizer
+from ampfuse.optimizers import FusedOptimizer
 from ampfuse.overflow import ParamNames
 
 log = logging.getLogger("ampfuse.amp")

@@ -33,7 +33,7 @@ require("accelerate", "ampfuse.integrations.accelerate")
 
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 
-from ampfuse.optimizers._base import FusedOptimizer  # noqa: E402
+from ampfuse.optimizers import FusedOptimizer  # noqa: E402
 
 
 def fused_step_was_skipped(optimizer):

@@ -5,13 +5,24 @@
 
 Each is a torch.optim.Optimizer: param groups, add_param_group, LR schedulers, zero_grad and
 state_dict in torch.optim's layout all work as with torch's own optimizers, and
-torch.amp.GradScaler drives them without a separate unscale pass.
+torch.amp.GradScaler drives them without a separate unscale pass. Their base class,
+FusedOptimizer, states what callers may rely on (stepping, skipping, fp32 masters); code that
+works with any of them (isinstance checks, amp) uses it rather than their state's layout.
 """
 
+from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers.adagrad import FusedAdagrad
 from ampfuse.optimizers.adam import FusedAdam, FusedAdamW
 from ampfuse.optimizers.lamb import FusedLAMB
 from ampfuse.optimizers.novograd import FusedNovoGrad
 from ampfuse.optimizers.sgd import FusedSGD
 
-__all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]
+__all__ = [
+    "FusedAdagrad",
+    "FusedAdam",
+    "FusedAdamW",
+    "FusedLAMB",
+    "FusedNovoGrad",
+    "FusedOptimizer",
+    "FusedSGD",
+]

@@ -4,11 +4,13 @@ master-free modes, device-side learning rates, the GradScaler protocol, and a st
 torch.optim's layout.
 
 FusedOptimizer is assembled from one module per concern; this one holds the step launcher
-(step(), sorting params into op calls, the device-side lr, CUDA-graph rules, pickling):
-``_groups`` (what a param group may hold and its checks), ``_masters`` (fp32 master weights
-that follow their params), ``_state`` (state layout and torch.optim's state_dict), ``_skip``
-(whether a step is skipped), ``_call`` (one op call's tensors, complex params as real views)
-and ``_sparse`` (sparse grads, stepped beside the op calls).
+(step(), sorting params into op calls, the device-side lr, pickling) and the public contract
+(FusedOptimizer's docstring): ``_groups`` (what a param group may hold and its checks),
+``_masters`` (fp32 master weights that follow their params, and the public methods for them),
+``_state`` (state layout and torch.optim's state_dict), ``_skip`` (whether a step is skipped,
+and the public record of skipped steps), ``_capture`` (CUDA-graph rules), ``_call`` (one op
+call's tensors, complex params as real views) and ``_sparse`` (sparse grads, stepped beside
+the op calls).
 
 How a step is laid out
 ----------------------
@@ -32,11 +34,13 @@ for the whole step before any op call updates a param (see _skip).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ampfuse.optimizers._call import OpCall
+from ampfuse.optimizers._capture import CaptureRulesMixin
 from ampfuse.optimizers._groups import FLOAT_DTYPES, ParamGroupsMixin
-from ampfuse.overflow import param_name
 from ampfuse.optimizers._masters import MasterWeightsMixin, ParamRecord, make_master
 from ampfuse.optimizers._plan import StepPlan, first_param_id
 from ampfuse.optimizers._precision import (
@@ -48,29 +52,72 @@ from ampfuse.optimizers._precision import (
     prepare_extra,
     reset_extra,
 )
-from ampfuse.optimizers._skip import SkipRecord, check_skip_nonfinite, on_device, step_verdicts
+from ampfuse.optimizers._skip import (
+    SkipRecord,
+    SkipReportMixin,
+    check_skip_nonfinite,
+    on_device,
+    step_verdicts,
+)
 from ampfuse.optimizers._sparse import add_sparse
-from ampfuse.optimizers._state import OptimizerStateMixin
-# The state helpers lived here before _state was split out; still importable from here.
-from ampfuse.optimizers._state import fp32_copy, fp32_like, same_layout  # noqa: F401
+from ampfuse.optimizers._state import OptimizerStateMixin, fp32_like
 
 
 class FusedOptimizer(
-    ParamGroupsMixin, MasterWeightsMixin, OptimizerStateMixin, torch.optim.Optimizer
+    ParamGroupsMixin, MasterWeightsMixin, OptimizerStateMixin, SkipReportMixin,
+    CaptureRulesMixin, torch.optim.Optimizer
 ):
-    """Base class of the ampfuse optimizers; subclasses supply the per-family parts:
+    """The base class of the fused optimizers, and the contract between them and their callers.
 
-    _check_hyperparameters(index, group); _state_keys(group), the fp32 state entries of a
-    param (which _prepare_state creates); _launch(group, call, lr, grad_scale, found_inf);
-    _export_state(group, state, step_value) -> the torch-layout dict; _import_state(group, p,
-    saved, where) -> (state, step value or None); _import_group(saved, current, new); and the
-    class attributes below.
+    A FusedOptimizer is a torch.optim.Optimizer: param groups, add_param_group(), LR
+    schedulers, zero_grad(), and state_dict()/load_state_dict() in torch.optim's layout (which
+    torch's counterpart loads, and the other way round). Beyond that, a caller (ampfuse.amp,
+    the integrations, a GradScaler, user code) relies on the methods below and nothing else:
+    how `optimizer.state` keeps masters and step counts is the optimizers' own business and may
+    change; code outside ampfuse.optimizers never reads or writes its entries.
+
+    Stepping and skipping:
+
+    - `step(closure=None, *, grad_scale=None, found_inf=None)`: one fused step of every param
+      that has a grad. The grads are divided by `grad_scale` inside the op; a nonzero
+      `found_inf` skips the whole step on the device, writing nothing. torch.amp.GradScaler
+      drives it through the same two values (the `grad_scale` / `found_inf` attributes it sets).
+    - `last_step_skipped`, `get_skipped_steps()`, `last_overflow()`: whether, how often and
+      (for the optimizer's own skip_nonfinite check) why steps were skipped.
+    - `step_on_master_grads`: a caller that put fp32 grads on the masters (`master.grad`, for
+      clipping them unscaled) sets it True for the next step, which then uses those grads in
+      place of their params' and divides no scale out of them; the caller sets it back to
+      False and drops those grads after that step.
+
+    fp32 masters (`master_weights=True` keeps one per fp16/bf16 param; the step updates the
+    master and writes it back, rounded, into the param):
+
+    - `set_master_weights(mode)`: the precision knob for every group and for groups added later.
+    - `master_params() -> list[Tensor]`: what the optimizer updates, one per param: its master
+      (made now if missing) or the param itself.
+    - `masters_for(params) -> list[Tensor]`: the masters of the given params, made now as their
+      first step would make them; a param never gets a second master. ValueError for a tensor
+      the optimizer does not hold, or a param it keeps no master for.
+    - `masters(*, unstepped_only=False) -> dict[Tensor, Tensor]`: {param: master} as they are
+      now, making none; `unstepped_only` gives the ones state_dict() leaves out.
+    - `set_masters(values, *, keep_stepped=False)`: makes given fp32 tensors the masters (amp's
+      fp32 weights from before its cast, masters saved beside a checkpoint).
+    - `mark_masters(params)`, `follow_masters()`: a master follows its param when anything but
+      a step writes the param (the model's load_state_dict, a `p.copy_`). `mark_masters`
+      records that the params and their masters agree now; `follow_masters` does at once what
+      the next step would do for every master.
+
+    A subclass supplies the per-family parts: _check_hyperparameters(index, group);
+    _state_keys(group), the fp32 state entries of a param (which _prepare_state creates);
+    _launch(group, call, lr, grad_scale, found_inf); _export_state(group, state, step_value) ->
+    the torch-layout dict; _import_state(group, p, saved, where) -> (state, step value or None);
+    _import_group(saved, current, new); and the class attributes below.
     """
 
     # torch.amp.GradScaler leaves unscaling to step() and hands over `grad_scale` and `found_inf`.
     _step_supports_amp_scaling = True
-    # Set by ampfuse.amp for one step after it unscaled grads onto the fp32 masters.
-    _step_on_master_grads = False
+    # Public (see above): set for one step by a caller that put fp32 grads on the masters.
+    step_on_master_grads = False
     # The count a param's step starts from when its state is made (apex's
     # FusedMixedPrecisionLamb takes it as an argument, to resume a schedule without a checkpoint).
     _first_step_count = 0.0
@@ -122,8 +169,11 @@ class FusedOptimizer(
 
     # ---- step ---------------------------------------------------------------------------------
 
+    # torch types step() as two overloads on the closure; this one signature says the same.
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
+             grad_scale: torch.Tensor | float | None = None,
+             found_inf: torch.Tensor | None = None) -> float | None:
         """One optimization step of every param that has a grad.
 
         grad_scale: the loss scale the grads carry; they are divided by it inside the op.
@@ -180,29 +230,6 @@ class FusedOptimizer(
         self._skips.record(verdicts, home, own_check)
         return loss
 
-    @property
-    def last_step_skipped(self):
-        """Whether the last step() was skipped, by skip_nonfinite's check or by a found_inf
-        from a loss scaler: a 0-dim bool tensor on the params' device (reading its value
-        syncs). A step that could be skipped gets a new tensor; one that nothing could skip (no
-        check, no found_inf) reports False. None before the first step and after
-        load_state_dict()."""
-        return self._skips.last
-
-    def last_overflow(self):
-        """Which grads held inf/nan when skip_nonfinite's own check skipped the last step():
-        an OverflowReport (ampfuse.overflow) naming them, by the names torch keeps for
-        optimizer(model.named_parameters()), else "group0.param7". None after a clean or
-        unchecked step, and after one a loss scaler's found_inf decided (ask the scaler or
-        amp). Reads device flags: a host sync."""
-        return self._skips.overflow_report(self.param_groups)
-
-    def get_skipped_steps(self):
-        """How many steps were skipped so far, by skip_nonfinite or by a found_inf from a loss
-        scaler (torch.amp.GradScaler, ampfuse.GradScaler, amp). Counted on the device; reading
-        it syncs. state_dict() saves it as 'skipped_steps' and load_state_dict() restores it."""
-        return self._skips.count()
-
     def _first_device(self):
         for group in self.param_groups:
             for p in group["params"]:
@@ -213,7 +240,7 @@ class FusedOptimizer(
         """The op calls of `group` for this step: the last step's plan when it still holds (see
         _plan), else a full sort (_sort_into_calls), which plans the next step. Compiled steps
         (follow_params=False) always sort: their trace must not depend on host-side caches."""
-        plannable = follow_params and not self._step_on_master_grads
+        plannable = follow_params and not self.step_on_master_grads
         if plannable:
             plan = self._step_plans.get(index)
             if plan is not None:
@@ -309,7 +336,7 @@ class FusedOptimizer(
                         self._follow(p, state["master_param"], record)
                 # amp may have put unscaled fp32 grads on the masters (apex's clipping recipe);
                 # they then take the place of the params' low-precision ones for this step.
-                if self._step_on_master_grads and state["master_param"].grad is not None:
+                if self.step_on_master_grads and state["master_param"].grad is not None:
                     grad = state["master_param"].grad
             elif mode in EXTRA_KEYS:  # "kahan", "split"
                 if EXTRA_KEYS[mode] not in state or has_foreign_state(state, mode):
@@ -400,37 +427,9 @@ class FusedOptimizer(
             entry[0] = lr
         return entry[1]
 
-    # ---- CUDA graphs --------------------------------------------------------------------------
-
-    def _capturing(self, compiling=None):
-        """Whether this step is being captured in a CUDA graph. `compiling`: what step() already
-        asked torch.compiler.is_compiling() (asked here when not given)."""
-        if compiling is None:
-            compiling = torch.compiler.is_compiling()
-        # No capture runs before CUDA is initialized; is_initialized() is a flag read where
-        # is_available() asks the driver (or NVML) on every step.
-        if compiling or not torch.cuda.is_initialized():
-            return False
-        return torch.cuda.is_current_stream_capturing()
-
-    def _check_capture(self, capturing):
-        if capturing and not all(g.get("capturable", True) for g in self.param_groups):
-            raise RuntimeError(
-                f"{type(self).__name__}: step() is being captured in a CUDA graph but "
-                "capturable=False; construct the optimizer with capturable=True."
-            )
-
-    def _check_not_capturing(self, group_index, param_index):
-        if self._capturing():
-            raise RuntimeError(
-                f"{type(self).__name__}: {param_name(group_index, param_index)} has no optimizer "
-                "state yet and state cannot be created during CUDA graph capture; run at least "
-                "one step eagerly (with every param that will have a grad) before capturing."
-            )
-
     # ---- gradients ----------------------------------------------------------------------------
 
-    def zero_grad(self, set_to_none=None):
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Resets every grad: to None when set_to_none (default: the optimizer's set_grad_none),
         else to zeros."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

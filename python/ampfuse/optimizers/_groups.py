@@ -9,6 +9,8 @@ that the rules a group must follow are read in one place.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ampfuse.optimizers._precision import check_master_weights
@@ -45,7 +47,7 @@ class ParamGroupsMixin:
     """add_param_group() with FusedOptimizer's checks, and the checks the subclasses' own
     _check_hyperparameters() builds on."""
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:

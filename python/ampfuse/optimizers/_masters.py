@@ -8,14 +8,24 @@ pointer are recorded after each step, and any other write bumps the counter or r
 storage. Only then is a value compared (refresh_master).
 
 The helpers serve ampfuse.amp's masters of torch.optim optimizers as well; MasterWeightsMixin
-is the fused optimizers' side: which params keep a master, and following them at each step.
+is the fused optimizers' side: which params keep a master, following them at each step, and the
+public methods through which others (ampfuse.amp) read, make and set masters without knowing
+where the state keeps them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
 from ampfuse.ops import step_scan
+from ampfuse.optimizers._precision import (
+    BF16_MODES,
+    MASTER_WEIGHTS_VALUES,
+    check_param_for_mode,
+)
+from ampfuse.overflow import param_name
 
 # The param dtypes that get an fp32 master when a group sets master_weights.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -77,8 +87,8 @@ class ParamRecord:
 
 
 class MasterWeightsMixin:
-    """A fused optimizer's fp32 masters: following writes to their params, and handing them out
-    (master_params(), for amp and for clipping the tensors that are updated)."""
+    """A fused optimizer's fp32 masters: following writes to their params, and the public
+    methods that hand them out and set them (the contract is FusedOptimizer's docstring)."""
 
     def _record(self, p):
         record = self._param_records.get(p)
@@ -101,7 +111,7 @@ class MasterWeightsMixin:
         record.mark = param_mark(p)
         return True
 
-    def follow_masters(self):
+    def follow_masters(self) -> None:
         """What each step does for the params it updates, for every param with a master now
         (before its masters are saved, say)."""
         for group in self.param_groups:
@@ -110,7 +120,7 @@ class MasterWeightsMixin:
                 if master is not None:
                     self._follow(p, master)
 
-    def mark_masters(self, params):
+    def mark_masters(self, params: Iterable[torch.Tensor]) -> None:
         """Records that `params` now hold what their masters say (the step just wrote them, or
         a caller such as amp set the masters from them): until something else writes one of
         them, its master is not looked at again."""
@@ -125,18 +135,130 @@ class MasterWeightsMixin:
         for p, record in zip(call.params, call.records):  # a subclass such as DTensor
             record.mark = (p._version, p.data_ptr())  # param_mark(p), inline
 
-    def master_params(self):
+    # ---- the public contract for masters (FusedOptimizer's docstring) -------------------------
+
+    def master_params(self) -> list[torch.Tensor]:
         """The tensors the optimizer actually updates, one per param in param-group order: the
         fp32 master of each fp16/bf16 param of a group with master_weights=True (created now
         from the param if no step has created it yet), else the param itself."""
         out = []
         for group in self.param_groups:
             for p in group["params"]:
-                if keeps_master(group, p):
-                    state = self.state[p]
-                    if "master_param" not in state:
-                        state["master_param"] = make_master(p)
-                    out.append(state["master_param"])
-                else:
-                    out.append(p)
+                out.append(self._master_made(p) if keeps_master(group, p) else p)
         return out
+
+    def masters_for(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The fp32 masters of `params`, in their order: the master a param has, else one made
+        now from its value, as its first step would make it and then update (never a second
+        master for one param). Each must be an fp16/bf16 param of this optimizer in a group
+        with master_weights=True; anything else raises ValueError, before any master is made."""
+        params = list(params)
+        places = self._places(params, "masters_for", lambda i: f"params[{i}]")
+        for (group_index, param_index), p in zip(places, params):
+            group = self.param_groups[group_index]
+            if keeps_master(group, p):
+                continue
+            where = f"{type(self).__name__}.masters_for: {param_name(group_index, param_index)}"
+            if p.dtype in LOW_PRECISION:
+                raise ValueError(
+                    f"{where} keeps no fp32 master: its group has master_weights="
+                    f"{group['master_weights']!r}. set_master_weights(True) (or "
+                    "master_weights=True in its group) keeps masters for its fp16/bf16 params."
+                )
+            raise ValueError(
+                f"{where} is {p.dtype}, which the optimizer updates directly: only "
+                "torch.float16 and torch.bfloat16 params get fp32 masters. master_params() "
+                "gives the tensor the optimizer updates for every param."
+            )
+        return [self._master_made(p) for p in params]
+
+    def masters(self, *, unstepped_only: bool = False) -> dict[torch.Tensor, torch.Tensor]:
+        """{param: fp32 master} for the params that have a master now, in param-group order;
+        makes none. unstepped_only: only the masters of params that have not stepped yet,
+        which state_dict() leaves out (torch.optim would read a saved state without a 'step'
+        as corrupt), so whoever made them saves them."""
+        out = {}
+        state = self.state
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = state.get(p)
+                if entry is None or "master_param" not in entry:
+                    continue
+                if unstepped_only and "step" in entry:
+                    continue
+                out[p] = entry["master_param"]
+        return out
+
+    def set_masters(self, values: Mapping[torch.Tensor, torch.Tensor], *,
+                    keep_stepped: bool = False) -> None:
+        """Makes values[p] the fp32 master of each param p (replacing the one it has): the
+        tensor itself, which the optimizer then updates in place, so pass one it may own. Each
+        value must be float32 with its param's shape and device; use it for values more exact
+        than the param holds (its fp32 weights from before a cast to bf16). keep_stepped: a
+        param that has stepped keeps the state it has (one that load_state_dict() just gave
+        it, say). Everything is checked before anything is set."""
+        items = list(values.items())
+        places = self._places([p for p, _ in items], "set_masters", lambda i: "a key of values")
+        for (group_index, param_index), (p, value) in zip(places, items):
+            if not isinstance(value, torch.Tensor) or (
+                value.dtype != torch.float32 or value.shape != p.shape or value.device != p.device
+            ):
+                got = (f"of type {type(value).__name__}" if not isinstance(value, torch.Tensor)
+                       else f"{value.dtype} of shape {tuple(value.shape)} on {value.device}")
+                raise ValueError(
+                    f"{type(self).__name__}.set_masters: the master given for "
+                    f"{param_name(group_index, param_index)} is {got}; a master is a "
+                    f"torch.float32 tensor of its param's shape {tuple(p.shape)} on its device "
+                    f"({p.device})."
+                )
+        state = self.state
+        for p, value in items:
+            if keep_stepped and "step" in state.get(p, ()):
+                continue
+            state[p]["master_param"] = value
+
+    def set_master_weights(self, mode: bool | str) -> None:
+        """Sets master_weights to `mode` (True, False, "stochastic", "kahan" or "split") for
+        every param group, and for groups added later (add_param_group takes the defaults).
+        Each param's state is converted to the new mode at its next step, as a checkpoint
+        saved in another mode is."""
+        if not any(mode is v if isinstance(v, bool) else mode == v
+                   for v in MASTER_WEIGHTS_VALUES):
+            raise ValueError(
+                f"{type(self).__name__}.set_master_weights: mode={mode!r}; it must be True "
+                "(fp32 masters), False (none, round to nearest), 'stochastic', 'kahan' or "
+                "'split' (bf16 params without fp32 masters)."
+            )
+        if mode in BF16_MODES:
+            for group_index, group in enumerate(self.param_groups):
+                for param_index, p in enumerate(group["params"]):
+                    check_param_for_mode(self, group_index, param_index, p, mode)
+        self.defaults["master_weights"] = mode
+        for group in self.param_groups:
+            group["master_weights"] = mode
+
+    def _master_made(self, p):
+        """p's master, made now (as its first step would) if it has none."""
+        state = self.state[p]
+        if "master_param" not in state:
+            state["master_param"] = make_master(p)
+        return state["master_param"]
+
+    def _places(self, params, method, label):
+        """(group index, param index) of each of `params`; ValueError naming `method` and the
+        argument (label(i) for the i-th) for a tensor the optimizer does not hold."""
+        where = {id(p): (group_index, param_index)
+                 for group_index, group in enumerate(self.param_groups)
+                 for param_index, p in enumerate(group["params"])}
+        places = []
+        for i, p in enumerate(params):
+            place = where.get(id(p))
+            if place is None:
+                what = (f"a {p.dtype} tensor of shape {tuple(p.shape)}"
+                        if isinstance(p, torch.Tensor) else f"a {type(p).__name__}")
+                raise ValueError(
+                    f"{type(self).__name__}.{method}: {label(i)} ({what}) is not a param of this "
+                    "optimizer; pass params from its param_groups (add_param_group() adds one)."
+                )
+            places.append(place)
+        return places

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse import ops
-from ampfuse.overflow import CheckRecord, place_in_groups
+from ampfuse.overflow import CheckRecord, OverflowReport, place_in_groups
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -135,6 +135,33 @@ class _GroupNames:
         """(group index, param index); (-1, -1) once the param left the optimizer, as amp's
         reports say it."""
         return place_in_groups(self._groups, param)
+
+
+class SkipReportMixin:
+    """A fused optimizer's public record of skipped steps, kept in its SkipRecord `_skips`."""
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor | None:
+        """Whether the last step() was skipped, by skip_nonfinite's check or by a found_inf
+        from a loss scaler: a 0-dim bool tensor on the params' device (reading its value
+        syncs). A step that could be skipped gets a new tensor; one that nothing could skip (no
+        check, no found_inf) reports False. None before the first step and after
+        load_state_dict()."""
+        return self._skips.last
+
+    def last_overflow(self) -> OverflowReport | None:
+        """Which grads held inf/nan when skip_nonfinite's own check skipped the last step():
+        an OverflowReport (ampfuse.overflow) naming them, by the names torch keeps for
+        optimizer(model.named_parameters()), else "group0.param7". None after a clean or
+        unchecked step, and after one a loss scaler's found_inf decided (ask the scaler or
+        amp). Reads device flags: a host sync."""
+        return self._skips.overflow_report(self.param_groups)
+
+    def get_skipped_steps(self) -> int:
+        """How many steps were skipped so far, by skip_nonfinite or by a found_inf from a loss
+        scaler (torch.amp.GradScaler, ampfuse.GradScaler, amp). Counted on the device; reading
+        it syncs. state_dict() saves it as 'skipped_steps' and load_state_dict() restores it."""
+        return self._skips.count()
 
 
 class SkipRecord:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import copy
 import numbers
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ class OptimizerStateMixin:
     # ---- state_dict in torch.optim's layout ---------------------------------------------------
 
     @torch._disable_dynamo
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The state in torch.optim's layout, loadable by torch.optim's counterpart.
 
         Each param's 'step' is its own float32 0-dim tensor (on the CPU, or on the param's device
@@ -172,7 +173,7 @@ class OptimizerStateMixin:
         return state_dict
 
     @torch._disable_dynamo
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this optimizer or of torch.optim's counterpart.
 
         Unlike torch.optim, which casts state to each param's dtype, moments and masters are
