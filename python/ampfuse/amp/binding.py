@@ -91,16 +91,14 @@ class Binding:
         mastered = {id(m) for _, m in self.masters}
         return [p for p in optimizer_params(self.optimizer) if id(p) not in mastered]
 
-    def master_pairs(self):
+    def master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model param, fp32 master) for every low-precision param this optimizer updates
         through a master."""
         if self.kind == "masters":
             return list(self.masters)
         if not self.fused:
             return []
-        state = self.inner.state
-        return [(p, state[p]["master_param"]) for p in optimizer_params(self.inner)
-                if p in state and "master_param" in state[p]]
+        return list(self.inner.masters().items())
 
     def adopt_new_params(self, make_master):
         """Params added with add_param_group since the last look: a low-precision one gets an
@@ -346,7 +344,7 @@ class Binding:
     # ---- clipping -----------------------------------------------------------------------
 
     @torch._disable_dynamo  # sets attributes of the optimizer (see _before_step)
-    def materialize_unscaled_grads(self):
+    def materialize_unscaled_grads(self) -> None:
         """Makes the grads readable and changeable unscaled before the step (apex's
         clip_grad_norm_(amp.master_params(opt)) recipe). "fold": fp32 grads on the masters for
         low-precision params, the params' own grads unscaled in place otherwise; the fused step
@@ -362,13 +360,13 @@ class Binding:
             inv = torch.ones(1, device=self.device)
         else:
             return
-        state = self.inner.state
+        masters = self.inner.masters()
         flag = torch.zeros_like(inv)
         sources, targets, in_place = [], [], []
         for p in optimizer_params(self.inner):
             if p.grad is None:
                 continue
-            master = state.get(p, {}).get("master_param")
+            master = masters.get(p)
             if master is not None:
                 if master.grad is None:
                     master.grad = torch.empty_like(master)

@@ -42,12 +42,9 @@ def _unstepped_fused_masters(b) -> dict:
     as corrupt), so amp's checkpoint carries them, by position in the param groups."""
     if not b.fused:
         return {}
-    out = {}
-    for i, p in enumerate(optimizer_params(b.inner)):
-        st = b.inner.state.get(p, {})
-        if "master_param" in st and "step" not in st:
-            out[i] = st["master_param"].detach().clone()
-    return out
+    unstepped = b.inner.masters(unstepped_only=True)
+    return {i: unstepped[p].detach().clone() for i, p in enumerate(optimizer_params(b.inner))
+            if p in unstepped}
 
 
 def _fail(message):
@@ -136,8 +133,9 @@ def load_state_dict(handle, state: dict) -> None:
                 p.copy_(value)
             b.tracker.mark(p for p, _ in b.masters)
     for b, entries in zip(handle.bindings, state.get("unstepped_fused_masters", [])):
+        if not entries:  # always so for a torch.optim optimizer (_check_unstepped)
+            continue
         params = optimizer_params(b.inner)
-        for i, value in entries.items():
-            state_of_p = b.inner.state[params[i]]
-            if "step" not in state_of_p:
-                state_of_p["master_param"] = value.to(params[i].device, torch.float32).clone()
+        # A param that stepped since took its master from the optimizer's own checkpoint.
+        b.inner.set_masters({params[i]: value.to(params[i].device, torch.float32).clone()
+                             for i, value in entries.items()}, keep_stepped=True)

@@ -16,11 +16,11 @@ from ampfuse.amp import checkpoint
 from ampfuse.amp.binding import Binding
 from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
-from ampfuse.amp.optimizer_access import grads_of
+from ampfuse.amp.optimizer_access import grads_of, optimizer_params
 from ampfuse.amp.reporting import OverflowReporter
-from ampfuse.scaling.loss_scaler import LossScaler
 from ampfuse.optimizers import FusedOptimizer
 from ampfuse.overflow import ParamNames
+from ampfuse.scaling.loss_scaler import LossScaler
 
 log = logging.getLogger("ampfuse.amp")
 
@@ -93,7 +93,7 @@ class AmpHandle:
         for b in self.bindings:
             b.load_into_masters(loaded)
 
-    def bind(self, optimizer, fp32_originals):
+    def bind(self, optimizer, fp32_originals: dict[torch.Tensor, torch.Tensor]) -> Binding:
         """Decides how `optimizer` is unscaled and skipped; `fp32_originals` maps each model
         param cast to the low dtype to a copy of its fp32 value from before the cast."""
         fused = isinstance(optimizer, FusedOptimizer)
@@ -103,13 +103,11 @@ class AmpHandle:
             self.props.cast_model_type in (torch.float16, torch.bfloat16) or bool(fp32_originals))
         if fused:
             if wants_masters:
-                # New groups (add_param_group) get masters too, as apex gave them.
-                optimizer.defaults["master_weights"] = True
-                for group in optimizer.param_groups:
-                    group["master_weights"] = True
-                    for p in group["params"]:
-                        if p in fp32_originals:
-                            optimizer.state[p]["master_param"] = fp32_originals[p]
+                # New groups (add_param_group) get masters too, as apex gave them. The cast
+                # params' masters start from their fp32 values, which the cast rounded.
+                optimizer.set_master_weights(True)
+                optimizer.set_masters({p: fp32_originals[p] for p in optimizer_params(optimizer)
+                                       if p in fp32_originals})
             kind = "fold" if len(self.scalers) == 1 else "inplace"
             binding = Binding(optimizer, kind, self.device,
                               attribute_overflow=self.attribute_overflow)
