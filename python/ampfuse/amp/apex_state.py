@@ -11,15 +11,24 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from ampfuse.amp.binding import Binding
+    from ampfuse.amp.handle import AmpHandle
+    from ampfuse.scaling.loss_scaler import LossScaler
 
 
 class ApexLossScalerView:
     """apex's LossScaler interface over one ampfuse LossScaler. Reading a value reads it from
     the device (a sync), as apex's did; meant for logging and checkpoints."""
 
-    def __init__(self, scaler):
+    def __init__(self, scaler: LossScaler) -> None:
         self._scaler = scaler
 
     def loss_scale(self) -> float:
@@ -30,7 +39,7 @@ class ApexLossScalerView:
         return self._scaler.scale_value()
 
     @_loss_scale.setter
-    def _loss_scale(self, value) -> None:
+    def _loss_scale(self, value: float) -> None:
         value = float(value)
         if not value > 0.0:
             raise ValueError(f"amp: a loss scale must be > 0, got {value}.")
@@ -41,7 +50,7 @@ class ApexLossScalerView:
         return int(self._scaler.growth_tracker.item())
 
     @_unskipped.setter
-    def _unskipped(self, value) -> None:
+    def _unskipped(self, value: int) -> None:
         self._scaler.growth_tracker.fill_(int(value))
 
     @property
@@ -49,7 +58,7 @@ class ApexLossScalerView:
         return self._scaler.dynamic
 
     @property
-    def _min_loss_scale(self):
+    def _min_loss_scale(self) -> float | None:
         return self._scaler.min_scale or None
 
     @property
@@ -68,17 +77,17 @@ class ApexLossScalerView:
 class ApexProperties:
     """apex's Properties: the options of the opt level as attributes and as `.options`."""
 
-    def __init__(self, props, enabled):
+    def __init__(self, props: DataclassInstance, enabled: bool) -> None:
         self._props = props
         self.enabled = enabled
 
     @property
-    def options(self) -> dict:
+    def options(self) -> dict[str, Any]:
         out = dataclasses.asdict(self._props)
         out["enabled"] = self.enabled
         return out
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         props = self.__dict__.get("_props")
         if props is not None and name in props.__dataclass_fields__:
             return getattr(props, name)
@@ -91,10 +100,10 @@ class AmpStateView:
     hard_override = False
     allow_incoming_model_not_fp32 = False
 
-    def __init__(self, latest_handle):
+    def __init__(self, latest_handle: Callable[[], AmpHandle | None]) -> None:
         self._latest_handle = latest_handle
 
-    def _handle(self):
+    def _handle(self) -> AmpHandle:
         handle = self._latest_handle()
         if handle is None:
             raise AttributeError(
@@ -104,11 +113,11 @@ class AmpStateView:
         return handle
 
     @property
-    def loss_scalers(self):
+    def loss_scalers(self) -> list[ApexLossScalerView]:
         return [ApexLossScalerView(s) for s in self._handle().scalers]
 
     @property
-    def opt_properties(self):
+    def opt_properties(self) -> ApexProperties:
         handle = self._handle()
         return ApexProperties(handle.props, handle.enabled)
 
@@ -117,11 +126,11 @@ class AmpStateView:
         return self._handle().verbosity
 
     @property
-    def min_loss_scale(self):
+    def min_loss_scale(self) -> float | None:
         return self._handle().scalers[0].min_scale or None
 
     @property
-    def max_loss_scale(self):
+    def max_loss_scale(self) -> float:
         return self._handle().scalers[0].max_scale
 
 
@@ -132,15 +141,15 @@ class AmpStash:
     lazy_init_called = True
     already_patched = False
 
-    def __init__(self, binding):
+    def __init__(self, binding: Binding) -> None:
         self._binding = binding
 
     @property
-    def all_fp16_params(self):
+    def all_fp16_params(self) -> list[torch.Tensor]:
         return [p for p, _ in self._binding.master_pairs()]
 
     @property
-    def all_fp32_from_fp16_params(self):
+    def all_fp32_from_fp16_params(self) -> list[torch.Tensor]:
         return [m for _, m in self._binding.master_pairs()]
 
     @property
@@ -148,11 +157,11 @@ class AmpStash:
         b = self._binding
         return b.kind == "fold" and b.window is not None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"AmpStash(kind={self._binding.kind!r})"
 
 
-def parse_loss_scale(value):
+def parse_loss_scale(value: object) -> float | str | None:
     """apex's spellings of a loss scale: a number, "dynamic", or a number as a string."""
     if value is None or value == "dynamic":
         return value

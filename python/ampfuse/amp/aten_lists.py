@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -58,9 +60,9 @@ _HOST_COPY_OP = "aten::to.dtype_layout"
 
 
 @functools.cache
-def _aten_overloads():
+def _aten_overloads() -> dict[str, list[str]]:
     """aten op name -> its overload names ("" for the default) in the dispatcher."""
-    overloads = {}
+    overloads: dict[str, list[str]] = {}
     for qualified in torch._C._dispatch_get_all_op_names():
         if not qualified.startswith("aten::"):
             continue
@@ -69,7 +71,7 @@ def _aten_overloads():
     return overloads
 
 
-def aten_names(entry: str) -> tuple:
+def aten_names(entry: str) -> tuple[str, ...]:
     """The aten op names a list entry stands for (empty when it has none)."""
     ops = _aten_overloads()
     if entry in _ALIASES:
@@ -85,11 +87,11 @@ def aten_names(entry: str) -> tuple:
     return ()
 
 
-def _qualified(name, overload):
+def _qualified(name: str, overload: str) -> str:
     return f"aten::{name}.{overload}" if overload else f"aten::{name}"
 
 
-def _overloads(name, in_place):
+def _overloads(name: str, in_place: bool) -> list[str]:
     """Qualified overloads of aten op `name`: the functional ones (no out=), or for an in-place
     op all of them."""
     result = []
@@ -100,9 +102,10 @@ def _overloads(name, in_place):
     return result
 
 
-def _ops_of(entry):
+def _ops_of(entry: str) -> tuple[list[str], list[str]]:
     """(functional overloads, in-place overloads) that a list entry stands for."""
-    functional, in_place = [], []
+    functional: list[str] = []
+    in_place: list[str] = []
     for name in aten_names(entry):
         if name.endswith("_"):
             in_place += _overloads(name, in_place=True)
@@ -114,7 +117,7 @@ def _ops_of(entry):
 
 
 @functools.cache
-def _policies_of(entry, policy):
+def _policies_of(entry: str, policy: str) -> dict[str, str]:
     if entry == _HOST_COPY:
         # Only the fp32 list gives .cpu() a meaning; on another list the entry just takes it
         # off the fp32 list.
@@ -127,10 +130,11 @@ def _policies_of(entry, policy):
     return table
 
 
-def policy_table(low, fp32, promote) -> dict:
+def policy_table(low: Iterable[str], fp32: Iterable[str],
+                 promote: Iterable[str]) -> dict[str, str]:
     """aten op -> policy ("lower", "fp32", "promote", "inplace_refused", "to_host_fp32") for a
     model's lists of entries. Where two entries reach one op the low list wins, then fp32."""
-    table = {}
+    table: dict[str, str] = {}
     for entries, policy in ((promote, "promote"), (fp32, "fp32"), (low, "lower")):
         for entry in sorted(entries):
             table.update(_policies_of(entry, policy))
@@ -141,9 +145,9 @@ def policy_table(low, fp32, promote) -> dict:
 
 
 @functools.cache
-def _python_torch_functions():
+def _python_torch_functions() -> frozenset[str]:
     """Names of torch's overridable functions and Tensor methods (Python-level or not)."""
-    names = set()
+    names: set[Any] = set()  # the functions' __name__, None where they have none
     for funcs in torch.overrides.get_overridable_functions().values():
         names.update(getattr(f, "__name__", None) for f in funcs)
     names.discard(None)
@@ -151,13 +155,13 @@ def _python_torch_functions():
 
 
 @functools.cache
-def _known_entries():
+def _known_entries() -> frozenset[str]:
     names = set(_aten_overloads()) | set(_ALIASES) | {_HOST_COPY}
     return frozenset(n for n in names | _python_torch_functions() if aten_names(n)
                      or n == _HOST_COPY)
 
 
-def _entries(value, what):
+def _entries(value: object, what: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
@@ -198,7 +202,7 @@ def check_entry(entry: str, where: str) -> None:
     )
 
 
-def check_custom_lists(white, black):
+def check_custom_lists(white: object, black: object) -> None:
     """Checks amp.initialize's custom_white_list and custom_black_list: lists of names, each
     naming an aten op or a torch function that is one (an entry that matches nothing would
     silently do nothing), and no name in both. Raises TypeError or ValueError naming the

@@ -16,12 +16,16 @@ model's forward:
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
-from torch.nn.parameter import UninitializedTensorMixin
+
+# (not in torch's parameter.pyi, but defined in torch/nn/parameter.py)
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 from torch.utils.hooks import RemovableHandle
 
 from ampfuse.amp import kept_norms
+from ampfuse.amp.kept_norms import KeptNormForward
 
 # amp.initialize reaches the O1 pieces through this module.
 from ampfuse.amp.per_op import (  # noqa: F401
@@ -51,7 +55,7 @@ NORM_TYPES = (
 _registered_norm_types: OrderedDict[int, type] = OrderedDict()
 
 
-def register_norm_type(cls) -> RemovableHandle:
+def register_norm_type(cls: type[torch.nn.Module]) -> RemovableHandle:
     """Makes O2 (and O3 with keep_batchnorm_fp32=True) keep modules of type `cls`, and its
     subclasses, in fp32 like torch's normalization layers, in models initialized after this
     call: their parameters, buffers and submodules stay fp32, their floating inputs are cast to
@@ -71,7 +75,7 @@ def register_norm_type(cls) -> RemovableHandle:
     return handle
 
 
-def norm_types() -> tuple:
+def norm_types() -> tuple[type, ...]:
     """Every module type that a cast model keeps in fp32: torch's and the registered ones."""
     return NORM_TYPES + tuple(_registered_norm_types.values())
 
@@ -81,10 +85,11 @@ class _StateDictInOriginalDtypes:
     the dtype they had before, as apex's O2 hook gave fp16 entries back as fp32. Each module
     converts only its own entries, so a state_dict costs one pass however deep the model."""
 
-    def __init__(self, original_dtypes):
+    def __init__(self, original_dtypes: dict[str, torch.dtype]) -> None:
         self.original_dtypes = original_dtypes  # name of a param or buffer -> dtype before
 
-    def __call__(self, module, state_dict, prefix, local_metadata):
+    def __call__(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                 local_metadata: dict[str, Any]) -> None:
         for name, dtype in self.original_dtypes.items():
             key = prefix + name
             value = state_dict.get(key)
@@ -96,7 +101,7 @@ class _StateDictInOriginalDtypes:
             state_dict[key] = value.detach().to(dtype)
 
 
-def _refuse_lazy(module, name):
+def _refuse_lazy(module: torch.nn.Module, name: str) -> None:
     lazy = [n for n, t in list(module.named_parameters(recurse=False))
             + list(module.named_buffers(recurse=False)) if isinstance(t, UninitializedTensorMixin)]
     if lazy:
@@ -107,10 +112,10 @@ def _refuse_lazy(module, name):
         )
 
 
-def _cast_own_tensors(module, dtype):
+def _cast_own_tensors(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """Casts the module's own floating params and buffers to `dtype`; returns {name: dtype
     before} for the ones it changed."""
-    original = {}
+    original: dict[str, torch.dtype] = {}
     for name, param in module.named_parameters(recurse=False):
         if param.is_floating_point() and param.dtype != dtype:
             original[name] = param.dtype
@@ -124,7 +129,8 @@ def _cast_own_tensors(module, dtype):
     return original
 
 
-def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_norm_fp32: bool):
+def cast_model(model: torch.nn.Module, dtype: torch.dtype,
+               keep_norm_fp32: bool) -> list[KeptNormForward | RemovableHandle]:
     """Casts floating parameters and buffers to `dtype` in place (the Parameter objects stay
     the same, so optimizers keep pointing at them). With keep_norm_fp32, modules of
     norm_types() stay fp32 with their submodules and run as kept_norms describes (fp32 in and
@@ -132,8 +138,8 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_norm_fp32: bool)
     state_dict hook that gives its cast entries back in their original dtype. Returns the
     handles of what it installed."""
     kept = norm_types() if keep_norm_fp32 else ()
-    handles = []
-    seen = set()
+    handles: list[KeptNormForward | RemovableHandle] = []
+    seen: set[int] = set()
     pending = [("", model)]
     while pending:
         name, module = pending.pop()
@@ -154,10 +160,11 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_norm_fp32: bool)
     return handles
 
 
-def cast_model_io(model, input_dtype, output_dtype):
+def cast_model_io(model: torch.nn.Module, input_dtype: torch.dtype | None,
+                  output_dtype: torch.dtype | None) -> list[RemovableHandle]:
     """Hooks casting the model's floating inputs to input_dtype and outputs to output_dtype
     (either may be None)."""
-    handles = []
+    handles: list[RemovableHandle] = []
     if input_dtype is not None:
         handles.append(model.register_forward_pre_hook(InputsTo(input_dtype),
                                                        with_kwargs=True))

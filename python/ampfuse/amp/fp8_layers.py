@@ -10,12 +10,19 @@ state as it was (only the step's amaxes are dropped).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ampfuse import fp8 as fp8_api
 
+if TYPE_CHECKING:
+    from ampfuse.amp.binding import Binding
 
-def resolve(fp8, opt_level, device):
+
+def resolve(fp8: bool | fp8_api.DelayedScaling | None, opt_level: str,
+            device: torch.device) -> fp8_api.DelayedScaling | None:
     """The recipe asked for (None for fp8=False/None); refuses what cannot work."""
     if fp8 is None or fp8 is False:
         return None
@@ -41,12 +48,12 @@ def resolve(fp8, opt_level, device):
     return recipe
 
 
-def eligible(module):
+def eligible(module: torch.nn.Module) -> bool:
     return (type(module) is torch.nn.Linear and module.in_features % fp8_api.linear.ALIGN == 0
             and module.out_features % fp8_api.linear.ALIGN == 0)
 
 
-def swap_linears(models, recipe):
+def swap_linears(models: Iterable[torch.nn.Module], recipe: fp8_api.DelayedScaling) -> list[str]:
     """Converts the eligible nn.Linear layers of `models` in place; returns their names."""
     swapped = []
     for model in models:
@@ -65,15 +72,16 @@ def swap_linears(models, recipe):
 class ScaleUpdates:
     """The step pre-hook that updates every FP8 scale once per optimizer step."""
 
-    def __init__(self, models, binding):
+    def __init__(self, models: Iterable[torch.nn.Module], binding: Binding) -> None:
         self.models = list(models)
         self.binding = binding
         self.hook = binding.inner.register_step_pre_hook(self)
 
-    def __call__(self, optimizer, args, kwargs):
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
         fp8_api.update_scales(self.models, found_inf=self._found_inf(optimizer))
 
-    def _found_inf(self, optimizer):
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         flag = getattr(optimizer, "found_inf", None)  # set by amp for fused optimizers
         if isinstance(flag, torch.Tensor):
             return flag
@@ -81,5 +89,5 @@ class ScaleUpdates:
             return torch.ones(1, device=self.binding.device)
         return None
 
-    def remove(self):
+    def remove(self) -> None:
         self.hook.remove()

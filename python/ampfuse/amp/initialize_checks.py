@@ -3,15 +3,21 @@ low-precision dtype it picks. Each error names the problem and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ampfuse.amp.optimizer_access import hookable
+
+if TYPE_CHECKING:
+    from ampfuse.amp.opt_levels import Properties
 
 # The attribute amp.initialize sets on each model and optimizer it took (its handle).
 ATTR = "_ampfuse_amp"
 
 
-def as_list(value):
+def as_list(value: Any) -> tuple[list[Any], bool]:
     if value is None:
         return [], False
     if isinstance(value, (list, tuple)):
@@ -19,14 +25,14 @@ def as_list(value):
     return [value], False
 
 
-def model_device(models):
+def model_device(models: Iterable[torch.nn.Module]) -> torch.device:
     for model in models:
         for tensor in list(model.parameters()) + list(model.buffers()):
             return tensor.device
     return torch.device("cpu")
 
 
-def check_models(models):
+def check_models(models: Iterable[object]) -> None:
     for model in models:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"amp.initialize: expected torch.nn.Module models, got {type(model)}.")
@@ -45,7 +51,7 @@ def check_models(models):
             )
 
 
-def check_optimizers(optimizers):
+def check_optimizers(optimizers: Iterable[object]) -> None:
     for optimizer in optimizers:
         if hookable(optimizer) is None:
             raise TypeError(
@@ -62,7 +68,7 @@ def check_optimizers(optimizers):
             )
 
 
-def check_param_dtypes(models, props):
+def check_param_dtypes(models: Iterable[torch.nn.Module], props: Properties) -> None:
     if props.cast_model_type == torch.float32:
         return  # O0 (or cast_model_type=torch.float32): model.float() makes it fp32 as apex did
     for model in models:
@@ -76,7 +82,7 @@ def check_param_dtypes(models, props):
                 )
 
 
-def check_lists(props, white, black):
+def check_lists(props: Properties, white: object, black: object) -> None:
     if (white or black) and not props.patch_torch_functions:
         raise ValueError(
             f"amp.initialize: custom_white_list/custom_black_list apply to O1's per-op casting, "
@@ -85,7 +91,7 @@ def check_lists(props, white, black):
         )
 
 
-def low_dtype(dtype, device):
+def low_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     if dtype not in (torch.float16, torch.bfloat16):

@@ -24,7 +24,10 @@ another library) keeps it, and gets the casts as hooks instead.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ampfuse.amp.tensor_casts import LOW_DTYPES, InputsTo, OutputsTo, cast_floats
 
@@ -34,7 +37,7 @@ _MIXED_DTYPE_NORM_FORWARDS = (
 )
 
 
-def takes_low_precision_input(module) -> bool:
+def takes_low_precision_input(module: torch.nn.Module) -> bool:
     """Whether a kept module runs on the model's dtype (torch's batch and instance norms)."""
     return (type(module).forward in _MIXED_DTYPE_NORM_FORWARDS
             and not isinstance(module, torch.nn.SyncBatchNorm))
@@ -52,12 +55,13 @@ class KeptNormForward:
     It holds the module itself, so that copy.deepcopy of a model (EMA helpers) and pickling
     carry it over to the copy, pointing at the copied module."""
 
-    def __init__(self, module, compute_dtype, output_dtype):
+    def __init__(self, module: torch.nn.Module, compute_dtype: torch.dtype,
+                 output_dtype: torch.dtype | None) -> None:
         self.module = module
         self.compute_dtype = compute_dtype
         self.output_dtype = output_dtype
 
-    def __call__(self, x=_NO_INPUT, *args, **kwargs):
+    def __call__(self, x: Any = _NO_INPUT, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         compute_dtype, output_dtype = self.compute_dtype, self.output_dtype
         if not args and not kwargs and x is not _NO_INPUT:  # norm(x): no tuple or dict rebuilt
@@ -79,13 +83,14 @@ class KeptNormForward:
             return output.to(output_dtype)
         return cast_floats(output, output_dtype)
 
-    def remove(self):
+    def remove(self) -> None:
         """Gives the module its class's forward back (a hook handle's interface)."""
         if self.module.__dict__.get("forward") is self:
             del self.module.__dict__["forward"]
 
 
-def keep_in_fp32(module, dtype) -> list:
+def keep_in_fp32(module: torch.nn.Module,
+                 dtype: torch.dtype) -> list[KeptNormForward | RemovableHandle]:
     """Makes `module` (left fp32) run inside a model of `dtype`; returns handles with remove()."""
     low_input = takes_low_precision_input(module)
     compute_dtype = dtype if low_input else torch.float32
@@ -93,7 +98,8 @@ def keep_in_fp32(module, dtype) -> list:
     if "forward" not in module.__dict__:
         module.forward = KeptNormForward(module, compute_dtype, output_dtype)
         return [module.forward]
-    handles = [module.register_forward_pre_hook(InputsTo(compute_dtype), with_kwargs=True)]
+    handles: list[KeptNormForward | RemovableHandle] = [
+        module.register_forward_pre_hook(InputsTo(compute_dtype), with_kwargs=True)]
     if output_dtype is not None:
         handles.append(module.register_forward_hook(OutputsTo(output_dtype)))
     return handles

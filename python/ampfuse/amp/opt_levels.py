@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ _OVERRIDABLE = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32
                 "master_weights", "loss_scale", "cast_model_outputs")
 
 
-def resolve(opt_level: str, low: torch.dtype, overrides: dict) -> Properties:
+def resolve(opt_level: str, low: torch.dtype, overrides: dict[str, Any]) -> Properties:
     """The level's defaults with every non-None override applied, then checked."""
     props = _level(opt_level, low)
     given = {k: v for k, v in overrides.items() if v is not None}

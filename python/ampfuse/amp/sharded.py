@@ -11,6 +11,7 @@ masters for params that are already low precision) are accepted; casting levels 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 import torch
 
@@ -23,7 +24,8 @@ def _is_fsdp2_managed(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def refuse_casting_sharded_models(models, cast_model_type, opt_level: str) -> None:
+def refuse_casting_sharded_models(models: Iterable[torch.nn.Module], cast_model_type: object,
+                                  opt_level: str) -> None:
     """Raises if amp would cast the params of a model FSDP2 manages."""
     if cast_model_type not in (torch.float16, torch.bfloat16):
         return

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Any
 
 import torch
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def cast_floats(value, dtype):
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """Casts every floating tensor inside nested lists/tuples/dicts to `dtype`. Containers keep
     their type: a dict subclass (OrderedDict, defaultdict, Hugging Face's ModelOutput, whose
     fields are read as attributes: outputs.loss) is copied and given the cast values."""
@@ -18,7 +19,7 @@ def cast_floats(value, dtype):
         # The dtype test first: it is an attribute read, is_floating_point() a call.
         return value.to(dtype) if value.dtype != dtype and value.is_floating_point() else value
     if isinstance(value, (list, tuple)):
-        cast = [cast_floats(v, dtype) for v in value]
+        cast: Any = [cast_floats(v, dtype) for v in value]
         return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
     if isinstance(value, dict):
         cast = {k: cast_floats(v, dtype) for k, v in value.items()}
@@ -36,29 +37,30 @@ def cast_floats(value, dtype):
 class InputsTo:
     """A forward pre-hook casting the floating inputs to `dtype` (a class, so that it pickles)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def __call__(self, module, args, kwargs):
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
 
 class OutputsTo:
     """A forward hook casting the floating outputs to `dtype`."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def __call__(self, module, args, output):
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         return cast_floats(output, self.dtype)
 
 
-def widest_float(values):
+def widest_float(values: Any) -> torch.dtype | None:
     """The promoted dtype of the floating tensors inside `values` (nested lists/tuples), or
     None when they share one dtype (nothing to promote)."""
-    dtypes = set()
+    dtypes: set[torch.dtype] = set()
 
-    def collect(v):
+    def collect(v: Any) -> None:
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             dtypes.add(v.dtype)
         elif isinstance(v, (list, tuple)):
