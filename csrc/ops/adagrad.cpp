@@ -24,48 +24,8 @@ struct AdagradArgs {
   std::vector<CopyBack> copy_back;
 };
 
-AdagradArgs check_adagrad(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
-                          at::TensorList master_params, const at::Tensor& step,
-                          const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
-                          bool decoupled_weight_decay, bool maximize,
-                          const c10::optional<at::Tensor>& grad_scale,
-                          const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                          c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  TORCH_CHECK(lr_decay >= 0.0, "ampfuse.", kAdagrad, ": lr_decay must be >= 0, got ", lr_decay,
-              ".");
-  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kAdagrad, ": weight_decay must be >= 0, got ",
-              weight_decay, ".");
-  TORCH_CHECK(eps >= 0.0, "ampfuse.", kAdagrad, ": eps must be >= 0, got ", eps, ".");
-  AdagradArgs a;
-  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
-  const WrittenList written(kAdagrad, params, "params", a.copy_back);
-  const at::TensorList dense = written.tensors();
-  const c10::optional<at::Device> device = list_device(kAdagrad, params, "params");
-  a.params = tensor_refs(kAdagrad, dense, "params", /*mutated=*/true, a.keep_alive);
-  a.scalars = step_scalars(kAdagrad, step, lr, grad_scale, found_inf, device);
-  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kAdagrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  a.state_sums = companion_refs(kAdagrad, state_sums, "state_sums", dense, Access::kWrite,
-                                /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
-  a.masters = master_args(kAdagrad, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {lr_decay, weight_decay, eps, decoupled_weight_decay, maximize};
-  return a;
-}
-
-}  // namespace
-
-void fused_adagrad_cpu(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
-                       at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                       double lr_decay, double weight_decay, double eps,
-                       bool decoupled_weight_decay, bool maximize,
-                       const c10::optional<at::Tensor>& grad_scale,
-                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                       c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const AdagradArgs a =
-      check_adagrad(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
-                    eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
-                    write_unscaled_grads, master_mode, param_ids, seed);
+// The CPU step from the checked arguments.
+void adagrad_cpu(const AdagradArgs& a) {
   if (cpu_step_skipped(a.scalars)) return;
   const kernels::AdagradStep adagrad_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
@@ -92,17 +52,8 @@ void fused_adagrad_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
 }
 
 #ifdef AMPFUSE_WITH_CUDA
-void fused_adagrad_cuda(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
-                        at::TensorList master_params, const at::Tensor& step,
-                        const at::Tensor& lr, double lr_decay, double weight_decay, double eps,
-                        bool decoupled_weight_decay, bool maximize,
-                        const c10::optional<at::Tensor>& grad_scale,
-                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                        c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const AdagradArgs a =
-      check_adagrad(params, grads, state_sums, master_params, step, lr, lr_decay, weight_decay,
-                    eps, decoupled_weight_decay, maximize, grad_scale, found_inf,
-                    write_unscaled_grads, master_mode, param_ids, seed);
+// The CUDA step from the checked arguments.
+void adagrad_cuda(const AdagradArgs& a, const at::Tensor& step) {
   check_cuda_step(kAdagrad, step);
   // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
@@ -113,5 +64,45 @@ void fused_adagrad_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   finish_copy_back(a.copy_back);
 }
 #endif
+
+// fused_adagrad_ on kDevice (see ../ops.h): the checks, then the step on that device.
+template <c10::DeviceType kDevice>
+void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                    double lr_decay, double weight_decay, double eps, bool decoupled_weight_decay,
+                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
+  TORCH_CHECK(lr_decay >= 0.0, "ampfuse.", kAdagrad, ": lr_decay must be >= 0, got ", lr_decay,
+              ".");
+  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kAdagrad, ": weight_decay must be >= 0, got ",
+              weight_decay, ".");
+  TORCH_CHECK(eps >= 0.0, "ampfuse.", kAdagrad, ": eps must be >= 0, got ", eps, ".");
+  AdagradArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kAdagrad, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
+  const c10::optional<at::Device> device = list_device(kAdagrad, params, "params");
+  a.params = tensor_refs(kAdagrad, dense, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kAdagrad, step, lr, grad_scale, found_inf, device);
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kAdagrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  a.state_sums = companion_refs(kAdagrad, state_sums, "state_sums", dense, Access::kWrite,
+                                /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
+  a.masters = master_args(kAdagrad, master_mode, dense, master_params, param_ids, seed,
+                          a.keep_alive);
+  a.config = {lr_decay, weight_decay, eps, decoupled_weight_decay, maximize};
+  if constexpr (kDevice == at::kCPU) {
+    adagrad_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    adagrad_cuda(a, step);
+#endif
+  }
+}
+
+}  // namespace
+
+OpKernels fused_adagrad_kernels() { return AMPFUSE_KERNELS(fused_adagrad_); }
 
 }  // namespace ampfuse::ops

@@ -24,53 +24,8 @@ struct AdamArgs {
   std::vector<CopyBack> copy_back;
 };
 
-AdamArgs check_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                    double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
-                    bool bias_correction, bool amsgrad, bool maximize,
-                    const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  check_moment_hyperparameters(kAdam, beta1, beta2, eps);
-  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), "ampfuse.", kAdam,
-              ": max_exp_avg_sqs must be empty when amsgrad is False.");
-  AdamArgs a;
-  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
-  const WrittenList written(kAdam, params, "params", a.copy_back);
-  const at::TensorList dense = written.tensors();
-  const c10::optional<at::Device> device = list_device(kAdam, params, "params");
-  a.params = tensor_refs(kAdam, dense, "params", /*mutated=*/true, a.keep_alive);
-  a.scalars = step_scalars(kAdam, step, lr, grad_scale, found_inf, device);
-  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kAdam, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  const auto state = [&](at::TensorList list, const char* name, bool optional) {
-    return companion_refs(kAdam, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
-                          a.keep_alive);
-  };
-  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
-  a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
-  a.max_exp_avg_sqs = state(max_exp_avg_sqs, "max_exp_avg_sqs", /*optional=*/!amsgrad);
-  a.masters = master_args(kAdam, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
-  return a;
-}
-
-}  // namespace
-
-void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                    double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
-                    bool bias_correction, bool amsgrad, bool maximize,
-                    const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                master_params, step, lr, beta1, beta2, eps, weight_decay,
-                                adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
-                                found_inf, write_unscaled_grads, master_mode, param_ids, seed);
+// The CPU step from the checked arguments.
+void adam_cpu(const AdamArgs& a) {
   if (cpu_step_skipped(a.scalars)) return;
   const kernels::AdamStep adam_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
@@ -99,18 +54,8 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 }
 
 #ifdef AMPFUSE_WITH_CUDA
-void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                     at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                     double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
-                     bool bias_correction, bool amsgrad, bool maximize,
-                     const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const AdamArgs a = check_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                master_params, step, lr, beta1, beta2, eps, weight_decay,
-                                adam_w_mode, bias_correction, amsgrad, maximize, grad_scale,
-                                found_inf, write_unscaled_grads, master_mode, param_ids, seed);
+// The CUDA step from the checked arguments.
+void adam_cuda(const AdamArgs& a, const at::Tensor& step) {
   check_cuda_step(kAdam, step);
   // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
@@ -122,5 +67,50 @@ void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   finish_copy_back(a.copy_back);
 }
 #endif
+
+// fused_adam_ on kDevice (see ../ops.h): the checks, then the step on that device.
+template <c10::DeviceType kDevice>
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                 at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                 double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                 bool bias_correction, bool amsgrad, bool maximize,
+                 const c10::optional<at::Tensor>& grad_scale,
+                 const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                 c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
+  check_moment_hyperparameters(kAdam, beta1, beta2, eps);
+  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), "ampfuse.", kAdam,
+              ": max_exp_avg_sqs must be empty when amsgrad is False.");
+  AdamArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kAdam, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
+  const c10::optional<at::Device> device = list_device(kAdam, params, "params");
+  a.params = tensor_refs(kAdam, dense, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kAdam, step, lr, grad_scale, found_inf, device);
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kAdam, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  const auto state = [&](at::TensorList list, const char* name, bool optional) {
+    return companion_refs(kAdam, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
+                          a.keep_alive);
+  };
+  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
+  a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
+  a.max_exp_avg_sqs = state(max_exp_avg_sqs, "max_exp_avg_sqs", /*optional=*/!amsgrad);
+  a.masters = master_args(kAdam, master_mode, dense, master_params, param_ids, seed,
+                          a.keep_alive);
+  a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
+  if constexpr (kDevice == at::kCPU) {
+    adam_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    adam_cuda(a, step);
+#endif
+  }
+}
+
+}  // namespace
+
+OpKernels fused_adam_kernels() { return AMPFUSE_KERNELS(fused_adam_); }
 
 }  // namespace ampfuse::ops

@@ -24,27 +24,6 @@ namespace {
 constexpr const char* kCast = "fp8_cast_amax";
 constexpr const char* kUpdate = "fp8_update_scales_";
 
-struct CastArgs {
-  at::Tensor src;  // dense: the input, or a contiguous copy of it
-  kernels::DType src_dtype;
-  kernels::Fp8Format format;
-  at::Tensor out;
-};
-
-CastArgs prepare_cast(const at::Tensor& input, const at::Tensor& scale, const at::Tensor& amax,
-                      at::ScalarType dtype) {
-  TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", kCast, ": input has layout ",
-              input.layout(), "; pass a dense tensor (t.to_dense()).");
-  const kernels::DType src_dtype = kernel_dtype(kCast, input, ArgLabel{"input"});
-  const kernels::Fp8Format format = fp8_format(kCast, dtype, "dtype");
-  check_scalar_tensor(kCast, scale, "scale", at::kFloat, input.device(), "input");
-  check_scalar_tensor(kCast, amax, "amax", at::kFloat, input.device(), "input");
-  // The fp8 result has the input's shape and is contiguous: the GEMM wants K-contiguous rows.
-  at::Tensor src = input.contiguous();
-  at::Tensor out = at::empty(input.sizes(), input.options().dtype(dtype));
-  return {std::move(src), src_dtype, format, std::move(out)};
-}
-
 struct UpdateArgs {
   std::vector<kernels::Fp8ScaleState> states;
   float margin_factor;
@@ -101,46 +80,77 @@ UpdateArgs prepare_update(at::TensorList amaxes, at::TensorList histories, at::T
   return args;
 }
 
-}  // namespace
-
-at::Tensor fp8_cast_amax_cpu(const at::Tensor& input, const at::Tensor& scale,
-                             const at::Tensor& amax, at::ScalarType dtype) {
-  CastArgs args = prepare_cast(input, scale, amax, dtype);
-  const float scale_value = *scale.data_ptr<float>();
-  const std::vector<kernels::TensorRef> list{
-      {args.src.data_ptr(), args.src.numel(), args.src_dtype}};
-  const std::vector<Span> spans = split_into_spans(list);
-  auto* dst = static_cast<std::uint8_t*>(args.out.data_ptr());
-  std::atomic<std::uint32_t> largest{0};
-  for_each_span(spans, [&](std::size_t s) {
-    const Span& span = spans[s];
-    const std::uint32_t bits = kernels::cpu::fp8_cast_amax_span(
-        element_ptr(list[0], span.offset), args.src_dtype, dst + span.offset, span.size,
-        scale_value, args.format);
-    std::uint32_t seen = largest.load(std::memory_order_relaxed);
-    while (bits > seen && !largest.compare_exchange_weak(seen, bits)) {
-    }
-  });
-  // Fold into the amax already there (several casts of one step accumulate), with nan winning.
-  float* amax_ptr = amax.data_ptr<float>();
-  const std::uint32_t folded = std::max(kernels::abs_bits(*amax_ptr), largest.load());
-  *amax_ptr = __builtin_bit_cast(float, folded);
-  return args.out;
+// fp8_cast_amax on kDevice (see ../ops.h).
+template <c10::DeviceType kDevice>
+at::Tensor fp8_cast_amax(const at::Tensor& input, const at::Tensor& scale, const at::Tensor& amax,
+                         at::ScalarType dtype) {
+  TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", kCast, ": input has layout ",
+              input.layout(), "; pass a dense tensor (t.to_dense()).");
+  const kernels::DType src_dtype = kernel_dtype(kCast, input, ArgLabel{"input"});
+  const kernels::Fp8Format format = fp8_format(kCast, dtype, "dtype");
+  check_scalar_tensor(kCast, scale, "scale", at::kFloat, input.device(), "input");
+  check_scalar_tensor(kCast, amax, "amax", at::kFloat, input.device(), "input");
+  // The fp8 result has the input's shape and is contiguous: the GEMM wants K-contiguous rows.
+  const at::Tensor src = input.contiguous();
+  at::Tensor out = at::empty(input.sizes(), input.options().dtype(dtype));
+  if constexpr (kDevice == at::kCPU) {
+    const float scale_value = *scale.data_ptr<float>();
+    const std::vector<kernels::TensorRef> list{{src.data_ptr(), src.numel(), src_dtype}};
+    const std::vector<Span> spans = split_into_spans(list);
+    auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
+    std::atomic<std::uint32_t> largest{0};
+    for_each_span(spans, [&](std::size_t s) {
+      const Span& span = spans[s];
+      const std::uint32_t bits =
+          kernels::cpu::fp8_cast_amax_span(element_ptr(list[0], span.offset), src_dtype,
+                                           dst + span.offset, span.size, scale_value, format);
+      std::uint32_t seen = largest.load(std::memory_order_relaxed);
+      while (bits > seen && !largest.compare_exchange_weak(seen, bits)) {
+      }
+    });
+    // Fold into the amax already there (several casts of one step accumulate), with nan
+    // winning.
+    float* amax_ptr = amax.data_ptr<float>();
+    const std::uint32_t folded = std::max(kernels::abs_bits(*amax_ptr), largest.load());
+    *amax_ptr = __builtin_bit_cast(float, folded);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(input.device());
+    kernels::cuda::fp8_cast_amax({src.data_ptr(), src.numel(), src_dtype},
+                                 static_cast<std::uint8_t*>(out.data_ptr()),
+                                 scale.data_ptr<float>(), amax.data_ptr<float>(), format,
+                                 current_stream(input.device()));
+#endif
+  }
+  return out;
 }
 
-void fp8_update_scales_cpu(at::TensorList amaxes, at::TensorList amax_histories,
-                           at::TensorList scales, at::TensorList scale_invs,
-                           at::ArrayRef<double> fp8_maxes, std::int64_t margin,
-                           c10::string_view amax_compute,
-                           const c10::optional<at::Tensor>& found_inf) {
+// fp8_update_scales_ on kDevice (see ../ops.h).
+template <c10::DeviceType kDevice>
+void fp8_update_scales_(at::TensorList amaxes, at::TensorList amax_histories,
+                        at::TensorList scales, at::TensorList scale_invs,
+                        at::ArrayRef<double> fp8_maxes, std::int64_t margin,
+                        c10::string_view amax_compute,
+                        const c10::optional<at::Tensor>& found_inf) {
   const UpdateArgs args = prepare_update(amaxes, amax_histories, scales, scale_invs, fp8_maxes,
                                          margin, std::string(amax_compute), found_inf);
-  const bool skip = found_inf.has_value() && *found_inf->data_ptr<float>() != 0.0f;
-  for (const kernels::Fp8ScaleState& state : args.states) {
-    kernels::update_fp8_scale(state, args.margin_factor, args.use_max, skip);
+  if constexpr (kDevice == at::kCPU) {
+    const bool skip = found_inf.has_value() && *found_inf->data_ptr<float>() != 0.0f;
+    for (const kernels::Fp8ScaleState& state : args.states) {
+      kernels::update_fp8_scale(state, args.margin_factor, args.use_max, skip);
+    }
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    if (args.states.empty()) return;
+    const c10::cuda::CUDAGuard guard(amaxes[0].device());
+    kernels::cuda::fp8_update_scales(args.states, args.margin_factor, args.use_max,
+                                     found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
+                                     current_stream(amaxes[0].device()));
+#endif
   }
 }
 
+// fp8_update_scales_ for arguments no CPU or CUDA kernel takes (CompositeExplicitAutograd).
 void fp8_update_scales_fallback(at::TensorList amaxes, at::TensorList amax_histories,
                                 at::TensorList scales, at::TensorList scale_invs,
                                 at::ArrayRef<double> fp8_maxes, std::int64_t margin,
@@ -164,31 +174,14 @@ void fp8_update_scales_fallback(at::TensorList amaxes, at::TensorList amax_histo
               "are not plain CPU or CUDA tensors); pass plain dense CPU or CUDA tensors.");
 }
 
-#ifdef AMPFUSE_WITH_CUDA
-at::Tensor fp8_cast_amax_cuda(const at::Tensor& input, const at::Tensor& scale,
-                              const at::Tensor& amax, at::ScalarType dtype) {
-  CastArgs args = prepare_cast(input, scale, amax, dtype);
-  const c10::cuda::CUDAGuard guard(input.device());
-  kernels::cuda::fp8_cast_amax({args.src.data_ptr(), args.src.numel(), args.src_dtype},
-                               static_cast<std::uint8_t*>(args.out.data_ptr()),
-                               scale.data_ptr<float>(), amax.data_ptr<float>(), args.format,
-                               current_stream(input.device()));
-  return args.out;
-}
+}  // namespace
 
-void fp8_update_scales_cuda(at::TensorList amaxes, at::TensorList amax_histories,
-                            at::TensorList scales, at::TensorList scale_invs,
-                            at::ArrayRef<double> fp8_maxes, std::int64_t margin,
-                            c10::string_view amax_compute,
-                            const c10::optional<at::Tensor>& found_inf) {
-  const UpdateArgs args = prepare_update(amaxes, amax_histories, scales, scale_invs, fp8_maxes,
-                                         margin, std::string(amax_compute), found_inf);
-  if (args.states.empty()) return;
-  const c10::cuda::CUDAGuard guard(amaxes[0].device());
-  kernels::cuda::fp8_update_scales(args.states, args.margin_factor, args.use_max,
-                                   found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
-                                   current_stream(amaxes[0].device()));
+OpKernels fp8_cast_amax_kernels() { return AMPFUSE_KERNELS(fp8_cast_amax); }
+
+OpKernels fp8_update_scales_kernels() {
+  OpKernels kernels = AMPFUSE_KERNELS(fp8_update_scales_);
+  kernels.fallback.emplace(&fp8_update_scales_fallback);
+  return kernels;
 }
-#endif
 
 }  // namespace ampfuse::ops

@@ -18,14 +18,11 @@ namespace {
 
 constexpr const char* kGemm = "fp8_gemm";
 
-struct GemmShape {
-  kernels::Fp8Format a_format, b_format;
-  std::int64_t m, n, k;
-};
-
-GemmShape check_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
-                     const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
-                     at::ScalarType out_dtype) {
+// fp8_gemm on kDevice (see ../ops.h).
+template <c10::DeviceType kDevice>
+at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                    const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
+                    at::ScalarType out_dtype) {
   const kernels::Fp8Format a_format = fp8_format(kGemm, a.scalar_type(), "a");
   const kernels::Fp8Format b_format = fp8_format(kGemm, b.scalar_type(), "b");
   TORCH_CHECK(a_format == kernels::Fp8Format::kE4M3 || b_format == kernels::Fp8Format::kE4M3,
@@ -57,57 +54,48 @@ GemmShape check_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
                 "dtype out_dtype (", out_dtype, ") on ", a.device(), ", got shape ",
                 bias->sizes(), ", dtype ", bias->scalar_type(), " on ", bias->device(), ".");
   }
-  return {a_format, b_format, m, n, k};
+  if constexpr (kDevice == at::kCPU) {
+    // What the GPU computes: exact fp8 products summed in fp32, the sum times the product of
+    // the two scale_invs, plus the bias, rounded once to out_dtype.
+    at::Tensor out = at::mm(a.to(at::kFloat), b.to(at::kFloat).t());
+    out.mul_(at::mul(a_scale_inv, b_scale_inv));
+    if (bias.has_value()) out.add_(bias->to(at::kFloat));
+    return out.to(out_dtype);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    const int device = a.device().index();
+    const int capability = kernels::cuda::compute_capability(device);
+    TORCH_CHECK(capability >= 89, "ampfuse.", kGemm, ": CUDA device ", device, " has compute "
+                "capability ", capability / 10, ".", capability % 10, "; FP8 GEMMs need 8.9 or "
+                "newer (Ada, Hopper, Blackwell). Train this model without fp8, or on such a GPU.");
+    for (const at::Tensor* t : {&a, &b}) {
+      TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 == 0, "ampfuse.", kGemm,
+                  ": a and b must start on a 16-byte boundary (cuBLASLt's rule); pass a fresh "
+                  "copy (t.clone()) instead of a view into another tensor.");
+    }
+    const c10::cuda::CUDAGuard guard(a.device());
+    at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+    at::Tensor workspace =
+        at::empty({static_cast<std::int64_t>(kernels::cuda::kFp8GemmWorkspaceBytes)},
+                  a.options().dtype(at::kByte));
+    // cuBLASLt's FP8 kernels take a bf16 bias only; an fp32 out gets its fp32 bias added after,
+    // which keeps the bias's bits.
+    const bool fused_bias = bias.has_value() && out_dtype == at::kBFloat16;
+    kernels::cuda::Fp8GemmArgs args{a.data_ptr(), a_format, b.data_ptr(), b_format, m, n, k,
+                                    a_scale_inv.data_ptr<float>(), b_scale_inv.data_ptr<float>(),
+                                    fused_bias ? bias->data_ptr() : nullptr, out.data_ptr(),
+                                    out_dtype == at::kBFloat16 ? kernels::DType::kBFloat16
+                                                               : kernels::DType::kFloat32,
+                                    workspace.data_ptr(), kernels::cuda::kFp8GemmWorkspaceBytes};
+    kernels::cuda::fp8_gemm(args, current_stream(a.device()));
+    if (bias.has_value() && !fused_bias) out.add_(*bias);
+    return out;
+#endif
+  }
 }
 
 }  // namespace
 
-at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
-                        const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
-                        at::ScalarType out_dtype) {
-  check_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype);
-  // What the GPU computes: exact fp8 products summed in fp32, the sum times the product of
-  // the two scale_invs, plus the bias, rounded once to out_dtype.
-  at::Tensor out = at::mm(a.to(at::kFloat), b.to(at::kFloat).t());
-  out.mul_(at::mul(a_scale_inv, b_scale_inv));
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out.to(out_dtype);
-}
-
-#ifdef AMPFUSE_WITH_CUDA
-at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
-                         const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
-                         at::ScalarType out_dtype) {
-  const GemmShape shape = check_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype);
-  const int device = a.device().index();
-  const int capability = kernels::cuda::compute_capability(device);
-  TORCH_CHECK(capability >= 89, "ampfuse.", kGemm, ": CUDA device ", device, " has compute "
-              "capability ", capability / 10, ".", capability % 10, "; FP8 GEMMs need 8.9 or "
-              "newer (Ada, Hopper, Blackwell). Train this model without fp8, or on such a GPU.");
-  for (const at::Tensor* t : {&a, &b}) {
-    TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 == 0, "ampfuse.", kGemm,
-                ": a and b must start on a 16-byte boundary (cuBLASLt's rule); pass a fresh "
-                "copy (t.clone()) instead of a view into another tensor.");
-  }
-  const c10::cuda::CUDAGuard guard(a.device());
-  at::Tensor out = at::empty({shape.m, shape.n}, a.options().dtype(out_dtype));
-  at::Tensor workspace = at::empty(
-      {static_cast<std::int64_t>(kernels::cuda::kFp8GemmWorkspaceBytes)},
-      a.options().dtype(at::kByte));
-  // cuBLASLt's FP8 kernels take a bf16 bias only; an fp32 out gets its fp32 bias added after,
-  // which keeps the bias's bits.
-  const bool fused_bias = bias.has_value() && out_dtype == at::kBFloat16;
-  kernels::cuda::Fp8GemmArgs args{a.data_ptr(), shape.a_format, b.data_ptr(), shape.b_format,
-                                  shape.m, shape.n, shape.k, a_scale_inv.data_ptr<float>(),
-                                  b_scale_inv.data_ptr<float>(),
-                                  fused_bias ? bias->data_ptr() : nullptr, out.data_ptr(),
-                                  out_dtype == at::kBFloat16 ? kernels::DType::kBFloat16
-                                                             : kernels::DType::kFloat32,
-                                  workspace.data_ptr(), kernels::cuda::kFp8GemmWorkspaceBytes};
-  kernels::cuda::fp8_gemm(args, current_stream(a.device()));
-  if (bias.has_value() && !fused_bias) out.add_(*bias);
-  return out;
-}
-#endif
+OpKernels fp8_gemm_kernels() { return AMPFUSE_KERNELS(fp8_gemm); }
 
 }  // namespace ampfuse::ops

@@ -15,33 +15,32 @@ namespace {
 
 constexpr const char* kTranspose = "fp8_transpose";
 
-// The input as a row-major [m, k] tensor, after the checks.
-at::Tensor row_major_input(const at::Tensor& input) {
+// fp8_transpose on kDevice (see ../ops.h).
+template <c10::DeviceType kDevice>
+at::Tensor fp8_transpose(const at::Tensor& input) {
   TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", kTranspose, ": input has layout ",
               input.layout(), "; pass a dense tensor (t.to_dense()).");
   fp8_format(kTranspose, input.scalar_type(), "input");
   TORCH_CHECK(input.dim() == 2, "ampfuse.", kTranspose, ": input must be 2-D (rows x "
               "columns), got shape ", input.sizes(), "; reshape it to 2-D first (an FP8 GEMM "
               "operand is a matrix).");
-  return input.contiguous();
+  const at::Tensor src = input.contiguous();  // row-major [m, k]
+  if constexpr (kDevice == at::kCPU) {
+    return src.t().contiguous();
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(src.device());
+    at::Tensor out = at::empty({src.size(1), src.size(0)}, src.options());
+    kernels::cuda::fp8_transpose(static_cast<const std::uint8_t*>(src.data_ptr()),
+                                 static_cast<std::uint8_t*>(out.data_ptr()), src.size(0),
+                                 src.size(1), current_stream(src.device()));
+    return out;
+#endif
+  }
 }
 
 }  // namespace
 
-at::Tensor fp8_transpose_cpu(const at::Tensor& input) {
-  return row_major_input(input).t().contiguous();
-}
-
-#ifdef AMPFUSE_WITH_CUDA
-at::Tensor fp8_transpose_cuda(const at::Tensor& input) {
-  const at::Tensor src = row_major_input(input);
-  const c10::cuda::CUDAGuard guard(src.device());
-  at::Tensor out = at::empty({src.size(1), src.size(0)}, src.options());
-  kernels::cuda::fp8_transpose(static_cast<const std::uint8_t*>(src.data_ptr()),
-                               static_cast<std::uint8_t*>(out.data_ptr()), src.size(0),
-                               src.size(1), current_stream(src.device()));
-  return out;
-}
-#endif
+OpKernels fp8_transpose_kernels() { return AMPFUSE_KERNELS(fp8_transpose); }
 
 }  // namespace ampfuse::ops

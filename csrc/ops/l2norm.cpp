@@ -25,36 +25,53 @@ std::tuple<at::Tensor, at::Tensor> empty_outputs(const c10::optional<at::Device>
   return {at::empty({}, options), at::empty({per_tensor ? tensors : 0}, options)};
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors,
-                                                           bool per_tensor) {
+// multi_tensor_l2norm on kDevice (see ../ops.h).
+template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors, bool per_tensor) {
   const auto device = list_device(kL2norm, tensors, "tensors");
   std::vector<at::Tensor> keep_alive;
   const auto refs = tensor_refs(kL2norm, tensors, "tensors", /*mutated=*/false, keep_alive);
   auto [global, per_tensor_norms] = empty_outputs(device, tensors.size(), per_tensor);
-
-  const std::vector<Span> spans = split_into_spans(refs);
-  std::vector<double> span_sums(spans.size());
-  for_each_span(spans, [&](std::size_t s) {
-    const Span& span = spans[s];
-    const kernels::TensorRef& t = refs[span.tensor];
-    span_sums[s] = kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype,
-                                                     span.size);
-  });
-  // Sums are combined in a fixed order, so the result does not depend on the
-  // number of threads.
-  std::vector<double> tensor_sums(refs.size(), 0.0);
-  for (std::size_t s = 0; s < spans.size(); ++s) tensor_sums[spans[s].tensor] += span_sums[s];
-  double total = 0.0;
-  for (std::size_t i = 0; i < refs.size(); ++i) {
-    total += tensor_sums[i];
-    if (per_tensor) per_tensor_norms.data_ptr<float>()[i] = static_cast<float>(std::sqrt(tensor_sums[i]));
+  if constexpr (kDevice == at::kCPU) {
+    const std::vector<Span> spans = split_into_spans(refs);
+    std::vector<double> span_sums(spans.size());
+    for_each_span(spans, [&](std::size_t s) {
+      const Span& span = spans[s];
+      const kernels::TensorRef& t = refs[span.tensor];
+      span_sums[s] = kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype,
+                                                       span.size);
+    });
+    // Sums are combined in a fixed order, so the result does not depend on the
+    // number of threads.
+    std::vector<double> tensor_sums(refs.size(), 0.0);
+    for (std::size_t s = 0; s < spans.size(); ++s) tensor_sums[spans[s].tensor] += span_sums[s];
+    double total = 0.0;
+    for (std::size_t i = 0; i < refs.size(); ++i) {
+      total += tensor_sums[i];
+      if (per_tensor) {
+        per_tensor_norms.data_ptr<float>()[i] = static_cast<float>(std::sqrt(tensor_sums[i]));
+      }
+    }
+    *global.data_ptr<float>() = static_cast<float>(std::sqrt(total));
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    if (refs.empty()) return {global.zero_(), per_tensor_norms};
+    const c10::cuda::CUDAGuard guard(*device);
+    const std::int64_t chunks = kernels::cuda::l2norm_scratch_chunks(refs);
+    const auto scratch = at::TensorOptions().device(*device);
+    at::Tensor chunk_sums = at::empty({chunks}, scratch.dtype(at::kFloat));
+    at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
+    kernels::cuda::l2norm(refs, chunk_sums.data_ptr<float>(),
+                          chunk_owner.data_ptr<std::int32_t>(), global.data_ptr<float>(),
+                          per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
+                          current_stream(*device));
+#endif
   }
-  *global.data_ptr<float>() = static_cast<float>(std::sqrt(total));
   return {global, per_tensor_norms};
 }
 
+// multi_tensor_l2norm for arguments no CPU or CUDA kernel takes (CompositeExplicitAutograd):
+// the norms of an empty list, which are 0 on the CPU, or a refusal.
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_fallback(at::TensorList tensors,
                                                                 bool per_tensor) {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -66,26 +83,12 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_fallback(at::TensorList t
   return {global.zero_(), per_tensor_norms};
 }
 
-#ifdef AMPFUSE_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,
-                                                            bool per_tensor) {
-  const auto device = list_device(kL2norm, tensors, "tensors");
-  std::vector<at::Tensor> keep_alive;
-  const auto refs = tensor_refs(kL2norm, tensors, "tensors", /*mutated=*/false, keep_alive);
-  auto [global, per_tensor_norms] = empty_outputs(device, tensors.size(), per_tensor);
-  if (refs.empty()) return {global.zero_(), per_tensor_norms};
+}  // namespace
 
-  const c10::cuda::CUDAGuard guard(*device);
-  const std::int64_t chunks = kernels::cuda::l2norm_scratch_chunks(refs);
-  const auto scratch = at::TensorOptions().device(*device);
-  at::Tensor chunk_sums = at::empty({chunks}, scratch.dtype(at::kFloat));
-  at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
-  kernels::cuda::l2norm(refs, chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
-                        global.data_ptr<float>(),
-                        per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
-                        current_stream(*device));
-  return {global, per_tensor_norms};
+OpKernels multi_tensor_l2norm_kernels() {
+  OpKernels kernels = AMPFUSE_KERNELS(multi_tensor_l2norm);
+  kernels.fallback.emplace(&multi_tensor_l2norm_fallback);
+  return kernels;
 }
-#endif
 
 }  // namespace ampfuse::ops

@@ -64,78 +64,8 @@ double* sums_ptr(const c10::optional<at::Tensor>& sums, kernels::LambPart part, 
   return t.data_ptr<double>();
 }
 
-LambArgs check_lamb(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList master_params,
-                    const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
-                    double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
-                    bool grad_averaging, bool use_nvlamb, double max_grad_norm,
-                    const c10::optional<at::Tensor>& grad_norm,
-                    const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
-                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  check_moment_hyperparameters(kLamb, beta1, beta2, eps);
-  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kLamb, ": weight_decay must be >= 0, got ",
-              weight_decay, ".");
-  TORCH_CHECK(max_grad_norm >= 0.0 && std::isfinite(max_grad_norm), "ampfuse.", kLamb,
-              ": max_grad_norm must be a finite number >= 0 (0 turns clipping off), got ",
-              max_grad_norm, ".");
-  LambArgs a;
-  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
-  const WrittenList written(kLamb, params, "params", a.copy_back);
-  const at::TensorList dense = written.tensors();
-  a.part = parse_part(part);
-  const bool has_norm = grad_norm.has_value() && grad_norm->defined();
-  // The second half forms no clip: it needs no norm.
-  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply,
-              "ampfuse.", kLamb, ": max_grad_norm=", max_grad_norm,
-              " clips by the global grad norm; pass it as grad_norm (a "
-              "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
-              "the step), or max_grad_norm=0 for no clipping.");
-  const c10::optional<at::Device> device = list_device(kLamb, params, "params");
-  a.params = tensor_refs(kLamb, dense, "params", /*mutated=*/true, a.keep_alive);
-  a.scalars = step_scalars(kLamb, step, lr, grad_scale, found_inf, device);
-  a.tensor_sums = sums_ptr(tensor_sums, a.part, params.size(), device.value_or(step.device()));
-  a.grad_norm = nullptr;
-  if (max_grad_norm > 0.0 && a.part != kernels::LambPart::kApply) {
-    check_scalar_tensor(kLamb, *grad_norm, "grad_norm", at::kFloat, device.value_or(step.device()),
-                        device.has_value() ? "params" : "step, as params is empty");
-    a.grad_norm = grad_norm->data_ptr<float>();
-  }
-  // Only the first pass reads (and may write back) the grads.
-  a.write_grads = a.part != kernels::LambPart::kApply &&
-                  writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kLamb, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  const auto state = [&](at::TensorList list, const char* name, bool optional) {
-    return companion_refs(kLamb, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
-                          a.keep_alive);
-  };
-  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
-  a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
-  a.masters = master_args(kLamb, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
-              adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
-  return a;
-}
-
-}  // namespace
-
-void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList master_params,
-                    const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
-                    double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
-                    bool grad_averaging, bool use_nvlamb, double max_grad_norm,
-                    const c10::optional<at::Tensor>& grad_norm,
-                    const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
-                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
-                                beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
-                                grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
-                                found_inf, write_unscaled_grads, tensor_sums, part,
-                                master_mode, param_ids, seed);
+// The CPU step from the checked arguments.
+void lamb_cpu(const LambArgs& a) {
   if (cpu_step_skipped(a.scalars)) return;
   const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
   const kernels::LambStep lamb_step =
@@ -210,21 +140,8 @@ void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 }
 
 #ifdef AMPFUSE_WITH_CUDA
-void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList master_params,
-                     const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
-                     double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
-                     bool grad_averaging, bool use_nvlamb, double max_grad_norm,
-                     const c10::optional<at::Tensor>& grad_norm,
-                     const c10::optional<at::Tensor>& grad_scale,
-                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                     const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
-                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const LambArgs a = check_lamb(params, grads, exp_avgs, exp_avg_sqs, master_params, step, lr,
-                                beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
-                                grad_averaging, use_nvlamb, max_grad_norm, grad_norm, grad_scale,
-                                found_inf, write_unscaled_grads, tensor_sums, part,
-                                master_mode, param_ids, seed);
+// The CUDA step from the checked arguments.
+void lamb_cuda(const LambArgs& a, const at::Tensor& step) {
   check_cuda_step(kLamb, step);
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
@@ -247,5 +164,71 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   finish_copy_back(a.copy_back);
 }
 #endif
+
+// fused_lamb_ on kDevice (see ../ops.h): the checks, then the step on that device.
+template <c10::DeviceType kDevice>
+void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList master_params, const at::Tensor& step,
+                 const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool adam_w_mode, bool bias_correction, bool grad_averaging, bool use_nvlamb,
+                 double max_grad_norm, const c10::optional<at::Tensor>& grad_norm,
+                 const c10::optional<at::Tensor>& grad_scale,
+                 const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                 const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                 c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
+  check_moment_hyperparameters(kLamb, beta1, beta2, eps);
+  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kLamb, ": weight_decay must be >= 0, got ",
+              weight_decay, ".");
+  TORCH_CHECK(max_grad_norm >= 0.0 && std::isfinite(max_grad_norm), "ampfuse.", kLamb,
+              ": max_grad_norm must be a finite number >= 0 (0 turns clipping off), got ",
+              max_grad_norm, ".");
+  LambArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kLamb, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
+  a.part = parse_part(part);
+  const bool has_norm = grad_norm.has_value() && grad_norm->defined();
+  // The second half forms no clip: it needs no norm.
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply,
+              "ampfuse.", kLamb, ": max_grad_norm=", max_grad_norm,
+              " clips by the global grad norm; pass it as grad_norm (a "
+              "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
+              "the step), or max_grad_norm=0 for no clipping.");
+  const c10::optional<at::Device> device = list_device(kLamb, params, "params");
+  a.params = tensor_refs(kLamb, dense, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kLamb, step, lr, grad_scale, found_inf, device);
+  a.tensor_sums = sums_ptr(tensor_sums, a.part, params.size(), device.value_or(step.device()));
+  a.grad_norm = nullptr;
+  if (max_grad_norm > 0.0 && a.part != kernels::LambPart::kApply) {
+    check_scalar_tensor(kLamb, *grad_norm, "grad_norm", at::kFloat, device.value_or(step.device()),
+                        device.has_value() ? "params" : "step, as params is empty");
+    a.grad_norm = grad_norm->data_ptr<float>();
+  }
+  // Only the first pass reads (and may write back) the grads.
+  a.write_grads = a.part != kernels::LambPart::kApply &&
+                  writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kLamb, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  const auto state = [&](at::TensorList list, const char* name, bool optional) {
+    return companion_refs(kLamb, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
+                          a.keep_alive);
+  };
+  a.exp_avgs = state(exp_avgs, "exp_avgs", false);
+  a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
+  a.masters = master_args(kLamb, master_mode, dense, master_params, param_ids, seed,
+                          a.keep_alive);
+  a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
+              adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
+  if constexpr (kDevice == at::kCPU) {
+    lamb_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    lamb_cuda(a, step);
+#endif
+  }
+}
+
+}  // namespace
+
+OpKernels fused_lamb_kernels() { return AMPFUSE_KERNELS(fused_lamb_); }
 
 }  // namespace ampfuse::ops

@@ -90,64 +90,8 @@ std::vector<kernels::TensorRef> norm_avg_refs(at::TensorList norm_avgs, at::Tens
   return refs;
 }
 
-NovoGradArgs check_novograd(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                            at::TensorList norm_avgs, at::TensorList master_params,
-                            const at::Tensor& step, const at::Tensor& lr, double beta1,
-                            double beta2, double eps, double weight_decay, bool bias_correction,
-                            bool grad_averaging, bool reg_inside_moment, std::int64_t norm_type,
-                            bool init_zero, const c10::optional<at::Tensor>& grad_scale,
-                            const c10::optional<at::Tensor>& found_inf,
-                            bool write_unscaled_grads,
-                            const c10::optional<at::Tensor>& tensor_reductions,
-                            c10::string_view part, c10::string_view master_mode,
-                            at::IntArrayRef param_ids, int64_t seed) {
-  check_moment_hyperparameters(kNovoGrad, beta1, beta2, eps);
-  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kNovoGrad, ": weight_decay must be >= 0, got ",
-              weight_decay, ".");
-  NovoGradArgs a;
-  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
-  const WrittenList written(kNovoGrad, params, "params", a.copy_back);
-  const at::TensorList dense = written.tensors();
-  a.part = parse_part(part);
-  const bool max_norm = parse_norm_type(norm_type);
-  const c10::optional<at::Device> device = list_device(kNovoGrad, params, "params");
-  const at::Device home = device.value_or(step.device());
-  a.params = tensor_refs(kNovoGrad, dense, "params", /*mutated=*/true, a.keep_alive);
-  a.scalars = step_scalars(kNovoGrad, step, lr, grad_scale, found_inf, device);
-  a.tensor_reductions = reductions_ptr(tensor_reductions, a.part, params.size(), home);
-  // Only the second pass writes the grads back: the first reads them.
-  a.write_grads = a.part != kernels::NovoGradPart::kNorms &&
-                  writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kNovoGrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  a.exp_avgs = companion_refs(kNovoGrad, exp_avgs, "exp_avgs", dense, Access::kWrite,
-                              /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
-  a.norm_avgs = norm_avg_refs(norm_avgs, dense, home, a.keep_alive);
-  // Checked in every part, though kNorms does not read it: both halves of a step take the
-  // same arguments.
-  a.masters = master_args(kNovoGrad, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {beta1,          beta2,             eps,      weight_decay, bias_correction,
-              grad_averaging, reg_inside_moment, max_norm, init_zero};
-  return a;
-}
-
-}  // namespace
-
-void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                        at::TensorList norm_avgs, at::TensorList master_params,
-                        const at::Tensor& step, const at::Tensor& lr, double beta1,
-                        double beta2, double eps, double weight_decay, bool bias_correction,
-                        bool grad_averaging, bool reg_inside_moment, int64_t norm_type,
-                        bool init_zero, const c10::optional<at::Tensor>& grad_scale,
-                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                        const c10::optional<at::Tensor>& tensor_reductions,
-                        c10::string_view part, c10::string_view master_mode,
-                        at::IntArrayRef param_ids, int64_t seed) {
-  const NovoGradArgs a =
-      check_novograd(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
-                     eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
-                     norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads,
-                     tensor_reductions, part, master_mode, param_ids, seed);
+// The CPU step from the checked arguments.
+void novograd_cpu(const NovoGradArgs& a) {
   if (cpu_step_skipped(a.scalars)) return;
   const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
   const kernels::NovoGradStep novograd_step = kernels::make_novograd_constants(
@@ -209,21 +153,8 @@ void fused_novograd_cpu(at::TensorList params, at::TensorList grads, at::TensorL
 }
 
 #ifdef AMPFUSE_WITH_CUDA
-void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList norm_avgs, at::TensorList master_params,
-                         const at::Tensor& step, const at::Tensor& lr, double beta1,
-                         double beta2, double eps, double weight_decay, bool bias_correction,
-                         bool grad_averaging, bool reg_inside_moment, int64_t norm_type,
-                         bool init_zero, const c10::optional<at::Tensor>& grad_scale,
-                         const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                         const c10::optional<at::Tensor>& tensor_reductions,
-                         c10::string_view part, c10::string_view master_mode,
-                         at::IntArrayRef param_ids, int64_t seed) {
-  const NovoGradArgs a =
-      check_novograd(params, grads, exp_avgs, norm_avgs, master_params, step, lr, beta1, beta2,
-                     eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
-                     norm_type, init_zero, grad_scale, found_inf, write_unscaled_grads,
-                     tensor_reductions, part, master_mode, param_ids, seed);
+// The CUDA step from the checked arguments.
+void novograd_cuda(const NovoGradArgs& a, const at::Tensor& step) {
   check_cuda_step(kNovoGrad, step);
   const c10::cuda::CUDAGuard guard(step.device());
   const at::Tensor constants = step_constants_buffer<kernels::NovoGradStep>(step.device());
@@ -251,5 +182,56 @@ void fused_novograd_cuda(at::TensorList params, at::TensorList grads, at::Tensor
   finish_copy_back(a.copy_back);
 }
 #endif
+
+// fused_novograd_ on kDevice (see ../ops.h): the checks, then the step on that device.
+template <c10::DeviceType kDevice>
+void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList norm_avgs, at::TensorList master_params, const at::Tensor& step,
+                     const at::Tensor& lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool bias_correction, bool grad_averaging,
+                     bool reg_inside_moment, std::int64_t norm_type, bool init_zero,
+                     const c10::optional<at::Tensor>& grad_scale,
+                     const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                     const c10::optional<at::Tensor>& tensor_reductions, c10::string_view part,
+                     c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
+  check_moment_hyperparameters(kNovoGrad, beta1, beta2, eps);
+  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kNovoGrad, ": weight_decay must be >= 0, got ",
+              weight_decay, ".");
+  NovoGradArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kNovoGrad, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
+  a.part = parse_part(part);
+  const bool max_norm = parse_norm_type(norm_type);
+  const c10::optional<at::Device> device = list_device(kNovoGrad, params, "params");
+  const at::Device home = device.value_or(step.device());
+  a.params = tensor_refs(kNovoGrad, dense, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kNovoGrad, step, lr, grad_scale, found_inf, device);
+  a.tensor_reductions = reductions_ptr(tensor_reductions, a.part, params.size(), home);
+  // Only the second pass writes the grads back: the first reads them.
+  a.write_grads = a.part != kernels::NovoGradPart::kNorms &&
+                  writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kNovoGrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  a.exp_avgs = companion_refs(kNovoGrad, exp_avgs, "exp_avgs", dense, Access::kWrite,
+                              /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
+  a.norm_avgs = norm_avg_refs(norm_avgs, dense, home, a.keep_alive);
+  // Checked in every part, though kNorms does not read it: both halves of a step take the
+  // same arguments.
+  a.masters = master_args(kNovoGrad, master_mode, dense, master_params, param_ids, seed,
+                          a.keep_alive);
+  a.config = {beta1,          beta2,             eps,      weight_decay, bias_correction,
+              grad_averaging, reg_inside_moment, max_norm, init_zero};
+  if constexpr (kDevice == at::kCPU) {
+    novograd_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    novograd_cuda(a, step);
+#endif
+  }
+}
+
+}  // namespace
+
+OpKernels fused_novograd_kernels() { return AMPFUSE_KERNELS(fused_novograd_); }
 
 }  // namespace ampfuse::ops

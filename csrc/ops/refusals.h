@@ -18,20 +18,20 @@ namespace ampfuse::ops {
 
 namespace refusal_detail {
 
-// Element-wise ops act on a coalesced sparse tensor's values exactly as on the tensor.
-inline bool works_on_values(const std::string& op) {
-  return op == "multi_tensor_unscale_" || op == "multi_tensor_nonfinite_check_" ||
-         op == "multi_tensor_scale_" || op == "multi_tensor_l2norm";
+inline bool starts_with(const std::string& text, const char* prefix) {
+  return text.rfind(prefix, 0) == 0;
 }
 
+// The fix depends on the op's family, which its name says, so an op needs no entry here:
+// fused_* ops are optimizer steps; multi_tensor_* ops act element by element, so on a
+// coalesced sparse tensor's values exactly as on the tensor.
 inline std::string sparse_fix(const std::string& op, bool compressed) {
-  if (op == "fused_adam_" || op == "fused_sgd_" || op == "fused_adagrad_" ||
-      op == "fused_lamb_" || op == "fused_novograd_") {
+  if (starts_with(op, "fused_")) {
     return "Fused optimizers update dense params from dense grads: use torch.optim.SparseAdam "
            "or torch.optim.SGD for params with sparse grads (e.g. nn.Embedding(sparse=True)), "
            "or pass grad.to_dense().";
   }
-  if (!works_on_values(op)) return "Pass a dense tensor (t.to_dense()).";
+  if (!starts_with(op, "multi_tensor_")) return "Pass a dense tensor (t.to_dense()).";
   if (compressed) {
     return "Pass its values instead (t.values()): scaling, inf/nan checks and norms of a "
            "sparse tensor are those of its stored values.";

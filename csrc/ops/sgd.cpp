@@ -24,48 +24,8 @@ struct SgdArgs {
   std::vector<CopyBack> copy_back;
 };
 
-SgdArgs check_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                  at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                  double momentum, double dampening, double weight_decay, bool nesterov,
-                  bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                  const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                  bool wd_after_momentum,
-                  c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  TORCH_CHECK(momentum >= 0.0, "ampfuse.", kSgd, ": momentum must be >= 0, got ", momentum, ".");
-  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), "ampfuse.", kSgd,
-              ": nesterov needs momentum > 0 and dampening == 0.");
-  TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), "ampfuse.", kSgd,
-              ": pass one momentum buffer per param when momentum != 0, and none when it is 0.");
-  SgdArgs a;
-  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
-  const WrittenList written(kSgd, params, "params", a.copy_back);
-  const at::TensorList dense = written.tensors();
-  const c10::optional<at::Device> device = list_device(kSgd, params, "params");
-  a.params = tensor_refs(kSgd, dense, "params", /*mutated=*/true, a.keep_alive);
-  a.scalars = step_scalars(kSgd, step, lr, grad_scale, found_inf, device);
-  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
-  a.grads = grad_refs(kSgd, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", dense,
-                                      Access::kWrite, true, /*optional=*/true, a.keep_alive);
-  a.masters = master_args(kSgd, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {momentum, dampening, weight_decay, nesterov, maximize, wd_after_momentum};
-  return a;
-}
-
-}  // namespace
-
-void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                   at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                   double momentum, double dampening, double weight_decay, bool nesterov,
-                   bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                   const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                   bool wd_after_momentum,
-                   c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
-                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
-                              write_unscaled_grads, wd_after_momentum, master_mode, param_ids,
-                              seed);
+// The CPU step from the checked arguments.
+void sgd_cpu(const SgdArgs& a) {
   if (cpu_step_skipped(a.scalars)) return;
   const kernels::SgdStep sgd_step = cpu_step_constants(a.config, a.scalars);
   const std::vector<Span> spans = split_into_spans(a.params);
@@ -91,17 +51,8 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
 }
 
 #ifdef AMPFUSE_WITH_CUDA
-void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                    at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                    double momentum, double dampening, double weight_decay, bool nesterov,
-                    bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                    const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
-                    bool wd_after_momentum,
-                    c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  const SgdArgs a = check_sgd(params, grads, momentum_buffers, master_params, step, lr, momentum,
-                              dampening, weight_decay, nesterov, maximize, grad_scale, found_inf,
-                              write_unscaled_grads, wd_after_momentum, master_mode, param_ids,
-                              seed);
+// The CUDA step from the checked arguments.
+void sgd_cuda(const SgdArgs& a, const at::Tensor& step) {
   check_cuda_step(kSgd, step);
   // An empty list still advances the step count, as on the CPU (the prologue does it).
   const c10::cuda::CUDAGuard guard(step.device());
@@ -112,5 +63,46 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   finish_copy_back(a.copy_back);
 }
 #endif
+
+// fused_sgd_ on kDevice (see ../ops.h): the checks, then the step on that device.
+template <c10::DeviceType kDevice>
+void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
+                double momentum, double dampening, double weight_decay, bool nesterov,
+                bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                bool wd_after_momentum, c10::string_view master_mode, at::IntArrayRef param_ids,
+                int64_t seed) {
+  TORCH_CHECK(momentum >= 0.0, "ampfuse.", kSgd, ": momentum must be >= 0, got ", momentum, ".");
+  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), "ampfuse.", kSgd,
+              ": nesterov needs momentum > 0 and dampening == 0.");
+  TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), "ampfuse.", kSgd,
+              ": pass one momentum buffer per param when momentum != 0, and none when it is 0.");
+  SgdArgs a;
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList).
+  const WrittenList written(kSgd, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
+  const c10::optional<at::Device> device = list_device(kSgd, params, "params");
+  a.params = tensor_refs(kSgd, dense, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kSgd, step, lr, grad_scale, found_inf, device);
+  a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kSgd, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", dense,
+                                      Access::kWrite, true, /*optional=*/true, a.keep_alive);
+  a.masters = master_args(kSgd, master_mode, dense, master_params, param_ids, seed,
+                          a.keep_alive);
+  a.config = {momentum, dampening, weight_decay, nesterov, maximize, wd_after_momentum};
+  if constexpr (kDevice == at::kCPU) {
+    sgd_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    sgd_cuda(a, step);
+#endif
+  }
+}
+
+}  // namespace
+
+OpKernels fused_sgd_kernels() { return AMPFUSE_KERNELS(fused_sgd_); }
 
 }  // namespace ampfuse::ops

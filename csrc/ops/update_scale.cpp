@@ -15,10 +15,13 @@ namespace {
 
 constexpr const char* kUpdate = "update_scale_";
 
-void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                        double growth_factor, double backoff_factor, std::int64_t growth_interval,
-                        std::int64_t hysteresis, double min_scale, double max_scale) {
+// update_scale_ on kDevice (see ../ops.h): the checks, then the rule on the CPU or one CUDA
+// thread.
+template <c10::DeviceType kDevice>
+void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                   double growth_factor, double backoff_factor, std::int64_t growth_interval,
+                   std::int64_t hysteresis, double min_scale, double max_scale) {
   const at::Device device = scale.device();
   check_scalar_tensor(kUpdate, scale, "scale", at::kFloat, device);
   check_scalar_tensor(kUpdate, growth_tracker, "growth_tracker", at::kInt, device, "scale");
@@ -37,36 +40,25 @@ void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracke
   TORCH_CHECK(min_scale >= 0.0 && !std::isnan(max_scale) && min_scale <= max_scale, "ampfuse.",
               kUpdate, ": need 0 <= min_scale <= max_scale, got min_scale=", min_scale,
               " and max_scale=", max_scale, ".");
+  if constexpr (kDevice == at::kCPU) {
+    kernels::apply_scale_rule(scale.data_ptr<float>(), growth_tracker.data_ptr<std::int32_t>(),
+                              hysteresis_tracker.data_ptr<std::int32_t>(),
+                              *found_inf.data_ptr<float>(), growth_factor, backoff_factor,
+                              growth_interval, hysteresis, min_scale, max_scale);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(scale.device());
+    kernels::cuda::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<std::int32_t>(),
+                                hysteresis_tracker.data_ptr<std::int32_t>(),
+                                found_inf.data_ptr<float>(), growth_factor, backoff_factor,
+                                growth_interval, hysteresis, min_scale, max_scale,
+                                current_stream(scale.device()));
+#endif
+  }
 }
 
 }  // namespace
 
-void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                      const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                      double growth_factor, double backoff_factor, std::int64_t growth_interval,
-                      std::int64_t hysteresis, double min_scale, double max_scale) {
-  check_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  kernels::apply_scale_rule(scale.data_ptr<float>(), growth_tracker.data_ptr<std::int32_t>(),
-                            hysteresis_tracker.data_ptr<std::int32_t>(),
-                            *found_inf.data_ptr<float>(), growth_factor, backoff_factor,
-                            growth_interval, hysteresis, min_scale, max_scale);
-}
-
-#ifdef AMPFUSE_WITH_CUDA
-void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                       double growth_factor, double backoff_factor, std::int64_t growth_interval,
-                       std::int64_t hysteresis, double min_scale, double max_scale) {
-  check_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  const c10::cuda::CUDAGuard guard(scale.device());
-  kernels::cuda::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<std::int32_t>(),
-                              hysteresis_tracker.data_ptr<std::int32_t>(),
-                              found_inf.data_ptr<float>(), growth_factor, backoff_factor,
-                              growth_interval, hysteresis, min_scale, max_scale,
-                              current_stream(scale.device()));
-}
-#endif
+OpKernels update_scale_kernels() { return AMPFUSE_KERNELS(update_scale_); }
 
 }  // namespace ampfuse::ops
