@@ -10,8 +10,9 @@ usage cannot rot.
   process group itself.
 - ```sh (or ```bash, ```console) blocks are commands: each `make` target they name must exist
   in the Makefile.
-- ```text blocks are output or listings. A fence with any other language, or none, fails: a
-  block is never skipped silently.
+- ```text blocks are output or listings, and ```cpp blocks are sketches of C++ for contributors
+  (with elisions, so not compiled). A fence with any other language, or none, fails: a block is
+  never skipped silently.
 """
 
 import pathlib
@@ -28,7 +29,7 @@ FENCE = re.compile(
     re.MULTILINE | re.DOTALL,
 )
 SHELLS = ("sh", "bash", "console")
-LANGUAGES = {"python", "text", *SHELLS}
+LANGUAGES = {"python", "text", "cpp", *SHELLS}
 MARKERS = {"cuda", "torchrun"}
 
 # Optional dependencies (the `integrations` extra): a block importing one needs it installed.
