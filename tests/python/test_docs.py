@@ -108,10 +108,16 @@ def test_python_block_runs(block, monkeypatch):
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(_free_port())}.items():
             monkeypatch.setenv(key, value)
+    namespace = {"__name__": "docs_example"}
     try:
         # Running the documented example is the test.
-        exec(compile(code, "docs example", "exec"), {"__name__": "docs_example"})  # noqa: S102
+        exec(compile(code, "docs example", "exec"), namespace)  # noqa: S102
     finally:
+        # A class the block defines holds the namespace through its methods' globals, and the
+        # namespace holds the block's tensors, whose autograd graph can hold it back through
+        # C++ (hooks), where the garbage collector cannot see: clearing it frees the block's
+        # models, so no later test finds one (an O1 model's op policy, say) still alive.
+        namespace.clear()
         if block["marker"] == "torchrun":
             import torch.distributed as dist
 
