@@ -270,7 +270,7 @@ def test_master_free_runs_show_their_bytes_per_param(tmp_path, capsys):
     assert 12 < per_param["O2 master=False"] < 12.1
     assert 1.95 < per_param["O2 master=kahan"] - per_param["O2 master=False"] < 2.0
     out = capsys.readouterr().out
-    assert "B/param" in out and "O2 master=...: FusedAdamW's master_weights" in out
+    assert "B/param" in out and "O2 master=...: bf16 weights and FusedAdamW's master_weights" in out
 
 
 # ---- the hardware report (torch's queries mocked) and what it changes in the demo ----

@@ -6,7 +6,7 @@ import argparse
 # The demo's defaults live here so that building the parser imports nothing of the demo's
 # (digits.DEFAULT_STEPS and EMULATED_STEPS; a test keeps them equal).
 _DEMO_STEPS = 600
-_DEMO_EMULATED_STEPS = 160
+_DEMO_EMULATED_STEPS = 120
 _DEMO_OPT_LEVELS = ("O1", "O2", "O3")
 
 

@@ -59,11 +59,11 @@ from ampfuse.tools.demo.training import (
 # The demo's own dependencies (not ampfuse's), imported where they are used.
 REQUIREMENTS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 
-# Steps of the fp32, O1 and O2 runs, where their low dtype is native / emulated (in the second
-# case the emulated runs take ~10x fp32's time per step; a quarter keeps the demo near a minute
-# on 2 cores). --steps overrides both.
+# Steps of the fp32, O1 and O2 runs, where their low dtype is native / emulated. Emulated bf16
+# steps take 7-10x fp32's (39 ms on a 2-core EPYC held to AVX2, ~90 ms on the AVX2-only Zen of
+# issue 34): a fifth of the steps keeps the whole demo near a minute there. --steps overrides.
 DEFAULT_STEPS = 600
-EMULATED_STEPS = 160
+EMULATED_STEPS = 120
 # The master_weights runs and the CPU's fp16 run: this fraction of the steps, so that the demo
 # stays short. True first: fp32 masters, the master-free modes' baseline.
 SHORT_RUNS = 0.25
@@ -108,8 +108,8 @@ def plan_runs(hardware, low, steps, opt_levels, inject, master_modes, fp16_run):
     the step of the main runs the inf goes in; shorter runs get it at the same fraction."""
     main = steps or default_steps(hardware, low)
     if inject is not None and inject >= main:
-        raise DemoUsageError(f"--inject-overflow {inject} is past the last step ({main - 1}) of "
-                         f"the {main}-step runs")
+        raise DemoUsageError(f"--inject-overflow {inject} is past the last step ({main - 1}) "
+                             f"of the {main}-step runs")
     low_name = {v: k for k, v in DTYPES.items()}[low]
 
     def at(run_steps):
@@ -122,9 +122,8 @@ def plan_runs(hardware, low, steps, opt_levels, inject, master_modes, fp16_run):
     if master_modes and low == torch.bfloat16:
         runs += [Run(f"O2 master={mode}", "O2", low, short, at(short), master_weights=mode)
                  for mode in master_modes]
-        notes.append(f"O2 master=...: FusedAdamW's master_weights with bf16 weights, {short} "
-                     "steps each; True keeps fp32 masters, the others none (the baseline "
-                     "and the modes at the same steps).")
+        notes.append(f"O2 master=...: bf16 weights and FusedAdamW's master_weights, {short} "
+                     "steps each: True keeps fp32 masters (the baseline), the others none.")
     elif master_modes:
         notes.append("The master_weights runs are bf16 only (the master-free modes need it): "
                      "not run for this dtype.")
