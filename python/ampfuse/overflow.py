@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -48,7 +50,7 @@ class OverflowReport:
     param_names: list[str]
     kinds: list[str]
 
-    def __str__(self):
+    def __str__(self) -> str:
         if not self.param_names:
             return (
                 f"overflow at step {self.step}: no gradient checked here held inf/nan; the step "
@@ -86,14 +88,22 @@ def place_in_groups(param_groups: list[dict], param: torch.Tensor) -> tuple[int,
     return -1, -1
 
 
+class _Names(Protocol):
+    """What CheckRecord.report() asks of the names it is given (ParamNames, or an optimizer's
+    own names of its param groups)."""
+
+    def lookup(self) -> dict[int, str]: ...
+
+
 class ParamNames:
     """Module-qualified names for params, from models and (name, param) pairs."""
 
-    def __init__(self):
-        self._models = []  # weak references: a report never keeps a model alive
+    def __init__(self) -> None:
+        # weak references: a report never keeps a model alive
+        self._models: list[weakref.ref[torch.nn.Module]] = []
         self._pairs = WeakIdKeyDictionary()
 
-    def add(self, source, what):
+    def add(self, source: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], what: str) -> None:
         """`source`: an nn.Module, or an iterable of (name, param) pairs such as
         model.named_parameters()."""
         if isinstance(source, torch.nn.Module):
@@ -119,23 +129,25 @@ class ParamNames:
 
     # Pickled (and deep-copied) with what holds it: amp's handle travels with its models, whose
     # copies it then names. Held weakly again once loaded.
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         models = [ref() for ref in self._models]
         return {"models": [m for m in models if m is not None],
                 "pairs": list(self._pairs.items())}
 
-    def __setstate__(self, state):
-        self.__init__()
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
         self._models = [weakref.ref(m) for m in state["models"]]
         for param, name in state["pairs"]:
             self._pairs[param] = name
 
-    def lookup(self):
+    def lookup(self) -> dict[int, str]:
         """{id(param): name} as the models and pairs are now (pairs win over models)."""
-        names = {}
+        names: dict[int, str] = {}
         self._models = [ref for ref in self._models if ref() is not None]
         for ref in self._models:
-            for name, param in ref().named_parameters(remove_duplicate=False):
+            module = ref()  # alive: just kept for it
+            named = module.named_parameters(remove_duplicate=False)  # type: ignore[union-attr]
+            for name, param in named:
                 names.setdefault(id(param), name)
         names.update((id(param), name) for param, name in self._pairs.items())
         return names
@@ -149,30 +161,34 @@ class CheckRecord:
     flags it wrote. verdict: the flags that decided whether the step was skipped (found_inf,
     after any all-reduce), device tensors or bools."""
 
-    def __init__(self, step):
+    def __init__(self, step: int) -> None:
         self.step = step
-        self.calls = []
-        self.verdict = []
+        self.calls: list[tuple[Any, torch.Tensor]] = []
+        self.verdict: list[Any] = []
 
-    def add(self, where, flags):
+    def add(self, where: Any, flags: torch.Tensor) -> None:
         self.calls.append((where, flags))
 
-    def set_verdict(self, *flags):
+    def set_verdict(self, *flags: Any) -> None:
         self.verdict = list(flags)
 
-    def report(self, names, locate=None):
+    def report(self, names: _Names | None,
+               locate: Callable[[torch.Tensor], tuple[int, int]] | None = None
+               ) -> OverflowReport | None:
         """None after a clean step, else an OverflowReport. Reads the device flags (a sync).
         locate(param) gives (group index, param index) for entries recorded without them."""
         if not any(bool(v.detach().ne(0).any()) if isinstance(v, torch.Tensor) else bool(v)
                    for v in self.verdict):
             return None
         known = names.lookup() if names is not None else {}
-        held = {}  # name -> [place in the optimizer, bits]
+        held: dict[str, list[Any]] = {}  # name -> [place in the optimizer, bits]
         for where, flags in self.calls:
             for (group_index, param_index, param), bits in zip(where, flags.tolist()):
                 if bits:
                     if group_index is None:
-                        group_index, param_index = locate(param)
+                        # Recorded without places only by an optimizer's own check, whose
+                        # report passes locate.
+                        group_index, param_index = locate(param)  # type: ignore[misc]
                     name = report_name(known, param, group_index, param_index)
                     entry = held.setdefault(name, [(group_index, param_index), 0])
                     entry[1] |= bits
@@ -188,36 +204,38 @@ class OverflowRecords:
     Keyed by id(optimizer) with a weak reference to check identity, as GradScaler keys its own
     per-optimizer records; the names are shared by all optimizers."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.names = ParamNames()
-        self._latest = {}  # id(optimizer) -> (weakref, CheckRecord)
-        self._steps = {}  # id(optimizer) -> (weakref, steps so far)
+        # id(optimizer) -> (weakref, CheckRecord)
+        self._latest: dict[int, tuple[weakref.ref[Any], CheckRecord]] = {}
+        # id(optimizer) -> (weakref, steps so far)
+        self._steps: dict[int, tuple[weakref.ref[Any], int]] = {}
 
-    def _live(self, table, optimizer):
+    def _live(self, table: dict[int, tuple[weakref.ref[Any], Any]], optimizer: object) -> Any:
         entry = table.get(id(optimizer))
         return entry[1] if entry is not None and entry[0]() is optimizer else None
 
-    def begin(self, optimizer):
+    def begin(self, optimizer: object) -> CheckRecord:
         """A new record for this step of `optimizer`, replacing the previous one."""
         record = CheckRecord(self._live(self._steps, optimizer) or 0)
         self._latest[id(optimizer)] = (weakref.ref(optimizer), record)
         return record
 
-    def record_of(self, optimizer):
+    def record_of(self, optimizer: object) -> CheckRecord | None:
         return self._live(self._latest, optimizer)
 
-    def records_by_id(self, key):
+    def records_by_id(self, key: int) -> list[CheckRecord]:
         """The latest record of the optimizer whose id is `key` (GradScaler's own key), if
         that optimizer is alive: a list of zero or one."""
         entry = self._latest.get(key)
         return [entry[1]] if entry is not None and entry[0]() is not None else []
 
-    def stepped(self, optimizer):
+    def stepped(self, optimizer: object) -> None:
         """One more step (taken or skipped) of `optimizer`."""
         count = self._live(self._steps, optimizer) or 0
         self._steps[id(optimizer)] = (weakref.ref(optimizer), count + 1)
 
-    def last_overflow(self, optimizer, what):
+    def last_overflow(self, optimizer: object, what: str) -> OverflowReport | None:
         if optimizer is None:
             live = [entry for entry in self._latest.values() if entry[0]() is not None]
             if len(live) > 1:
@@ -232,8 +250,8 @@ class OverflowRecords:
 
     # A copy (pickle, deepcopy) keeps no history: its optimizers are other objects, and models
     # are held weakly. Names must be given again.
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return {}
 
-    def __setstate__(self, state):
-        self.__init__()
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
