@@ -34,9 +34,11 @@ for the whole step before any op call updates a param (see _skip).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._capture import CaptureRulesMixin
@@ -59,7 +61,7 @@ from ampfuse.optimizers._skip import (
     on_device,
     step_verdicts,
 )
-from ampfuse.optimizers._sparse import add_sparse
+from ampfuse.optimizers._sparse import SparseCall, add_sparse
 from ampfuse.optimizers._state import OptimizerStateMixin, fp32_like
 
 
@@ -123,9 +125,9 @@ class FusedOptimizer(
     _first_step_count = 0.0
     # Keys that torch.optim's counterpart keeps in its param groups but that mean nothing here:
     # written into state_dict() (so torch can load it) and dropped by load_state_dict().
-    _TORCH_GROUP_KEYS: dict = {}
+    _TORCH_GROUP_KEYS: dict[str, Any] = {}
     # Hyperparameters of the other optimizer family: a group holding one is a mistake.
-    _FOREIGN_GROUP_KEYS: tuple = ()
+    _FOREIGN_GROUP_KEYS: tuple[str, ...] = ()
     # The torch.optim class this optimizer stands in for (None: torch has none), as messages
     # about torch's implementation switches name it (_torch_switches).
     _TORCH_COUNTERPART: str | None = None
@@ -133,7 +135,16 @@ class FusedOptimizer(
     # grad, state, lr)), as torch.optim.SGD and Adagrad step them, or refused.
     _TAKES_SPARSE = False
 
-    def __init__(self, params, defaults, set_grad_none=True):
+    if TYPE_CHECKING:
+        # What each subclass supplies besides _check_hyperparameters, _export_state and
+        # _import_state (_host): declared for the type checker only.
+        def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                    grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None: ...
+        def _sparse_step(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
+                         state: dict[str, Any], lr: float) -> None: ...
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any],
+                 set_grad_none: bool = True) -> None:
         self.set_grad_none = set_grad_none
         # (group index, device) -> [last lr value, 0-dim fp32 lr tensor on that device]
         self._lr_tensors = {}
@@ -143,16 +154,16 @@ class FusedOptimizer(
         # last_step_skipped and the skipped-step count (see _skip).
         self._skips = SkipRecord()
         # group index -> the StepPlan of its last full sort (see _plan), or None.
-        self._step_plans = {}
+        self._step_plans: dict[int, StepPlan | None] = {}
         super().__init__(params, defaults)
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["set_grad_none"] = self.set_grad_none
         state["skipped_steps"] = self.get_skipped_steps()
         return state
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # torch.optim adds this default on unpickling; no fused optimizer is differentiable.
         self.defaults.pop("differentiable", None)
@@ -195,7 +206,7 @@ class FusedOptimizer(
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        plans = []
+        plans: list[tuple[int, dict[str, Any], list[Any]]] = []  # OpCalls and SparseCalls
         for index, group in enumerate(self.param_groups):
             self._check_hyperparameters(index, group)
             check_master_weights(self, index, group, check_params=False)
@@ -207,7 +218,7 @@ class FusedOptimizer(
         home = self._first_device()
         self._skips.prepare(verdicts, home, capturing, type(self).__name__)
         self._before_launches(plans)
-        scales = {}
+        scales: dict[torch.device, torch.Tensor] = {}
         for index, group, calls in plans:
             for call in calls:
                 device = call.step.device
@@ -230,13 +241,13 @@ class FusedOptimizer(
         self._skips.record(verdicts, home, own_check)
         return loss
 
-    def _first_device(self):
+    def _first_device(self) -> torch.device:
         for group in self.param_groups:
             for p in group["params"]:
                 return p.device
         return torch.device("cpu")
 
-    def _calls(self, index, group, follow_params=True):
+    def _calls(self, index: int, group: dict[str, Any], follow_params: bool = True) -> list[Any]:
         """The op calls of `group` for this step: the last step's plan when it still holds (see
         _plan), else a full sort (_sort_into_calls), which plans the next step. Compiled steps
         (follow_params=False) always sort: their trace must not depend on host-side caches."""
@@ -253,7 +264,8 @@ class FusedOptimizer(
             self._step_plans[index] = StepPlan.build(self, index, calls)
         return calls
 
-    def _sort_into_calls(self, index, group, follow_params=True):
+    def _sort_into_calls(self, index: int, group: dict[str, Any], follow_params: bool = True
+                         ) -> list[Any]:
         """Sorts the params of `group` that have grads into op calls (see the module docstring),
         creating state on a param's first step.
 
@@ -262,9 +274,10 @@ class FusedOptimizer(
         already guarantees that a grad has its param's dtype, shape and device. Step tensors
         are told apart with `is` and plain lists, not id() and dicts, so that torch.compile
         traces step() whole."""
-        calls = []
-        idle_steps = []  # step tensors of params that have no grad this time
-        new_steps = {}  # (device, mode) -> the step tensor of params starting now
+        calls: list[Any] = []  # OpCalls, then SparseCalls
+        idle_steps: list[torch.Tensor] = []  # step tensors of params that have no grad this time
+        # (device, mode) -> the step tensor of params starting now
+        new_steps: dict[tuple[torch.device, str, float], torch.Tensor] = {}
         all_state = self.state
         master_weights = group["master_weights"]
         # Modes per param, decided here once per group: the loop below runs for every param
@@ -279,7 +292,9 @@ class FusedOptimizer(
         records = self._param_records
         state_keys = self._state_keys(group)
         call = None
-        sparse_calls = {}  # device -> SparseCall: params with sparse grads (FusedSGD, Adagrad)
+        key: Any  # a state key, then a (device, mode, count) triple
+        # device -> SparseCall: params with sparse grads (FusedSGD, Adagrad)
+        sparse_calls: dict[torch.device, SparseCall] = {}
         for i, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
@@ -366,7 +381,7 @@ class FusedOptimizer(
                 call.param_ids.append(first_id + i)
             call.entries.append((p, grad, state, record))
         # A step tensor must advance once per step, for exactly the params that stepped.
-        launched = []
+        launched: list[torch.Tensor] = []
         for call in calls:
             call.seal()
             shared = call.step
@@ -380,35 +395,37 @@ class FusedOptimizer(
         calls.extend(sparse_calls.values())  # stepped after the fused calls (see _sparse)
         return calls
 
-    def _before_launches(self, plans):
+    def _before_launches(
+        self, plans: Sequence[tuple[int, dict[str, Any], Sequence[OpCall]]]
+    ) -> None:
         """Called once per step with every group's calls, after the step's checks and before
         the first launch: for work that needs the whole step's grads (FusedLAMB's global grad
         norm)."""
 
-    def _state_keys(self, group):
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The fp32 state entries each param of `group` holds (moments, momentum buffers):
         _prepare_state makes the missing ones, and a param holding them all is not passed to
         _prepare_state or _starts_over again."""
         return ()
 
-    def _prepare_state(self, group, p, state):
+    def _prepare_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
         """Creates the entries of _state_keys(group) that `state` lacks, zeroed, in fp32."""
         for key in self._state_keys(group):
             if key not in state:
                 state[key] = fp32_like(p)
 
-    def _starts_over(self, group, state):
+    def _starts_over(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         """True when a param's existing state must count steps from zero again."""
         return False
 
-    def _implied_step_count(self, state):
+    def _implied_step_count(self, state: dict[str, Any]) -> float:
         """The step count of a param whose state has no 'step' yet: the first count for a new
         param; subclasses whose torch counterpart keeps no count (SGD) tell a state written
         from outside (ZeroRedundancyOptimizer.load_state_dict sets optimizer.state[p]
         directly) by what it holds."""
         return self._first_step_count
 
-    def _lr_tensor(self, index, group, device):
+    def _lr_tensor(self, index: int, group: dict[str, Any], device: torch.device) -> torch.Tensor:
         """group['lr'] as a 0-dim fp32 tensor on `device`. A float lr lives in a tensor kept per
         group and device and refilled (a device-side fill, no copy from the host) when it
         changes, so LR schedulers work; a tensor lr on the device is used as it is."""
@@ -435,7 +452,7 @@ class FusedOptimizer(
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
 
-def _holds(tensors, t):
+def _holds(tensors: Iterable[torch.Tensor], t: torch.Tensor) -> bool:
     for candidate in tensors:
         if candidate is t:
             return True

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from ampfuse.optimizers._host import OptimizerHost
 from ampfuse.overflow import param_name
 
 
-class CaptureRulesMixin:
+class CaptureRulesMixin(OptimizerHost):
     """Whether a step is being captured, and the refusals that follow from it."""
 
-    def _capturing(self, compiling=None):
+    def _capturing(self, compiling: bool | None = None) -> bool:
         """Whether this step is being captured in a CUDA graph. `compiling`: what step() already
         asked torch.compiler.is_compiling() (asked here when not given)."""
         if compiling is None:
@@ -28,14 +29,14 @@ class CaptureRulesMixin:
             return False
         return torch.cuda.is_current_stream_capturing()
 
-    def _check_capture(self, capturing):
+    def _check_capture(self, capturing: bool) -> None:
         if capturing and not all(g.get("capturable", True) for g in self.param_groups):
             raise RuntimeError(
                 f"{type(self).__name__}: step() is being captured in a CUDA graph but "
                 "capturable=False; construct the optimizer with capturable=True."
             )
 
-    def _check_not_capturing(self, group_index, param_index):
+    def _check_not_capturing(self, group_index: int, param_index: int) -> None:
         if self._capturing():
             raise RuntimeError(
                 f"{type(self).__name__}: {param_name(group_index, param_index)} has no optimizer "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ampfuse.optimizers._host import OptimizerHost
 from ampfuse.optimizers._precision import check_master_weights
 from ampfuse.optimizers._skip import check_skip_nonfinite
 from ampfuse.overflow import param_name
@@ -24,7 +25,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PARAM_DTYPES = FLOAT_DTYPES + (torch.complex64,)
 
 
-def check_flag(optimizer, index, group, key):
+def check_flag(optimizer: object, index: int, group: dict[str, Any], key: str) -> None:
     """A group option that is a switch must be True or False: 1, "yes" or None would silently
     pick a behaviour the caller may not have meant."""
     value = group[key]
@@ -35,7 +36,7 @@ def check_flag(optimizer, index, group, key):
         )
 
 
-def float_betas(betas):
+def float_betas(betas: Any) -> Any:
     """A (beta1, beta2) pair, tensors included, as two Python floats, read once at construction
     rather than at every step; anything else is returned as it is, for _check_betas to refuse."""
     if isinstance(betas, (tuple, list)) and len(betas) == 2:
@@ -43,7 +44,7 @@ def float_betas(betas):
     return betas
 
 
-class ParamGroupsMixin:
+class ParamGroupsMixin(OptimizerHost):
     """add_param_group() with FusedOptimizer's checks, and the checks the subclasses' own
     _check_hyperparameters() builds on."""
 
@@ -56,7 +57,7 @@ class ParamGroupsMixin:
             self.param_groups.pop()
             raise
 
-    def _check_group(self, index, group):
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
         name = type(self).__name__
         for key in self._FOREIGN_GROUP_KEYS:
             if key in group:
@@ -75,11 +76,11 @@ class ParamGroupsMixin:
         check_master_weights(self, index, group)
         check_skip_nonfinite(self, index, group)
 
-    def _torch_counterpart(self, group):
+    def _torch_counterpart(self, group: dict[str, Any]) -> str:
         """The torch.optim class this optimizer stands in for, as messages name it."""
         return self._TORCH_COUNTERPART or "a torch.optim optimizer"
 
-    def _check_param_dtype(self, group_index, param_index, p):
+    def _check_param_dtype(self, group_index: int, param_index: int, p: torch.Tensor) -> None:
         if p.dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"{type(self).__name__}: {param_name(group_index, param_index)} has dtype "
@@ -88,7 +89,7 @@ class ParamGroupsMixin:
                 "complex32 or integer ones)."
             )
 
-    def _check_lr(self, index, lr):
+    def _check_lr(self, index: int, lr: float | torch.Tensor) -> None:
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1 or not lr.is_floating_point():
                 raise ValueError(
@@ -103,7 +104,7 @@ class ParamGroupsMixin:
                 "must be >= 0."
             )
 
-    def _check_betas(self, index, group):
+    def _check_betas(self, index: int, group: dict[str, Any]) -> None:
         """Adam's, LAMB's and NovoGrad's betas: a pair, each in [0, 1)."""
         name = type(self).__name__
         betas = group["betas"]
@@ -119,14 +120,15 @@ class ParamGroupsMixin:
                     "must be in [0, 1)."
                 )
 
-    def _check_nonnegative(self, index, group, key):
+    def _check_nonnegative(self, index: int, group: dict[str, Any], key: str) -> None:
         if not group[key] >= 0.0:
             raise ValueError(
                 f"{type(self).__name__}: param_groups[{index}] has {key}={group[key]}; it must "
                 "be >= 0."
             )
 
-    def _reject(self, group_index, param_index, p, grad):
+    def _reject(self, group_index: int, param_index: int, p: torch.Tensor,
+                grad: torch.Tensor) -> None:
         """Raises for a grad or param that no fused op takes (a complex64 param with a dense
         grad is taken, as its real view); _calls only comes here when its cheap test failed."""
         if grad.layout != torch.strided:

@@ -15,11 +15,14 @@ where the state keeps them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from ampfuse.ops import step_scan
+from ampfuse.optimizers._call import OpCall
+from ampfuse.optimizers._host import OptimizerHost
 from ampfuse.optimizers._precision import (
     BF16_MODES,
     MASTER_WEIGHTS_VALUES,
@@ -31,24 +34,25 @@ from ampfuse.overflow import param_name
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def keeps_master(group, p):
+def keeps_master(group: dict[str, Any], p: torch.Tensor) -> bool:
     """Whether the fused optimizers keep an fp32 master for param `p` of `group`
     (master_weights=True; the bf16 modes of _precision keep none)."""
     return group["master_weights"] is True and p.dtype in LOW_PRECISION
 
 
-def make_master(p):
+def make_master(p: torch.Tensor) -> torch.Tensor:
     """A new fp32 master for `p`: a copy of its value, so the first step starts from it."""
     return p.detach().to(torch.float32, copy=True)
 
 
-def param_mark(param):
+def param_mark(param: torch.Tensor) -> tuple[int, int]:
     """What changes when anyone but the fused step writes `param` (host-side, no sync)."""
     return (param._version, param.data_ptr())
 
 
 @torch.no_grad()
-def refresh_master(master: torch.Tensor, model_param: torch.Tensor, source=None) -> None:
+def refresh_master(master: torch.Tensor, model_param: torch.Tensor,
+                   source: torch.Tensor | None = None) -> None:
     """Makes `master` follow the model: from `source` (a tensor loaded into the model, any
     float dtype) when given, else from the model param's value. A source that is exactly the
     master rounded to the model's dtype is the model's own state coming back (a checkpoint of
@@ -81,29 +85,30 @@ class ParamRecord:
 
     __slots__ = ("mark", "strides")
 
-    def __init__(self):
-        self.mark = None
-        self.strides = None
+    def __init__(self) -> None:
+        self.mark: tuple[int, int] | None = None
+        self.strides: tuple[int, ...] | None = None
 
 
-class MasterWeightsMixin:
+class MasterWeightsMixin(OptimizerHost):
     """A fused optimizer's fp32 masters: following writes to their params, and the public
     methods that hand them out and set them (the contract is FusedOptimizer's docstring)."""
 
-    def _record(self, p):
+    def _record(self, p: torch.Tensor) -> ParamRecord:
         record = self._param_records.get(p)
         if record is None:
             record = self._param_records[p] = ParamRecord()
         return record
 
-    def _follow(self, p, master, record=None):
+    def _follow(self, p: torch.Tensor, master: torch.Tensor,
+                record: ParamRecord | None = None) -> None:
         """Remakes `master` if something other than a step wrote `p` since it was marked."""
         record = self._param_records.get(p) if record is None else record
         if record is not None and record.mark is not None and record.mark != param_mark(p):
             refresh_master(master, p)
             record.mark = param_mark(p)
 
-    def _written_since_step(self, p, record):
+    def _written_since_step(self, p: torch.Tensor, record: ParamRecord) -> bool:
         """Whether something other than a step wrote `p` since it was marked (then marks it):
         a kahan compensation or split low half no longer belongs to its value."""
         if record.mark is None or record.mark == param_mark(p):
@@ -127,7 +132,7 @@ class MasterWeightsMixin:
         for p in params:
             self._record(p).mark = param_mark(p)
 
-    def _mark_stepped(self, call):
+    def _mark_stepped(self, call: OpCall) -> None:
         """mark_masters for the params of an op call that just ran, through their records: no
         dict lookup per param, and one C++ pass where every param is a plain tensor."""
         if step_scan.mark_params(call.params, call.records):
@@ -237,20 +242,21 @@ class MasterWeightsMixin:
         for group in self.param_groups:
             group["master_weights"] = mode
 
-    def _master_made(self, p):
+    def _master_made(self, p: torch.Tensor) -> torch.Tensor:
         """p's master, made now (as its first step would) if it has none."""
         state = self.state[p]
         if "master_param" not in state:
             state["master_param"] = make_master(p)
         return state["master_param"]
 
-    def _places(self, params, method, label):
+    def _places(self, params: Iterable[Any], method: str,
+                label: Callable[[int], str]) -> list[tuple[int, int]]:
         """(group index, param index) of each of `params`; ValueError naming `method` and the
         argument (label(i) for the i-th) for a tensor the optimizer does not hold."""
         where = {id(p): (group_index, param_index)
                  for group_index, group in enumerate(self.param_groups)
                  for param_index, p in enumerate(group["params"])}
-        places = []
+        places: list[tuple[int, int]] = []
         for i, p in enumerate(params):
             place = where.get(id(p))
             if place is None:

@@ -28,9 +28,13 @@ nothing the full sort would not: it only skips re-deriving what is already known
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 
 from ampfuse.ops import step_scan
+from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._precision import EXTRA_KEYS
 
 # Param types a plan covers. Subclasses (DTensor under FSDP2, FakeTensor, user subclasses) may
@@ -38,7 +42,8 @@ from ampfuse.optimizers._precision import EXTRA_KEYS
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _mode_keys(mode, state_keys):
+def _mode_keys(mode: str, state_keys: Iterable[str]
+               ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the state entries a param stepped in `mode` must hold, those it must not hold): its own
     extra tensor (a master, a compensation, a low half) besides the optimizer's state keys, and
     none of another mode's, which the full sort would convert first."""
@@ -48,7 +53,7 @@ def _mode_keys(mode, state_keys):
     return required, absent
 
 
-def first_param_id(optimizer, index):
+def first_param_id(optimizer: torch.optim.Optimizer, index: int) -> int:
     """The index in the optimizer of group `index`'s first param: stochastic rounding keys its
     random bits by it. The full sort numbers the params with it, and a plan checks it has not
     moved."""
@@ -61,8 +66,19 @@ class StepPlan:
     __slots__ = ("group", "params", "state_map", "master_weights", "state_keys", "entries",
                  "calls", "picks", "first_id")
 
+    group: dict[str, Any]
+    params: list[torch.Tensor]
+    state_map: Any  # the optimizer's state
+    master_weights: bool | str
+    state_keys: tuple[str, ...]
+    entries: tuple[tuple[Any, ...], ...]
+    calls: list[OpCall]
+    picks: list[list[int]] | None
+    first_id: int | None
+
     @classmethod
-    def build(cls, optimizer, index, calls):
+    # optimizer: a FusedOptimizer (_base, which imports this module).
+    def build(cls, optimizer: Any, index: int, calls: list[OpCall]) -> StepPlan | None:
         """A plan for group `index` of `optimizer` after the full sort made `calls` from it, or
         None when its params are Tensor subclasses."""
         group = optimizer.param_groups[index]
@@ -83,14 +99,14 @@ class StepPlan:
         stochastic = any(call.mode == "stochastic" for call in calls)
         plan.first_id = first_param_id(optimizer, index) if stochastic else None
         # Where each stepping param sits: id() is safe here, every param is alive in the group.
-        stepping = {}
+        stepping: dict[int, tuple[OpCall, dict[str, Any]]] = {}
         for call in calls:
             for p, state in zip(call.params, call.states):
                 stepping[id(p)] = (call, state)
         keys = {call.mode: _mode_keys(call.mode, state_keys) for call in calls}
         records = optimizer._param_records
-        entries = []
-        order = {id(call): [] for call in calls}
+        entries: list[tuple[Any, ...]] = []
+        order: dict[int, list[int]] = {id(call): [] for call in calls}
         position = 0  # among the stepping params
         for p in plan.params:
             found = stepping.get(id(p))
@@ -110,7 +126,8 @@ class StepPlan:
         plan.picks = None if len(calls) == 1 else [order[id(call)] for call in calls]
         return plan
 
-    def calls_if_unchanged(self, optimizer, index, group):
+    def calls_if_unchanged(self, optimizer: Any, index: int,
+                           group: dict[str, Any]) -> list[OpCall] | None:
         """The plan's calls with this step's grads when nothing they depend on changed, else
         None."""
         if (group is not self.group or group["params"] is not self.params

@@ -28,6 +28,7 @@ can hold (to nearest, and for "kahan" the remainder into the compensation).
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -46,7 +47,8 @@ EXTRA_KEYS = {"fp32": "master_param", "kahan": "kahan_compensation", "split": "m
 EXTRA_BYTES_PER_PARAM = {True: 4, False: 0, "stochastic": 0, "kahan": 2, "split": 2}
 
 
-def check_master_weights(optimizer, index, group, check_params=True):
+def check_master_weights(optimizer: object, index: int, group: dict[str, Any],
+                         check_params: bool = True) -> None:
     """A group's master_weights must be one of MASTER_WEIGHTS_VALUES, and (check_params) a bf16
     mode takes no fp16 param. step() checks the params itself, as it walks them anyway."""
     value = group["master_weights"]
@@ -68,7 +70,8 @@ def check_master_weights(optimizer, index, group, check_params=True):
         )
 
 
-def check_param_for_mode(optimizer, group_index, param_index, p, value):
+def check_param_for_mode(optimizer: object, group_index: int, param_index: int,
+                         p: torch.Tensor, value: object) -> None:
 
     if p.dtype == torch.float16:
         raise ValueError(
@@ -78,7 +81,7 @@ def check_param_for_mode(optimizer, group_index, param_index, p, value):
         )
 
 
-def param_mode(master_weights, p):
+def param_mode(master_weights: bool | str, p: torch.Tensor) -> str:
     """How `p` is stepped: "fp32" (fp32 master), "none" (in place, to nearest), or a bf16
     mode. The caller has checked master_weights."""
     if master_weights is True:
@@ -88,7 +91,7 @@ def param_mode(master_weights, p):
     return "none"
 
 
-def has_foreign_state(state, mode):
+def has_foreign_state(state: dict[str, Any], mode: str) -> bool:
     """Whether `state` holds an extra tensor of a mode other than `mode` (to convert)."""
     own = EXTRA_KEYS.get(mode)
     for key in EXTRA_KEYS.values():
@@ -112,12 +115,12 @@ EXTRA_DTYPES = {"master_param": torch.float32, "kahan_compensation": torch.bfloa
 _GATHERABLE_LOW_BITS = torch.int32
 
 
-def _is_dtensor(t):
+def _is_dtensor(t: object) -> bool:
     module = sys.modules.get("torch.distributed.tensor")  # only loaded where DTensors exist
     return module is not None and isinstance(t, module.DTensor)
 
 
-def export_extra(state, out):
+def export_extra(state: dict[str, Any], out: dict[str, Any]) -> None:
     """Copies the extra tensor `state` holds (if any) into the state_dict entry `out`."""
     for key in EXTRA_DTYPES:
         if key in state:
@@ -127,12 +130,12 @@ def export_extra(state, out):
             out[key] = value
 
 
-def _loaded_low_bits(value, where, owner):
+def _loaded_low_bits(value: torch.Tensor, where: str, owner: str) -> torch.Tensor:
     """Saved low halves as int16: as they are, or from the int32 a sharded state_dict() gave
     (checked to be int16 values, on this rank's part of them)."""
     if value.dtype != _GATHERABLE_LOW_BITS:
         return value
-    local = value.to_local() if _is_dtensor(value) else value
+    local: Any = value.to_local() if _is_dtensor(value) else value  # type: ignore[attr-defined]
     low, high = torch.aminmax(local) if local.numel() else (0, 0)
     if int(low) < -0x8000 or int(high) > 0x7FFF:
         raise ValueError(
@@ -143,7 +146,8 @@ def _loaded_low_bits(value, where, owner):
     return value.to(torch.int16)
 
 
-def import_extras(group, p, saved, where, owner):
+def import_extras(group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any], where: str,
+                  owner: str) -> dict[str, torch.Tensor]:
     """{key: tensor} of the extra tensors of a saved state that `p` keeps, laid out like p in
     their dtype; converted to the group's mode at p's next step. A saved fp32 master is left
     out where the mode holds nothing it could convert into ("none", "stochastic"): the param
@@ -181,7 +185,7 @@ def import_extras(group, p, saved, where, owner):
 # ---- conversions ------------------------------------------------------------------------------
 
 
-def _split_bits(x):
+def _split_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(high, low) int16 halves of the fp32 tensor x's bit patterns."""
     bits = x.view(torch.int32)
     high = (bits >> 16).to(torch.int16)  # arithmetic shift: exactly the int16 range
@@ -190,14 +194,14 @@ def _split_bits(x):
     return high, low
 
 
-def _joined(p, low):
+def _joined(p: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 master whose high half is bf16 `p` and low half `low`."""
     high = p.view(torch.int16).to(torch.int32)
     # high * 2^16 fits an int32 for every int16 high; the low 16 bits are then free for low.
     return (high * 0x10000 + (low.to(torch.int32) & 0xFFFF)).view(torch.float32)
 
 
-def precise_value(p, state):
+def precise_value(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     """The fp32 value the param's state stands for (see the module docstring)."""
     if "master_param" in state:
         return state["master_param"].detach().float()
@@ -208,13 +212,13 @@ def precise_value(p, state):
     return p.detach().float()
 
 
-def like(p, dtype):
+def like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Zeros of `dtype` shaped and laid out like p."""
     return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
 
 @torch.no_grad()
-def prepare_extra(p, state, mode):
+def prepare_extra(p: torch.Tensor, state: dict[str, Any], mode: str) -> None:
     """Makes `state` hold exactly `mode`'s extra tensor (none for "none" and "stochastic"),
     converting another mode's (see the module docstring) or starting from the param's value.
     Writes the param when the conversion moves it (e.g. "split" -> True rounds the master to
@@ -228,7 +232,7 @@ def prepare_extra(p, state, mode):
         state.pop("master_param", None)
         return
     converting = has_foreign_state(state, mode)
-    x = precise_value(p, state) if converting else None
+    x: Any = precise_value(p, state) if converting else None  # a tensor where converting
     for key in EXTRA_KEYS.values():
         state.pop(key, None)
     if mode == "fp32":
@@ -255,7 +259,7 @@ def prepare_extra(p, state, mode):
 
 
 @torch.no_grad()
-def reset_extra(state, mode):
+def reset_extra(state: dict[str, Any], mode: str) -> None:
     """After something else wrote the param: a compensation or low half left over would be
     added to a value it does not belong to, so it is zeroed (the param's value rules)."""
     key = EXTRA_KEYS.get(mode)

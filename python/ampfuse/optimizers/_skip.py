@@ -13,9 +13,14 @@ one): last_overflow() names them, reading the flags only when asked.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import torch
 
 from ampfuse import ops
+from ampfuse.optimizers._call import OpCall
+from ampfuse.optimizers._host import OptimizerHost
 from ampfuse.overflow import CheckRecord, OverflowReport, place_in_groups
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -25,7 +30,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 SKIP_NONFINITE_VALUES = (None, True, False)
 
 
-def check_skip_nonfinite(optimizer, index, group):
+def check_skip_nonfinite(optimizer: object, index: int, group: dict[str, Any]) -> None:
     value = group["skip_nonfinite"]
     if value is None or isinstance(value, bool):
         return
@@ -36,7 +41,7 @@ def check_skip_nonfinite(optimizer, index, group):
     )
 
 
-def moved(t, device):
+def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device`. Copies to the CPU are blocking: the CPU kernels read the value at once,
     before a non-blocking copy from a GPU would have landed."""
     if t.device == device:
@@ -44,7 +49,8 @@ def moved(t, device):
     return t.to(device, non_blocking=device.type != "cpu")
 
 
-def on_device(value, device, cache, name):
+def on_device(value: torch.Tensor | float | None, device: torch.device,
+              cache: dict[torch.device, torch.Tensor], name: str) -> torch.Tensor | None:
     """grad_scale / found_inf as a one-element fp32 tensor on `device` (moved at most once per
     device per step; no copy when it is already there)."""
     if value is None:
@@ -61,7 +67,7 @@ def on_device(value, device, cache, name):
     return cache[device]
 
 
-def _checks(group, calls, driven):
+def _checks(group: dict[str, Any], calls: Sequence[OpCall], driven: bool) -> bool:
     """Whether step() checks this group's grads for inf/nan."""
     value = group["skip_nonfinite"]
     if value is None:
@@ -71,12 +77,16 @@ def _checks(group, calls, driven):
     return value
 
 
-def step_verdicts(plans, found_inf, own_check=None):
+def step_verdicts(plans: Sequence[tuple[int, dict[str, Any], Sequence[OpCall]]],
+                  found_inf: torch.Tensor | float | None,
+                  own_check: CheckRecord | None = None) -> dict[torch.device, torch.Tensor]:
     """{device: one-element fp32 flag, nonzero to skip} for every device the step launches on,
     or {} when nothing can skip this step. `plans` is [(index, group, calls)] of the step.
     own_check: a CheckRecord that an undriven check (no found_inf) fills with the grads it read
     and their per-tensor flags; left empty otherwise."""
-    devices, to_check, where = [], {}, {}
+    devices: list[torch.device] = []
+    to_check: dict[torch.device, list[torch.Tensor]] = {}
+    where: dict[torch.device, list[tuple[None, None, torch.Tensor]]] = {}
     driven = found_inf is not None
     if driven:
         own_check = None  # the scaler's flag decides; its attribution is the scaler's
@@ -93,14 +103,17 @@ def step_verdicts(plans, found_inf, own_check=None):
                     where.setdefault(device, []).extend((None, None, p) for p in call.params)
     if not devices and isinstance(found_inf, torch.Tensor):
         devices.append(found_inf.device)  # nothing to update: the scaler's verdict still counts
-    given = {}
+    given: dict[torch.device, torch.Tensor] = {}
+    # driven: found_inf is not None, so on_device returns a tensor.
     if not to_check:
-        return {d: on_device(found_inf, d, given, "found_inf") for d in devices} if driven else {}
-    flags = {}
+        return {d: cast(torch.Tensor, on_device(found_inf, d, given, "found_inf"))
+                for d in devices} if driven else {}
+    flags: dict[torch.device, Any] = {}
     for device in devices:
         if driven:
             # A copy: the check must not set the scaler's own flag.
-            flags[device] = on_device(found_inf, device, given, "found_inf").reshape(()).clone()
+            flag = cast(torch.Tensor, on_device(found_inf, device, given, "found_inf"))
+            flags[device] = flag.reshape(()).clone()
         else:
             flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         grads = to_check.get(device)
@@ -112,7 +125,7 @@ def step_verdicts(plans, found_inf, own_check=None):
             ops.multi_tensor_nonfinite_check_(grads, flags[device], tensor_flags)
     if len(devices) > 1:
         home = devices[0]
-        total = sum(moved(flags[d], home) for d in devices)
+        total = cast(torch.Tensor, sum(moved(flags[d], home) for d in devices))
         flags = {d: moved(total, d) for d in devices}
     if own_check is not None and own_check.calls:
         own_check.set_verdict(next(iter(flags.values())))
@@ -124,20 +137,20 @@ class _GroupNames:
     when built from named parameters (optimizer(model.named_parameters()) puts them in each
     group's "param_names"), else the param's place, "group0.param7"."""
 
-    def __init__(self, param_groups):
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
         self._groups = param_groups
 
-    def lookup(self):
+    def lookup(self) -> dict[int, str]:
         return {id(p): name for group in self._groups
                 for p, name in zip(group["params"], group.get("param_names", ()))}
 
-    def locate(self, param):
+    def locate(self, param: torch.Tensor) -> tuple[int, int]:
         """(group index, param index); (-1, -1) once the param left the optimizer, as amp's
         reports say it."""
         return place_in_groups(self._groups, param)
 
 
-class SkipReportMixin:
+class SkipReportMixin(OptimizerHost):
     """A fused optimizer's public record of skipped steps, kept in its SkipRecord `_skips`."""
 
     @property
@@ -167,17 +180,20 @@ class SkipReportMixin:
 class SkipRecord:
     """last_step_skipped and the skipped-step count of one optimizer."""
 
-    def __init__(self, skipped_before=0):
-        self.last = None  # 0-dim bool device tensor of the last step, None before the first
-        self.counter = None  # 0-dim int64 device tensor: skips counted since the base
+    def __init__(self, skipped_before: int = 0) -> None:
+        # 0-dim bool device tensor of the last step, None before the first
+        self.last: torch.Tensor | None = None
+        # 0-dim int64 device tensor: skips counted since the base
+        self.counter: torch.Tensor | None = None
         self.base = skipped_before  # skips carried over from a checkpoint or a pickle
         # device -> a False flag shared by the steps nothing could skip, which are most steps
         # when the check is off: no allocation for them. Never written.
-        self.never = {}
+        self.never: dict[torch.device, torch.Tensor] = {}
         self.steps = 0  # step() calls since this record was made (an overflow report's step)
-        self.own_check = None  # the last step's CheckRecord when its own check decided it
+        # the last step's CheckRecord when its own check decided it
+        self.own_check: CheckRecord | None = None
 
-    def new_check(self, attribute):
+    def new_check(self, attribute: bool) -> CheckRecord | None:
         """The CheckRecord this step's own check fills (see step_verdicts), or None where no
         flags are kept: under torch.compile, and in CUDA graph capture, whose replays would
         not make a new record. Forgets the last step's."""
@@ -185,7 +201,7 @@ class SkipRecord:
         self.steps += 1
         return CheckRecord(self.steps - 1) if attribute else None
 
-    def overflow_report(self, param_groups):
+    def overflow_report(self, param_groups: list[dict[str, Any]]) -> OverflowReport | None:
         """The OverflowReport of the last step if the optimizer's own check skipped it, else
         None. Reads the flags (a host sync)."""
         if self.own_check is None:
@@ -193,7 +209,8 @@ class SkipRecord:
         names = _GroupNames(param_groups)
         return self.own_check.report(names, names.locate)
 
-    def prepare(self, verdicts, fallback_device, capturing, owner):
+    def prepare(self, verdicts: dict[torch.device, torch.Tensor], fallback_device: torch.device,
+                capturing: bool, owner: str) -> None:
         """Makes what record() will need for this step's verdicts ({} when nothing can skip
         the step), before any param is updated. `capturing`: the step is being captured in a
         CUDA graph, where a tensor made now holds nothing until the first replay (and a
@@ -207,7 +224,8 @@ class SkipRecord:
             _refuse_in_capture(capturing, owner)
             self.counter = torch.zeros((), dtype=torch.int64, device=next(iter(verdicts)))
 
-    def record(self, verdicts, fallback_device, own_check=None):
+    def record(self, verdicts: dict[torch.device, torch.Tensor], fallback_device: torch.device,
+               own_check: CheckRecord | None = None) -> None:
         """Keeps the verdict of the step that just ran (after prepare()), and own_check when
         the step's own check filled it."""
         if own_check is not None and own_check.calls:
@@ -216,15 +234,16 @@ class SkipRecord:
             self.last = self.never[fallback_device]
             return
         skipped = next(iter(verdicts.values())).reshape(()) != 0
-        self.counter += moved(skipped, self.counter.device)
+        counter = cast(torch.Tensor, self.counter)  # prepare() made it
+        counter += moved(skipped, counter.device)
         self.last = skipped
 
-    def count(self):
+    def count(self) -> int:
         """The number of skipped steps; reading a device count syncs."""
         return self.base + (int(self.counter.item()) if self.counter is not None else 0)
 
 
-def _refuse_in_capture(capturing, owner):
+def _refuse_in_capture(capturing: bool, owner: str) -> None:
     if capturing:
         raise RuntimeError(
             f"{owner}: step() is being captured in a CUDA graph before any eager step with the "

@@ -24,6 +24,8 @@ is its own class), so their drop-ins do too, with torch's arithmetic:
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from ampfuse.overflow import param_name
@@ -38,21 +40,26 @@ class SparseCall:
     mode = "sparse"
     has_complex = False
 
-    def __init__(self, step):
+    def __init__(self, step: torch.Tensor) -> None:
         self.step = step  # a step tensor on the params' device: only its device is read
-        self.params, self.grads, self.sparse_grads, self.states = [], [], [], []
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.sparse_grads: list[torch.Tensor] = []
+        self.states: list[dict[str, Any]] = []
 
-    def add(self, p, grad, state):
+    def add(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
         grad = grad.coalesce()
         self.params.append(p)
         self.sparse_grads.append(grad)
         self.grads.append(grad._values())
         self.states.append(state)
 
-    def seal(self):
+    def seal(self) -> None:
         pass
 
-    def run(self, optimizer, group, grad_scale, verdict):
+    # optimizer: a FusedOptimizer (_base, which imports this module).
+    def run(self, optimizer: Any, group: dict[str, Any], grad_scale: torch.Tensor | None,
+            verdict: torch.Tensor | None) -> None:
         """Steps every param unless `verdict` (the step's device flag, or None) says skip."""
         if verdict is not None and bool(verdict.reshape(()).item()):
             return
@@ -67,7 +74,8 @@ class SparseCall:
             optimizer._sparse_step(group, p, grad, state, lr)
 
 
-def add_sparse(optimizer, group_index, param_index, p, group, sparse_calls):
+def add_sparse(optimizer: Any, group_index: int, param_index: int, p: torch.Tensor,
+               group: dict[str, Any], sparse_calls: dict[torch.device, SparseCall]) -> None:
     """Sorts param `p`, whose grad is sparse, into the SparseCall of its device in
     `sparse_calls` (device -> SparseCall), after the checks that refuse what the sparse step
     cannot take. The param counts its steps on its own: its step tensor is not shared."""
@@ -78,10 +86,11 @@ def add_sparse(optimizer, group_index, param_index, p, group, sparse_calls):
                      else step.clone())
     if p.device not in sparse_calls:
         sparse_calls[p.device] = SparseCall(state["step"])
-    sparse_calls[p.device].add(p, p.grad, state)
+    sparse_calls[p.device].add(p, cast(torch.Tensor, p.grad), state)  # sorted for its grad
 
 
-def check_sparse_param(optimizer, group_index, param_index, p, group):
+def check_sparse_param(optimizer: Any, group_index: int, param_index: int, p: torch.Tensor,
+                       group: dict[str, Any]) -> None:
     """Refuses a sparse grad the sparse step cannot take, naming the param and the fix."""
     name = f"{type(optimizer).__name__}: {param_name(group_index, param_index)}"
     if group["weight_decay"] != 0:
@@ -104,7 +113,8 @@ def check_sparse_param(optimizer, group_index, param_index, p, group):
         )
 
 
-def sgd_step(group, p, grad, state, lr):
+def sgd_step(group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+             lr: float) -> None:
     """torch.optim.SGD's single-tensor step of a sparse grad, with a dense fp32 momentum
     buffer (see the module docstring)."""
     momentum = float(group["momentum"])
@@ -123,7 +133,8 @@ def sgd_step(group, p, grad, state, lr):
     state["step"] += 1  # the fused op tells the first step by it, should the grad turn dense
 
 
-def adagrad_step(group, p, grad, state, lr):
+def adagrad_step(group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                 lr: float) -> None:
     """torch.optim.Adagrad's single-tensor step of a sparse grad (weight decay refused)."""
     step = state["step"]
     step += 1

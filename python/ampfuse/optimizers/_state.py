@@ -19,28 +19,30 @@ from __future__ import annotations
 import collections
 import copy
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ampfuse.optimizers._host import OptimizerHost
 from ampfuse.overflow import param_name
 from ampfuse.optimizers._precision import export_extra, import_extras, param_mode
 from ampfuse.optimizers._skip import SkipRecord
 
 
-def state_dtype(p):
+def state_dtype(p: torch.Tensor) -> torch.dtype:
     """The dtype of p's optimizer state: fp32, or complex64 (fp32 pairs) for a complex param,
     as torch.optim keeps it; the ops see a complex tensor as its real view."""
     return torch.complex64 if p.is_complex() else torch.float32
 
 
-def fp32_like(p):
+def fp32_like(p: torch.Tensor) -> torch.Tensor:
     """Zeros in fp32 (complex64 for a complex param) with p's shape, device and (dense)
     strides."""
     return torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
 
 
-def same_layout(t, p):
+def same_layout(t: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether state tensor `t` walks memory in the same order as param `p`, the rule the fused
     ops apply to the tensors they write (one element or none has no order). A param that is not
     dense (a strided slice) is stepped through a contiguous copy of itself, so its state is
@@ -50,7 +52,7 @@ def same_layout(t, p):
     return t.is_contiguous() and not is_dense(p)
 
 
-def is_dense(t):
+def is_dense(t: torch.Tensor) -> bool:
     """Whether `t`'s elements fill one block of memory in some dimension order (contiguous,
     channels_last, a transpose): at::Tensor::is_non_overlapping_and_dense, which Python lacks.
     Walking the dimensions from the smallest stride up, each stride must be the product of the
@@ -63,7 +65,7 @@ def is_dense(t):
     return True
 
 
-def fp32_copy(value, p):
+def fp32_copy(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A loaded state tensor as fp32 (complex64 for a complex param) on p's device, laid out
     like p (a checkpoint saved from contiguous params loads into a channels_last model). A
     tensor that already is so is used as it is, as torch.optim does."""
@@ -74,13 +76,14 @@ def fp32_copy(value, p):
     return out.copy_(value)
 
 
-class OptimizerStateMixin:
+class OptimizerStateMixin(OptimizerHost):
     """state_dict() and load_state_dict() in torch.optim's layout, and state that follows its
     param's memory layout."""
 
     # ---- state laid out like its param --------------------------------------------------------
 
-    def _match_layout(self, group_index, param_index, p, state, record):
+    def _match_layout(self, group_index: int, param_index: int, p: torch.Tensor,
+                      state: dict[str, Any], record: Any) -> None:
         """Lays p's state tensors out like p when p's layout changed since they were made, e.g.
         by model.to(memory_format=torch.channels_last) after some steps: the fused ops walk a
         param and its state flat, so both must share one element order. Runs when p's strides
@@ -111,7 +114,9 @@ class OptimizerStateMixin:
                         "state was made, and the state cannot be re-laid out during CUDA graph "
                         "capture; run one step eagerly after changing the layout, then capture."
                     )
-                value.set_(torch.empty_like(p, dtype=value.dtype).copy_(value))
+                # torch's stubs list set_(storage) only; set_(tensor) is as old and documented.
+                relaid = torch.empty_like(p, dtype=value.dtype).copy_(value)
+                value.set_(relaid)  # type: ignore[call-overload]
         record.strides = strides
 
     # ---- state_dict in torch.optim's layout ---------------------------------------------------
@@ -126,15 +131,18 @@ class OptimizerStateMixin:
         masters. Param groups carry torch's keys (e.g. 'decoupled_weight_decay', 'foreach',
         'fused') besides ours. State tensors other than 'step' are the live ones, as in torch.
         """
+        hook: Callable[..., Any]  # torch's pre- and post-hooks take different arguments
+        key: Any  # a group key, then a param (or whatever else torch keeps state under)
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        index_of, packed_groups = {}, []
-        group_of = {}
+        index_of: dict[int, int] = {}
+        packed_groups: list[dict[str, Any]] = []
+        group_of: dict[int, dict[str, Any]] = {}
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
             for key, value in self._TORCH_GROUP_KEYS.items():
                 packed[key] = value(group) if callable(value) else value
-            ids = []
+            ids: list[int] = []
             for p in group["params"]:
                 if id(p) not in index_of:
                     index_of[id(p)] = len(index_of)
@@ -142,8 +150,9 @@ class OptimizerStateMixin:
                 group_of[id(p)] = group
             packed["params"] = ids
             packed_groups.append(packed)
-        step_values = {}  # id(step tensor) -> its value, read once per tensor
-        packed_state = {}
+        # id(step tensor) -> its value, read once per tensor
+        step_values: dict[int, torch.Tensor] = {}
+        packed_state: dict[Any, Any] = {}
         for key, state in self.state.items():
             if not isinstance(key, torch.Tensor):
                 packed_state[key] = state
@@ -161,7 +170,7 @@ class OptimizerStateMixin:
             exported = self._export_state(group, state, step_value)
             if exported:
                 packed_state[index_of[id(key)]] = exported
-        state_dict = {
+        state_dict: dict[str, Any] = {
             "state": packed_state,
             "param_groups": packed_groups,
             "skipped_steps": self.get_skipped_steps(),
@@ -183,6 +192,8 @@ class OptimizerStateMixin:
         master_weights keeps its current value: a checkpoint saved with another value is
         converted to it at each param's next step (see ampfuse.optimizers._precision).
         """
+        hook: Callable[..., Any]  # torch's pre- and post-hooks take different arguments
+        key: Any  # a (device, mode, step) triple, then an index in the saved state
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -193,7 +204,7 @@ class OptimizerStateMixin:
         if skipped_steps is None:  # a torch or older checkpoint: the count goes on from its value
             skipped_steps = self.get_skipped_steps()
         elif isinstance(skipped_steps, bool) or not (
-            isinstance(skipped_steps, numbers.Integral) and skipped_steps >= 0
+            isinstance(skipped_steps, numbers.Integral) and int(skipped_steps) >= 0
         ):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: skipped_steps must be an int >= 0, got "
@@ -213,7 +224,7 @@ class OptimizerStateMixin:
                     f"{len(saved['params'])} params in the state dict but "
                     f"{len(group['params'])} in the optimizer."
                 )
-        new_groups = []
+        new_groups: list[dict[str, Any]] = []
         for index, (group, saved) in enumerate(zip(groups, saved_groups)):
             new_group = {k: v for k, v in saved.items() if k not in self._TORCH_GROUP_KEYS}
             self._import_group(saved, group, new_group)
@@ -227,10 +238,11 @@ class OptimizerStateMixin:
             new_groups.append(new_group)
 
         saved_state = state_dict["state"]
-        state = collections.defaultdict(dict)
-        param_ids = set()
+        state: collections.defaultdict[Any, dict[str, Any]] = collections.defaultdict(dict)
+        param_ids: set[int] = set()
         for group_index, (group, saved) in enumerate(zip(new_groups, saved_groups)):
-            shared_steps = {}  # (device, mode, value) -> one step tensor
+            # (device, mode, value) -> one step tensor
+            shared_steps: dict[tuple[Any, ...], torch.Tensor] = {}
             for param_index, (index_in_dict, p) in enumerate(zip(saved["params"], group["params"])):
                 param_ids.add(index_in_dict)
                 if index_in_dict not in saved_state:
@@ -265,7 +277,8 @@ class OptimizerStateMixin:
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _import_group(self, saved, current, new):
+    def _import_group(self, saved: dict[str, Any], current: dict[str, Any],
+                      new: dict[str, Any]) -> None:
         """Adjusts a loaded group `new` (saved keys minus torch-only ones) before the current
         group's missing keys are filled in. Betas saved as a list (JSON, some checkpoint tools)
         come back as the tuple they were."""
@@ -275,20 +288,24 @@ class OptimizerStateMixin:
     # The state of the optimizers with Adam's moments (FusedAdam, FusedLAMB): a 'step', fp32
     # 'exp_avg' and 'exp_avg_sq', the family's optional moments, and the precision extras.
 
-    def _export_moments(self, state, step_value, optional=()):
+    def _export_moments(self, state: dict[str, Any], step_value: torch.Tensor | None,
+                        optional: tuple[str, ...] = ()) -> dict[str, Any]:
         """_export_state of a moments optimizer; `optional` keys are saved where present."""
         if step_value is None:
             # Only a master made by master_params() before any step: torch.optim.Adam would read
             # a state without 'step' as corrupt, and the next step remakes the same master.
             return {}
-        out = {"step": step_value, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        out: dict[str, Any] = {"step": step_value, "exp_avg": state["exp_avg"],
+                               "exp_avg_sq": state["exp_avg_sq"]}
         for key in optional:
             if key in state:
                 out[key] = state[key]
         export_extra(state, out)
         return out
 
-    def _import_moments(self, group, p, saved, where, needs, optional=()):
+    def _import_moments(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                        where: str, needs: str, optional: tuple[str, ...] = ()
+                        ) -> tuple[dict[str, Any], float | None]:
         """_import_state of a moments optimizer; `needs` is the sentence a state without 'step',
         'exp_avg' or 'exp_avg_sq' is refused with."""
         if not saved:
@@ -298,7 +315,7 @@ class OptimizerStateMixin:
                 f"{type(self).__name__}.load_state_dict: state of {where} has keys "
                 f"{sorted(saved)}; {needs}"
             )
-        imported = {}
+        imported: dict[str, Any] = {}
         for key in ("exp_avg", "exp_avg_sq", *optional):
             if saved.get(key) is not None:
                 self._check_saved_shape(where, key, saved[key], p)
@@ -307,7 +324,8 @@ class OptimizerStateMixin:
         step = saved["step"]
         return imported, float(step.item() if isinstance(step, torch.Tensor) else step)
 
-    def _import_master(self, group, p, saved, imported, where):
+    def _import_master(self, group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
+                       imported: dict[str, Any], where: str) -> None:
         """Takes over a saved fp32 master, kahan compensation or split low half, to be
         converted at p's next step if the group's master_weights is another (_precision)."""
         extras = import_extras(group, p, saved, where, type(self).__name__)
@@ -316,7 +334,8 @@ class OptimizerStateMixin:
             extras["master_param"] = fp32_copy(saved["master_param"], p)
         imported.update(extras)
 
-    def _check_saved_shape(self, where, key, value, p):
+    def _check_saved_shape(self, where: str, key: str, value: torch.Tensor,
+                           p: torch.Tensor) -> None:
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: state of {where} has {key!r} of shape "
@@ -329,7 +348,7 @@ class OptimizerStateMixin:
 # count per param, as torch.optim does. state_dict() of both writes the group's count too and
 # load_state_dict() reads it, so checkpoints move both ways.
 
-def add_group_steps(state_dict):
+def add_group_steps(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Writes apex's per-group 'step' (an int) into each saved group whose params all took the
     same number of steps."""
     for group in state_dict["param_groups"]:
@@ -343,7 +362,7 @@ def add_group_steps(state_dict):
     return state_dict
 
 
-def spread_group_steps(state_dict):
+def spread_group_steps(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of `state_dict` whose groups hold no 'step', each saved param state without one
     of its own taking its group's."""
     state_dict = dict(state_dict)

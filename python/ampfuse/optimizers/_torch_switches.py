@@ -20,7 +20,8 @@ from __future__ import annotations
 IMPLEMENTATION_SWITCHES = ("foreach", "fused", "differentiable")
 
 
-def check_implementation_switches(name, torch_class, foreach, fused, differentiable):
+def check_implementation_switches(name: str, torch_class: str, foreach: object, fused: object,
+                                  differentiable: object) -> None:
     """Refuses the switch values torch refuses, and differentiable=True; `name` is the
     optimizer's class name and `torch_class` the torch.optim class it stands in for, as the
     messages name them."""

@@ -115,7 +115,7 @@ class FusedAdagrad(FusedOptimizer):
                                            memory_format=torch.preserve_format)
 
     def _sparse_step(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
-                     state: dict[str, Any], lr: torch.Tensor) -> None:
+                     state: dict[str, Any], lr: float) -> None:
         self._prepare_state(group, p, state)  # the sum, on a param's first step
         adagrad_step(group, p, grad, state, lr)
 

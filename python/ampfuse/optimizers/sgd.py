@@ -156,7 +156,7 @@ class FusedSGD(FusedOptimizer):
         )
 
     def _sparse_step(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
-                     state: dict[str, Any], lr: torch.Tensor) -> None:
+                     state: dict[str, Any], lr: float) -> None:
         sgd_step(group, p, grad, state, lr)
 
     def _export_state(self, group: dict[str, Any], state: dict[str, Any],
