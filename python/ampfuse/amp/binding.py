@@ -24,6 +24,9 @@ optimizer) is cleared by the optimizer's step, so none of it leaks into the next
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
 import torch
 
 from ampfuse import ops
@@ -31,20 +34,24 @@ from ampfuse.amp.attribution import StepAttribution, place_in_optimizer
 from ampfuse.amp.masters import MasterTracker, refresh_master
 from ampfuse.amp.optimizer_access import hookable, optimizer_params, params_and_grads
 from ampfuse.optimizers import FusedOptimizer
+from ampfuse.scaling.loss_scaler import LossScaler
 
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _flag_like(tensors, device):
+def _flag_like(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     if tensors:
         device = tensors[0].device
     return torch.zeros(1, device=device)
 
 
 class Binding:
-    def __init__(self, optimizer, kind, device, masters=None, attribute_overflow=False):
-        self.optimizer = optimizer
-        self.inner = hookable(optimizer)
+    def __init__(self, optimizer: Any, kind: str, device: torch.device,
+                 masters: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 attribute_overflow: bool = False) -> None:
+        self.optimizer = optimizer  # a torch.optim.Optimizer, or a wrapper of one (LARC)
+        # A FusedOptimizer where self.fused, else a torch.optim.Optimizer.
+        self.inner: Any = cast(Any, hookable(optimizer))
         self.fused = isinstance(self.inner, FusedOptimizer)
         self.kind = kind
         self.device = device
@@ -52,7 +59,7 @@ class Binding:
         # Writes to the model params behind the "masters" kind's masters; a fused optimizer
         # keeps its own marks and follows the model in its step.
         self.tracker = MasterTracker()
-        self.skipped = None  # device count of skipped optimizer steps
+        self.skipped: torch.Tensor | None = None  # device count of skipped optimizer steps
         # Which grads held inf/nan (amp.last_overflow, the summary); None when turned off.
         self.attribution = StepAttribution(device) if attribute_overflow else None
         self._param_count = len(optimizer_params(optimizer))
@@ -65,29 +72,32 @@ class Binding:
 
     # ---- per-step state -----------------------------------------------------------------
 
-    def _end_step(self):
-        self.window = None  # "fold": the scale the accumulated grads carry
-        self.window_inf = None  # "fold": overflow flag of this step's micro-batches
-        self.found_inf = None  # "inplace" fused: overflow flag of this step
+    def _end_step(self) -> None:
+        self.window: torch.Tensor | None = None  # "fold": the scale the accumulated grads carry
+        # "fold": overflow flag of this step's micro-batches
+        self.window_inf: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None  # "inplace" fused: overflow flag of this step
         self.skip_step = False  # torch.optim kinds: an overflow was seen (host)
         self.unscaled_pending = False  # grads hold unscaled values since the last step
         self.delayed = False  # the last scale_loss used delay_unscale=True
-        self.stash = []  # (param, unscaled grad) of earlier losses, during a backward
-        self._set_on_optimizer = None  # (grad_scale, found_inf) amp put on the optimizer
+        # (param, unscaled grad) of earlier losses, during a backward
+        self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (grad_scale, found_inf) amp put on the optimizer
+        self._set_on_optimizer: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
-    def remove(self):
+    def remove(self) -> None:
         for h in self._hooks:
             h.remove()
 
     # ---- params -------------------------------------------------------------------------
 
-    def params_with_grads(self):
+    def params_with_grads(self) -> list[torch.Tensor]:
         if self.kind == "masters":
             # The model's grads arrive on the low-precision params; masters get them unscaled.
             return [p for p, _ in self.masters] + self.unmastered()
         return optimizer_params(self.optimizer)
 
-    def unmastered(self):
+    def unmastered(self) -> list[torch.Tensor]:
         mastered = {id(m) for _, m in self.masters}
         return [p for p in optimizer_params(self.optimizer) if id(p) not in mastered]
 
@@ -100,7 +110,7 @@ class Binding:
             return []
         return list(self.inner.masters().items())
 
-    def adopt_new_params(self, make_master):
+    def adopt_new_params(self, make_master: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Params added with add_param_group since the last look: a low-precision one gets an
         fp32 master at O2, as apex gave it (`make_master(param)` returns the master)."""
         count = len(optimizer_params(self.optimizer))
@@ -119,14 +129,14 @@ class Binding:
                 self.masters.append((p, master))
                 self.tracker.mark([p])
 
-    def _mark(self, params):
+    def _mark(self, params: Iterable[torch.Tensor]) -> None:
         """Records `params` as in step with their masters."""
         if self.kind == "masters":
             self.tracker.mark(params)
         elif self.fused:
             self.inner.mark_masters(params)
 
-    def follow_model(self):
+    def follow_model(self) -> None:
         """Remakes the masters of model params that something other than a step wrote (a
         fused optimizer does this itself, in its step)."""
         if self.kind != "masters" or not self.masters:
@@ -139,7 +149,7 @@ class Binding:
         if changed:
             self.tracker.mark(p for p, _ in pairs if id(p) in changed)
 
-    def load_into_masters(self, loaded):
+    def load_into_masters(self, loaded: dict[int, torch.Tensor]) -> None:
         """`loaded`: {id(model param): the tensor model.load_state_dict wrote into it}."""
         done = []
         for p, master in self.master_pairs():
@@ -151,7 +161,7 @@ class Binding:
 
     # ---- scale_loss ---------------------------------------------------------------------
 
-    def before_backward(self):
+    def before_backward(self) -> None:
         """Moves grads unscaled by an earlier loss of this step out of the way of the next
         backward; they are added back once its grads are unscaled."""
         if self.kind == "fold" or not self.unscaled_pending or self.stash:
@@ -162,11 +172,11 @@ class Binding:
                 self.stash.append((p, p.grad))
                 p.grad = None
 
-    def _tensor_flags(self, params):
+    def _tensor_flags(self, params: list[torch.Tensor]) -> torch.Tensor | None:
         """The device flags the kernels fill for the grads of `params` (None: attribution off)."""
         return None if self.attribution is None else self.attribution.flags_for(params)
 
-    def unscale(self, scaler, scale):
+    def unscale(self, scaler: LossScaler, scale: torch.Tensor) -> None:
         """Checks (and for the unscaling kinds, unscales by `scale`) this optimizer's grads into
         scaler.found_inf. The skip decision comes later, once every optimizer of the
         scale_loss call is checked (decide)."""
@@ -197,7 +207,7 @@ class Binding:
         self._restore_stash()
         self.unscaled_pending = True
 
-    def _unscale_into_masters(self, scaler, inv_scale):
+    def _unscale_into_masters(self, scaler: LossScaler, inv_scale: torch.Tensor) -> None:
         sources, targets, fresh, read = [], [], [], []
         for p, master in self.masters:
             if p.grad is None:
@@ -227,7 +237,7 @@ class Binding:
         for p, _ in self.masters:
             p.grad = None
 
-    def _restore_stash(self):
+    def _restore_stash(self) -> None:
         stash, self.stash = self.stash, []
         dense_old, dense_new = [], []
         for p, old in stash:
@@ -241,7 +251,7 @@ class Binding:
         if dense_new:
             torch._foreach_add_(dense_new, dense_old)
 
-    def decide(self, scaler, scale, any_inf_on_host):
+    def decide(self, scaler: LossScaler, scale: torch.Tensor, any_inf_on_host: bool | None) -> None:
         """After every optimizer of a scale_loss call is checked: scaler.found_inf holds the
         verdict for all of them (item of apex: an overflow in one skips them all).
         any_inf_on_host is the flag read once for the call when a torch.optim optimizer needs
@@ -267,11 +277,12 @@ class Binding:
             for p in params:
                 p.grad = None
 
-    def _note_verdict(self, flag):
+    def _note_verdict(self, flag: torch.Tensor | bool) -> None:
         if self.attribution is not None:
             self.attribution.set_verdict(flag)
 
-    def _put_on_optimizer(self, grad_scale, found_inf):
+    def _put_on_optimizer(self, grad_scale: torch.Tensor | None,
+                          found_inf: torch.Tensor | None) -> None:
         self.inner.grad_scale = grad_scale
         self.inner.found_inf = found_inf
         self._set_on_optimizer = (grad_scale, found_inf)
@@ -280,7 +291,7 @@ class Binding:
 
     # Outside Dynamo, as AmpHandle.before_backward and after_backward (handle.py says why).
     @torch._disable_dynamo
-    def _before_step(self, optimizer, args, kwargs):
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.delayed:
             raise RuntimeError(
                 "optimizer.step(): the last amp.scale_loss before this step used "
@@ -290,7 +301,7 @@ class Binding:
         self.follow_model()
 
     @torch._disable_dynamo
-    def _after_step(self, optimizer, args, kwargs):
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.kind == "masters" and self.masters:
             models = [p for p, _ in self.masters]
             masters = [m for _, m in self.masters]
@@ -321,7 +332,8 @@ class Binding:
             self.attribution.end_step()
         self._end_step()
 
-    def _count_skip(self):
+    def _count_skip(self) -> None:
+        flag: torch.Tensor | float | None
         if self.kind == "fold":
             flag = self.window_inf
         elif self.fused:
@@ -337,7 +349,7 @@ class Binding:
         else:
             self.skipped += flag.reshape(1).clamp(max=1.0).to(self.skipped.device)
 
-    def locate(self, param):
+    def locate(self, param: torch.Tensor) -> tuple[int, int]:
         """Where the optimizer holds a param whose grad amp reads (overflow reports)."""
         return place_in_optimizer(self.optimizer, self.masters, param)
 
@@ -381,5 +393,6 @@ class Binding:
         self.inner.step_on_master_grads = bool(sources) or any(
             m.grad is not None for _, m in self.master_pairs())
         if self.kind == "fold":
-            self.window = torch.ones_like(self.window)  # the grads no longer carry a scale
+            # the grads no longer carry a scale
+            self.window = torch.ones_like(cast(torch.Tensor, self.window))
             self._put_on_optimizer(None, self.window_inf)

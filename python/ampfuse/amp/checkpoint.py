@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any, NoReturn
 
 import torch
 
+from ampfuse.amp.binding import Binding
 from ampfuse.amp.optimizer_access import optimizer_params
+
+# `handle` below is amp's handle (handle.AmpHandle), which imports this module: typed Any.
 
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)$")
 _OUR_KEYS = ("master_params", "skipped_steps", "unstepped_fused_masters")
 
 
-def state_dict(handle) -> dict:
-    state = {}
+def state_dict(handle: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {}
     for i, scaler in enumerate(handle.scalers):
         entry = scaler.state_dict()
         entry["loss_scale"] = entry["scale"]  # apex's names for the same two values
@@ -36,7 +40,7 @@ def state_dict(handle) -> dict:
     return state
 
 
-def _unstepped_fused_masters(b) -> dict:
+def _unstepped_fused_masters(b: Binding) -> dict[int, torch.Tensor]:
     """Masters amp seeded into a fused optimizer for params that have not stepped yet. The
     optimizer's own state_dict leaves them out (torch.optim would read a state without 'step'
     as corrupt), so amp's checkpoint carries them, by position in the param groups."""
@@ -47,11 +51,11 @@ def _unstepped_fused_masters(b) -> dict:
             if p in unstepped}
 
 
-def _fail(message):
+def _fail(message: str) -> NoReturn:
     raise ValueError(f"amp.load_state_dict: {message}; nothing was loaded.")
 
 
-def _scaler_values(key, entry):
+def _scaler_values(key: str, entry: Any) -> tuple[float, int, Any, Any]:
     """(scale, growth tracker, hysteresis tracker or None, skipped or None) of one saved loss
     scaler, in ampfuse's or apex's format."""
     if not isinstance(entry, dict):
@@ -73,7 +77,7 @@ def _scaler_values(key, entry):
     return scale, tracker, entry.get("hysteresis_tracker"), entry.get("skipped_steps")
 
 
-def _check_masters(handle, saved):
+def _check_masters(handle: Any, saved: list[list[torch.Tensor]]) -> None:
     if len(saved) > len(handle.bindings):
         _fail(f"the state holds masters for {len(saved)} optimizers, but this amp.initialize "
               f"has {len(handle.bindings)}")
@@ -88,7 +92,7 @@ def _check_masters(handle, saved):
                       "model?")
 
 
-def _check_unstepped(handle, saved):
+def _check_unstepped(handle: Any, saved: list[dict[int, torch.Tensor]]) -> None:
     for b, entries in zip(handle.bindings, saved):
         params = optimizer_params(b.inner) if b.fused else []
         for i, value in entries.items():
@@ -97,7 +101,7 @@ def _check_unstepped(handle, saved):
                       "it saved from another model?")
 
 
-def load_state_dict(handle, state: dict) -> None:
+def load_state_dict(handle: Any, state: dict[str, Any]) -> None:
     if not isinstance(state, dict):
         raise TypeError(f"amp.load_state_dict: expected the dict amp.state_dict() returned, got "
                         f"a {type(state).__name__}.")

@@ -9,23 +9,33 @@ how amp.scale_loss and the other module-level functions find it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 
 from ampfuse.amp import checkpoint
+from ampfuse.amp.attribution import StepAttribution
 from ampfuse.amp.binding import Binding
 from ampfuse.amp.ddp_watch import NoSyncWatch
 from ampfuse.amp.masters import LoadCapture
 from ampfuse.amp.optimizer_access import grads_of, optimizer_params
 from ampfuse.amp.reporting import OverflowReporter
 from ampfuse.optimizers import FusedOptimizer
-from ampfuse.overflow import ParamNames
+from ampfuse.overflow import OverflowReport, ParamNames
 from ampfuse.scaling.loss_scaler import LossScaler
 
 log = logging.getLogger("ampfuse.amp")
 
 
-def _overflow_counted_this_step(bindings):
+class _Hook(Protocol):
+    """What amp keeps in handle.hooks: anything it can take off again (torch's hook handles,
+    amp's own watches and wrappers)."""
+
+    def remove(self) -> None: ...
+
+
+def _overflow_counted_this_step(bindings: Sequence[Binding]) -> torch.Tensor | None:
     """A device flag set when every optimizer of a scale_loss call is a fused one whose
     accumulated grads already overflowed earlier in this optimizer step, else None.
 
@@ -36,24 +46,30 @@ def _overflow_counted_this_step(bindings):
     rank only, so the ranks' scales would drift apart."""
     if not bindings or any(b.kind != "fold" or b.window_inf is None for b in bindings):
         return None
-    device = bindings[0].window_inf.device
-    flags = [b.window_inf.reshape(1).to(device) for b in bindings]
+    windows = [b.window_inf for b in bindings if b.window_inf is not None]  # all of them
+    device = windows[0].device
+    flags = [w.reshape(1).to(device) for w in windows]
     return flags[0] if len(flags) == 1 else torch.stack(flags).amin(dim=0)
 
 
 class AmpHandle:
-    def __init__(self, props, low, device, num_losses, min_loss_scale, max_loss_scale,
-                 hysteresis, verbosity, enabled=True, growth_interval=2000,
-                 all_reduce_found_inf=False, process_group=None, attribute_overflow=True):
+    # props: opt_levels.Properties, typed Any: opt_levels imports apex_state, whose types name
+    # this module (an import circle, even for the type checker's imports).
+    def __init__(self, props: Any, low: torch.dtype, device: torch.device,
+                 num_losses: int, min_loss_scale: float | None, max_loss_scale: float | None,
+                 hysteresis: int, verbosity: int, enabled: bool = True,
+                 growth_interval: int = 2000, all_reduce_found_inf: bool = False,
+                 process_group: torch.distributed.ProcessGroup | None = None,
+                 attribute_overflow: bool = True) -> None:
         self.props = props
         self.low = low
         self.device = device
         self.verbosity = verbosity
         self.enabled = enabled
-        self.bindings = []
-        self.hooks = []
-        self.models = []
-        self.no_sync_watches = []
+        self.bindings: list[Binding] = []
+        self.hooks: list[_Hook] = []
+        self.models: list[torch.nn.Module] = []
+        self.no_sync_watches: list[NoSyncWatch] = []
         self.all_reduce = bool(all_reduce_found_inf) or process_group is not None
         self.process_group = process_group
         dynamic = props.loss_scale == "dynamic"
@@ -69,31 +85,31 @@ class AmpHandle:
 
     # ---- binding models and optimizers ---------------------------------------------------
 
-    def name_model(self, model):
+    def name_model(self, model: torch.nn.Module) -> None:
         """Overflow reports name `model`'s params by their module-qualified names."""
         self.param_names.add(model, "amp.initialize")
 
-    def watch_model(self, model):
+    def watch_model(self, model: torch.nn.Module) -> None:
         """Masters follow weights loaded into `model` with load_state_dict."""
         self.models.append(model)
         self.hooks.append(LoadCapture(model, self._mastered, self._loaded))
 
-    def watch_no_sync(self, model):
+    def watch_no_sync(self, model: torch.nn.Module) -> None:
         """Notices DDP's no_sync around `model`'s forward, whatever the level: every unscaling
         kind moves grads out of DDP's reach (see _refuse_unsynced_unscale)."""
         watch = NoSyncWatch(model)
         self.no_sync_watches.append(watch)
         self.hooks.append(watch)
 
-    def _mastered(self):
+    def _mastered(self) -> set[int]:
         return {id(p) for b in self.bindings for p, _ in b.master_pairs()}
 
-    def _loaded(self, pairs):
+    def _loaded(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         loaded = {id(p): value for p, value in pairs}
         for b in self.bindings:
             b.load_into_masters(loaded)
 
-    def bind(self, optimizer, fp32_originals: dict[torch.Tensor, torch.Tensor]) -> Binding:
+    def bind(self, optimizer: Any, fp32_originals: dict[torch.Tensor, torch.Tensor]) -> Binding:
         """Decides how `optimizer` is unscaled and skipped; `fp32_originals` maps each model
         param cast to the low dtype to a copy of its fp32 value from before the cast."""
         fused = isinstance(optimizer, FusedOptimizer)
@@ -122,8 +138,9 @@ class AmpHandle:
         return binding
 
     @staticmethod
-    def _swap_in_masters(optimizer, fp32_originals):
-        pairs = []
+    def _swap_in_masters(optimizer: Any, fp32_originals: dict[torch.Tensor, torch.Tensor]
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in optimizer.param_groups:
             for i, p in enumerate(group["params"]):
                 if p not in fp32_originals:
@@ -136,16 +153,16 @@ class AmpHandle:
         return pairs
 
     @staticmethod
-    def new_master(param):
+    def new_master(param: torch.Tensor) -> torch.Tensor:
         return torch.nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
 
-    def binding_of(self, optimizer):
+    def binding_of(self, optimizer: object) -> Binding:
         for binding in self.bindings:
             if binding.optimizer is optimizer:
                 return binding
         raise RuntimeError("amp: this optimizer was not passed to amp.initialize.")
 
-    def sync_with_model(self):
+    def sync_with_model(self) -> None:
         """New param groups get masters; masters follow model weights written by others."""
         for b in self.bindings:
             b.adopt_new_params(self.new_master)
@@ -162,7 +179,7 @@ class AmpHandle:
     # graph break instead, and runs as in eager mode.
 
     @torch._disable_dynamo
-    def before_backward(self, bindings, loss_id):
+    def before_backward(self, bindings: Sequence[Binding], loss_id: int) -> torch.Tensor:
         """Returns the scale to multiply this loss by: the scale of the grads a fused
         optimizer already accumulated in this step (so that like adds to like), else the
         scaler's current one."""
@@ -183,15 +200,17 @@ class AmpHandle:
         return scale
 
     @staticmethod
-    def _rescale_grads(b, scale):
+    def _rescale_grads(b: Binding, scale: torch.Tensor) -> None:
         grads = grads_of(b.params_with_grads())
         if grads:
-            ratio = (scale.double() / b.window.double()).float().reshape(1)
+            window = cast(torch.Tensor, b.window)  # before_backward's caller: not None
+            ratio = (scale.double() / window.double()).float().reshape(1)
             torch.ops.ampfuse.multi_tensor_unscale_(grads, torch.zeros_like(ratio), ratio)
         b.window = scale
 
     @torch._disable_dynamo
-    def after_backward(self, bindings, loss_id, scale, delayed):
+    def after_backward(self, bindings: Sequence[Binding], loss_id: int, scale: torch.Tensor,
+                       delayed: bool) -> None:
         for b in bindings:
             b.delayed = delayed
         if delayed:
@@ -212,7 +231,7 @@ class AmpHandle:
         scaler.update(counted_already=counted)
         self.reporter.step()
 
-    def _refuse_unsynced_unscale(self, bindings):
+    def _refuse_unsynced_unscale(self, bindings: Sequence[Binding]) -> None:
         """Unscaling moves a micro-batch's grads out of .grad (into fp32 master grads or a
         stash), where DDP's all-reduce of a later synced backward never sees them: the ranks
         would silently train on different gradients. Fused optimizers keep grads in place."""
@@ -230,7 +249,7 @@ class AmpHandle:
             "which keeps the gradients in place until its step."
         )
 
-    def _all_reduce(self, found_inf):
+    def _all_reduce(self, found_inf: torch.Tensor) -> None:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -242,7 +261,7 @@ class AmpHandle:
 
     # ---- reading and checkpoints ----------------------------------------------------------
 
-    def skipped_counts(self):
+    def skipped_counts(self) -> list[torch.Tensor | None]:
         """Device tensors counting each optimizer's skipped steps (None where none yet)."""
         return [b.skipped for b in self.bindings]
 
@@ -252,7 +271,7 @@ class AmpHandle:
         counts = [int(c.item()) for c in self.skipped_counts() if c is not None]
         return max(counts, default=0)
 
-    def last_overflow(self, optimizer=None):
+    def last_overflow(self, optimizer: object | None = None) -> OverflowReport | None:
         """None if the optimizer's latest checked step was clean, else an OverflowReport (reads
         the device flags). Its latest checked step: the one in progress if scale_loss checked
         its grads since the last optimizer.step(), else the last step."""
@@ -272,12 +291,13 @@ class AmpHandle:
             binding = self.bindings[0]
         else:
             binding = self.binding_of(optimizer)
-        record = binding.attribution.latest()
+        # attribute_overflow: every binding has its StepAttribution.
+        record = cast(StepAttribution, binding.attribution).latest()
         return None if record is None else record.report(self.param_names, binding.locate)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         self.sync_with_model()
         return checkpoint.state_dict(self)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         checkpoint.load_state_dict(self, state)

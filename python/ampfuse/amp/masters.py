@@ -21,6 +21,9 @@ a checkpoint holding fp32 weights gives the masters those fp32 values, not their
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 
 from ampfuse.optimizers._masters import param_mark, refresh_master  # noqa: F401
@@ -29,16 +32,16 @@ from ampfuse.optimizers._masters import param_mark, refresh_master  # noqa: F401
 class MasterTracker:
     """Remembers, per model param, the version and storage of its last trusted write."""
 
-    def __init__(self):
-        self._marks = {}  # id(model param) -> (version, data_ptr)
+    def __init__(self) -> None:
+        self._marks: dict[int, tuple[int, int]] = {}  # id(model param) -> (version, data_ptr)
 
-    def mark(self, params) -> None:
+    def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Records the current state of `params` as written by amp or the optimizer."""
         marks = self._marks
         for p in params:
             marks[id(p)] = param_mark(p)
 
-    def changed(self, params):
+    def changed(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """The params written by someone else since they were last marked."""
         marks = self._marks
         return [p for p in params if marks.get(id(p)) != param_mark(p)]
@@ -52,16 +55,18 @@ class LoadCapture:
     ids `mastered()` returns to `on_loaded(list of (param, loaded tensor))` once the load is
     done."""
 
-    def __init__(self, model: torch.nn.Module, mastered, on_loaded):
+    def __init__(self, model: torch.nn.Module, mastered: Callable[[], set[int]],
+                 on_loaded: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]) -> None:
         self._mastered = mastered
         self._on_loaded = on_loaded
-        self._pending = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = [
             model.register_load_state_dict_pre_hook(self._before),
             model.register_load_state_dict_post_hook(self._after),
         ]
 
-    def _before(self, module, state_dict, prefix, *args):
+    def _before(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                *args: Any) -> None:
         mastered = self._mastered()  # once per load: a set, not a scan per param
         for name, param in module.named_parameters():
             value = state_dict.get(prefix + name)
@@ -69,7 +74,7 @@ class LoadCapture:
                     and id(param) in mastered):
                 self._pending.append((param, value.detach()))
 
-    def _after(self, module, incompatible_keys):
+    def _after(self, module: torch.nn.Module, incompatible_keys: Any) -> None:
         pending, self._pending = self._pending, []
         if pending:
             self._on_loaded(pending)
