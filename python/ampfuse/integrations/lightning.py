@@ -137,6 +137,20 @@ class _PickedByPrecision:
         mixed, true = kinds
         return super().__new__(mixed if precision in _MIXED else true)
 
+    # Both public classes' constructor, for type checkers (which inherit it): __new__ makes the
+    # object of the mode's kind, whose __init__ (_MixedModes', _TrueModes') takes these.
+    if TYPE_CHECKING:
+        @overload
+        def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str = "cuda",
+                     scaler: _Scaler | None = None) -> None: ...
+
+        @overload
+        def __init__(self, precision: Literal["bf16-true"], device: None = None,
+                     scaler: None = None) -> None: ...
+
+        def __init__(self, precision: str, device: str | None = None,
+                     scaler: _Scaler | None = None) -> None: ...
+
 
 class _MixedModes:
     """The mixed-mode plugins of both families: autocast, a GradScaler for 16-mixed."""
@@ -187,20 +201,6 @@ class AmpfusePrecision(_PickedByPrecision, _TrainerPrecision):
 
     _public_name = "AmpfusePrecision"
 
-    # The constructor, for type checkers: _PickedByPrecision.__new__ makes the object of the
-    # mode's kind, whose __init__ (_MixedModes', _TrueModes') takes these.
-    if TYPE_CHECKING:
-        @overload
-        def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str = "cuda",
-                     scaler: _Scaler | None = None) -> None: ...
-
-        @overload
-        def __init__(self, precision: Literal["bf16-true"], device: None = None,
-                     scaler: None = None) -> None: ...
-
-        def __init__(self, precision: str, device: str | None = None,
-                     scaler: _Scaler | None = None) -> None: ...
-
 
 class _AmpfuseTrainerMixed(_MixedModes, AmpfusePrecision, _TrainerMixed):
     def clip_gradients(
@@ -230,20 +230,6 @@ class AmpfuseFabricPrecision(_PickedByPrecision, _FabricPrecision):
     """
 
     _public_name = "AmpfuseFabricPrecision"
-
-    # The constructor, for type checkers: _PickedByPrecision.__new__ makes the object of the
-    # mode's kind, whose __init__ (_MixedModes', _TrueModes') takes these.
-    if TYPE_CHECKING:
-        @overload
-        def __init__(self, precision: Literal["16-mixed", "bf16-mixed"], device: str = "cuda",
-                     scaler: _Scaler | None = None) -> None: ...
-
-        @overload
-        def __init__(self, precision: Literal["bf16-true"], device: None = None,
-                     scaler: None = None) -> None: ...
-
-        def __init__(self, precision: str, device: str | None = None,
-                     scaler: _Scaler | None = None) -> None: ...
 
 
 class _AmpfuseFabricMixed(_MixedModes, AmpfuseFabricPrecision, _FabricMixed):
