@@ -38,7 +38,10 @@ wheel: env
 	rm -f dist/ampfuse-*.whl
 	$(VPY) -m pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps \
 	  --wheel-dir dist .
-	@ls -l dist/ampfuse-*.whl
+	@$(VPY) -c "import glob, json, os, zipfile; w = glob.glob('dist/ampfuse-*.whl')[0]; \
+	  info = json.loads(zipfile.ZipFile(w).read('ampfuse/ops/build_info.json')); \
+	  print(f'{w}: {os.path.getsize(w) / 2**20:.0f} MB, for torch {info[\"torch\"]}, CUDA code for', \
+	        info['cuda_architectures'] or 'none (CPU only)')"
 
 # Installs the wheel as a user would: plain `pip install`, with a PATH that holds the venv's
 # Python and no compiler at all (the check fails loudly if one is there).

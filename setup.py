@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -29,6 +28,14 @@ try:  # setuptools 70.1+ carries bdist_wheel; older ones take it from the wheel 
     from setuptools.command.bdist_wheel import bdist_wheel
 except ImportError:
     from wheel.bdist_wheel import bdist_wheel
+
+try:
+    import torch
+except ImportError:
+    raise SystemExit("ampfuse is compiled against the torch installed in this environment: "
+                     "install torch 2.11 first (pip install 'torch==2.11.*'), then build with "
+                     "`pip install --no-build-isolation .` (pip's default isolated build "
+                     "environment has no torch).") from None
 
 ROOT = Path(__file__).resolve().parent
 BASE_VERSION = "0.2.0"
