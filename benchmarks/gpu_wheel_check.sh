@@ -5,9 +5,9 @@
 #   1. dist/ampfuse-*.whl (`make wheel`: every architecture): a venv with
 #      --system-site-packages (it keeps the machine's torch), `pip install --no-deps` (no
 #      network there), then `pytest -m cuda` from the checkout, whose python/ is not on sys.path.
-#   2. dist-sm80/ampfuse-*.whl (`TORCH_CUDA_ARCH_LIST=8.0 make wheel`, moved there): machine code
-#      for sm_80 only, which an H100/H200 cannot run. The first CUDA op must raise ampfuse's
-#      error naming the device and the rebuild command, not a CUDA fault.
+#   2. a wheel with machine code for sm_80 only, which an H100/H200 cannot run (dist-sm80/,
+#      built here with the machine's 16 cores when not brought along). The first CUDA op must
+#      raise ampfuse's error naming the device and the rebuild command, not a CUDA fault.
 # Logs go to $OUT (default benchmarks/out). Exit status: non-zero if either check failed.
 set -uo pipefail
 
@@ -35,6 +35,10 @@ else
 fi
 
 echo "== 2. an sm_80-only wheel on this GPU: the clear error (at ${SECONDS} s)"
+if ! ls dist-sm80/ampfuse-*.whl >/dev/null 2>&1; then
+  TORCH_CUDA_ARCH_LIST=8.0 MAX_JOBS=16 python3 -m pip wheel --quiet --no-build-isolation \
+    --no-deps --wheel-dir dist-sm80 . >"$out/sm80_build.log" 2>&1 || tail -n 20 "$out/sm80_build.log"
+fi
 if install_into /tmp/ampfuse-sm80 dist-sm80 >"$out/sm80_install.log" 2>&1; then
   (cd tests && /tmp/ampfuse-sm80/bin/python - <<'EOF') 2>&1 | tee "$out/sm80_error.log"
 import sys
