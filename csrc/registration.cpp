@@ -1,9 +1,9 @@
 // The one list of ampfuse's ops: every schema (torch.ops.ampfuse.*), one comment each, and the
-// kernels bound to it. Fake (meta) kernels live in python/ampfuse/_ops.py.
+// kernels bound to it. Fake (meta) kernels live in python/ampfuse/ops/ (one module per family).
 // In-place ops end in `_`, mark what they mutate with alias annotations and return
 // (); scales and overflow flags are device tensors so no op reads a value back to
 // the host on the training hot path.
-// Adding an op: csrc/ADDING_AN_OP.md.
+// Adding an op: docs/contributing.md, "Adding an op".
 #include <torch/library.h>
 
 #include <cstring>

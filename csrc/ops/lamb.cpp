@@ -1,7 +1,7 @@
 // fused_lamb_: validation, then the two CPU span passes with the per-tensor trust ratios
 // between them, or the CUDA launcher (csrc/kernels/lamb.cu). part="moments" / "apply" run one
 // pass each, with the per-tensor sums in tensor_sums between them (FSDP2 adds them over the
-// shards there: ampfuse.distributed). master_mode, param_ids and seed as for fused_adam_
+// shards there: ampfuse.ops.dtensor). master_mode, param_ids and seed as for fused_adam_
 // (master_args.h): in a bf16 mode both passes read the value the mode holds.
 #include <ATen/ops/empty.h>
 

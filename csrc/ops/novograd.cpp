@@ -1,7 +1,7 @@
 // fused_novograd_: validation, then the two CPU span passes with each tensor's running norm
 // blended between them, or the CUDA launcher (csrc/kernels/novograd.cu). part="norms" /
 // "apply" run one pass each, with each tensor's reduction of its grads in tensor_reductions
-// between them (FSDP2 combines them over the shards there: ampfuse.distributed). master_mode,
+// between them (FSDP2 combines them over the shards there: ampfuse.ops.dtensor). master_mode,
 // param_ids and seed as for fused_adam_ (master_args.h): the first pass reads only the grads, so
 // a bf16 mode changes the second pass alone, which reads and writes the param through it.
 #include <ATen/ops/empty.h>

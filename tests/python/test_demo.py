@@ -318,6 +318,9 @@ def test_cpu_hardware_report(monkeypatch, flags, kernels, onednn_bf16, onednn_fp
     elif "fp16" not in native:
         assert note.startswith("Note: fp16 is emulated on this CPU")
         assert "the O2 fp16 run shows the dynamic loss scale, not speed" in note
+        # --dtype fp16 here: the note points at the dtype that is native.
+        assert found.emulation_note(torch.float16).endswith(
+            "AVX512-FP16 or AMX-FP16 (here bf16 is native: --dtype bf16).")
     else:
         assert note == ""
 

@@ -10,8 +10,9 @@ usage cannot rot.
   process group itself.
 - ```sh (or ```bash, ```console) blocks are commands: each `make` target they name must exist
   in the Makefile.
-- ```text blocks are output or listings. A fence with any other language, or none, fails: a
-  block is never skipped silently.
+- ```text blocks are output or listings, and ```cpp blocks are sketches of C++ for contributors
+  (with elisions, so not compiled). A fence with any other language, or none, fails: a block is
+  never skipped silently.
 """
 
 import pathlib
@@ -28,7 +29,7 @@ FENCE = re.compile(
     re.MULTILINE | re.DOTALL,
 )
 SHELLS = ("sh", "bash", "console")
-LANGUAGES = {"python", "text", *SHELLS}
+LANGUAGES = {"python", "text", "cpp", *SHELLS}
 MARKERS = {"cuda", "torchrun"}
 
 # Optional dependencies (the `integrations` extra): a block importing one needs it installed.
@@ -107,10 +108,16 @@ def test_python_block_runs(block, monkeypatch):
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(_free_port())}.items():
             monkeypatch.setenv(key, value)
+    namespace = {"__name__": "docs_example"}
     try:
         # Running the documented example is the test.
-        exec(compile(code, "docs example", "exec"), {"__name__": "docs_example"})  # noqa: S102
+        exec(compile(code, "docs example", "exec"), namespace)  # noqa: S102
     finally:
+        # A class the block defines holds the namespace through its methods' globals, and the
+        # namespace holds the block's tensors, whose autograd graph can hold it back through
+        # C++ (hooks), where the garbage collector cannot see: clearing it frees the block's
+        # models, so no later test finds one (an O1 model's op policy, say) still alive.
+        namespace.clear()
         if block["marker"] == "torchrun":
             import torch.distributed as dist
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -31,6 +33,7 @@ from ampfuse.amp.casting import register_norm_type
 from ampfuse.amp.handle import AmpHandle
 from ampfuse.amp.initialize_checks import (
     ATTR,
+    OptimizerLike,
     as_list,
     check_lists,
     check_models,
@@ -43,6 +46,10 @@ from ampfuse.amp.opt_levels import resolve
 from ampfuse.amp.optimizer_access import hookable, optimizer_params
 from ampfuse.amp.sharded import refuse_casting_sharded_models
 
+if TYPE_CHECKING:
+    from ampfuse.fp8 import DelayedScaling
+    from ampfuse.overflow import OverflowReport
+
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "skipped_steps", "last_overflow", "register_half_function", "register_float_function",
@@ -52,13 +59,17 @@ __all__ = [
 
 # Registrations made with register_*_function before initialize, as in apex. Each initialize
 # copies them into its own handle, so later registrations never change an initialized model.
-_pending_lists = {"low": set(), "fp32": set(), "promote": set()}
+_pending_lists: dict[str, set[str]] = {"low": set(), "fp32": set(), "promote": set()}
 # The latest enabled initialize, weakly held: what amp.state_dict() and load_state_dict()
 # without an optimizer, and apex's amp._amp_state, refer to (apex: the latest initialize wins).
-_latest = None
+_latest: weakref.ref[AmpHandle] | None = None
+
+# One model or optimizer, or a list or tuple of them, as amp.initialize and scale_loss take them.
+_Models = torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...]
+_Optimizers = OptimizerLike | list[OptimizerLike] | tuple[OptimizerLike, ...]
 
 
-def _latest_handle():
+def _latest_handle() -> AmpHandle | None:
     return None if _latest is None else _latest()
 
 
@@ -67,13 +78,31 @@ def _latest_handle():
 _amp_state = AmpStateView(_latest_handle)
 
 
-def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
-               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
-               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
-               min_loss_scale=None, max_loss_scale=2.0**24, dtype=None, hysteresis=1,
-               custom_white_list=None, custom_black_list=None, growth_interval=2000,
-               all_reduce_found_inf=False, process_group=None, attribute_overflow=True,
-               fp8=False):
+def initialize(
+    models: _Models,
+    optimizers: _Optimizers | None = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | bool | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | torch.Tensor | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float | None = 2.0**24,
+    dtype: torch.dtype | None = None,
+    hysteresis: int = 1,
+    custom_white_list: list[str] | tuple[str, ...] | set[str] | frozenset[str] | None = None,
+    custom_black_list: list[str] | tuple[str, ...] | set[str] | frozenset[str] | None = None,
+    growth_interval: int = 2000,
+    all_reduce_found_inf: bool = False,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    attribute_overflow: bool = True,
+    fp8: bool | DelayedScaling | None = False,
+) -> Any:
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
 
@@ -191,7 +220,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     return out_models, (optimizer_list if optimizers_were_list else optimizer_list[0])
 
 
-def init(*args, **kwargs):
+def init(*args: Any, **kwargs: Any) -> NoReturn:
     """apex's pre-1.0 API (``amp_handle = amp.init()``, then ``amp_handle.wrap_optimizer`` and
     ``amp_handle.scale_loss``), which patched torch's functions for the whole process. ampfuse
     patches nothing: it raises, naming the call that replaces it."""
@@ -202,8 +231,9 @@ def init(*args, **kwargs):
     )
 
 
-def _handle_of(optimizers):
-    handles = {id(getattr(o, ATTR, None)): getattr(o, ATTR, None) for o in optimizers}
+def _handle_of(optimizers: Iterable[object]) -> AmpHandle:
+    handles: dict[int, Any] = {id(getattr(o, ATTR, None)): getattr(o, ATTR, None)
+                               for o in optimizers}
     if None in handles.values():
         raise RuntimeError(
             "amp.scale_loss: the optimizer was not passed to amp.initialize. Call "
@@ -216,8 +246,9 @@ def _handle_of(optimizers):
 
 
 @contextlib.contextmanager
-def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
-               delay_overflow_check=False):
+def scale_loss(loss: torch.Tensor, optimizers: _Optimizers, loss_id: int = 0,
+               model: torch.nn.Module | None = None, delay_unscale: bool = False,
+               delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
     """Yields loss * loss_scale for backward(). On exit the gradients are checked for inf/nan
     and unscaled (or handed to the fused optimizer to unscale), the loss scale is updated,
     and an overflowing step is arranged to be skipped by the next optimizer.step().
@@ -242,7 +273,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
 
 @contextlib.contextmanager
-def disable_casts():
+def disable_casts() -> Iterator[None]:
     """Inside an O1 forward, runs the enclosed code with no casting at all (apex's
     amp.disable_casts): neither torch's autocast nor amp's function lists apply, so tensors
     keep the dtypes they have. Outside an O1 forward it changes nothing."""
@@ -263,7 +294,7 @@ def disable_casts():
             active[:] = suspended
 
 
-def _handle_for(optimizer, what):
+def _handle_for(optimizer: object | None, what: str) -> AmpHandle:
     if optimizer is not None:
         handle = getattr(optimizer, ATTR, None)
         if handle is None:
@@ -275,7 +306,7 @@ def _handle_for(optimizer, what):
     return handle
 
 
-def master_params(optimizer):
+def master_params(optimizer: OptimizerLike) -> Iterator[torch.Tensor]:
     """Yields the params the optimizer updates in fp32: the masters where amp or a fused
     optimizer keeps them, the params themselves elsewhere.
 
@@ -295,7 +326,8 @@ def master_params(optimizer):
     yield from optimizer_params(optimizer)
 
 
-def state_dict(optimizer=None, destination=None):
+def state_dict(optimizer: OptimizerLike | None = None,
+               destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """The amp state to checkpoint with the model's and the optimizer's: every loss scaler (under
     apex's keys, with apex's entries "loss_scale" and "unskipped" too) and the fp32 masters amp
     keeps for torch.optim optimizers at O2. Without an optimizer: the latest amp.initialize."""
@@ -306,19 +338,19 @@ def state_dict(optimizer=None, destination=None):
     return state
 
 
-def load_state_dict(state, optimizer=None):
+def load_state_dict(state: dict[str, Any], optimizer: OptimizerLike | None = None) -> None:
     """Restores amp.state_dict() (or a state apex wrote); call it after amp.initialize and after
     loading the model's and the optimizer's state. The whole state is checked first: a state
     that does not fit raises ValueError and changes nothing."""
     _handle_for(optimizer, "load_state_dict").load_state_dict(state)
 
 
-def skipped_steps(optimizer=None) -> int:
+def skipped_steps(optimizer: OptimizerLike | None = None) -> int:
     """How many steps were skipped for inf/nan gradients (reads device counters)."""
     return _handle_for(optimizer, "skipped_steps").skipped_steps()
 
 
-def last_overflow(optimizer=None):
+def last_overflow(optimizer: OptimizerLike | None = None) -> OverflowReport | None:
     """None if the optimizer's latest checked step was clean, else an
     ampfuse.overflow.OverflowReport naming the gradients that held inf or nan by their
     module-qualified names ("encoder.layer3.fc1.weight"; "group0.param7" for a param no model
@@ -330,7 +362,7 @@ def last_overflow(optimizer=None):
     return _handle_for(optimizer, "last_overflow").last_overflow(optimizer)
 
 
-def _register(kind, module, name):
+def _register(kind: str, module: object, name: str) -> None:
     if not hasattr(module, name):
         raise AttributeError(f"amp.register_{kind}_function: {module!r} has no attribute {name!r}.")
     target = getattr(module, name)
@@ -345,17 +377,17 @@ def _register(kind, module, name):
     _pending_lists[{"half": "low", "float": "fp32", "promote": "promote"}[kind]].add(name)
 
 
-def register_half_function(module, name):
+def register_half_function(module: object, name: str) -> None:
     """Under O1, runs torch function module.name in the low dtype for models initialized after."""
     _register("half", module, name)
 
 
-def register_float_function(module, name):
+def register_float_function(module: object, name: str) -> None:
     """Under O1, runs torch function module.name in fp32 for models initialized after."""
     _register("float", module, name)
 
 
-def register_promote_function(module, name):
+def register_promote_function(module: object, name: str) -> None:
     """Under O1, casts module.name's inputs to the widest of their dtypes."""
     _register("promote", module, name)
 

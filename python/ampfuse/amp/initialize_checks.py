@@ -4,7 +4,7 @@ low-precision dtype it picks. Each error names the problem and the fix."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -15,6 +15,14 @@ if TYPE_CHECKING:
 
 # The attribute amp.initialize sets on each model and optimizer it took (its handle).
 ATTR = "_ampfuse_amp"
+
+
+class OptimizerLike(Protocol):
+    """What amp takes as an optimizer: a torch.optim.Optimizer, or a wrapper that steps one
+    with the same param_groups (apex's LARC), as check_optimizers accepts."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
 
 
 def as_list(value: Any) -> tuple[list[Any], bool]:

@@ -11,6 +11,9 @@ most often since the last summary.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 from ampfuse.overflow import report_name
@@ -20,14 +23,18 @@ MOST_FREQUENT = 3  # tensors a summary names
 
 
 class OverflowReporter:
-    def __init__(self, handle, log, every=REPORT_EVERY):
+    # handle: the AmpHandle that owns this reporter (not imported here: handle imports this
+    # module, and amp's modules import in one direction only).
+    def __init__(self, handle: Any, log: logging.Logger, every: int = REPORT_EVERY) -> None:
         self._handle = handle
         self._log = log
         self._every = every
         self._calls = 0
         self._reported = 0
-        self._pending = None  # (host tensor, CUDA event or None, [(binding, params)] counted)
-        self._counted = {}  # (id(binding), id(param)) -> overflow count at the last summary
+        # (host tensor, CUDA event or None, [(binding, params)] counted)
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None, list[Any]] | None = None
+        # (id(binding), id(param)) -> overflow count at the last summary
+        self._counted: dict[tuple[int, int], int] = {}
 
     def step(self) -> None:
         """Called at the end of every scale_loss."""
@@ -39,11 +46,12 @@ class OverflowReporter:
         if self._calls % self._every == 0 and self._pending is None:
             self._snapshot()
 
-    def _ready(self):
+    def _ready(self) -> bool:
+        assert self._pending is not None  # step() asks only then
         event = self._pending[1]
         return event is None or event.query()
 
-    def _snapshot(self):
+    def _snapshot(self) -> None:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
@@ -52,7 +60,8 @@ class OverflowReporter:
             return
         count = torch.stack([c.reshape(()) for c in counts]).amax().reshape(1)
         scales = torch.cat([s.scale.reshape(1).to(count.device) for s in self._handle.scalers])
-        layouts, tensor_counts = [], []
+        layouts: list[Any] = []  # (binding, params) per counts tensor
+        tensor_counts: list[torch.Tensor] = []
         for binding in self._handle.bindings:
             if binding.attribution is not None:
                 for params, per_tensor in binding.attribution.counts.values():
@@ -68,7 +77,8 @@ class OverflowReporter:
             host, event = values.clone(), None
         self._pending = (host, event, layouts)
 
-    def _report(self):
+    def _report(self) -> None:
+        assert self._pending is not None  # step() reports only then
         host, _, layouts = self._pending
         self._pending = None
         values = host.numpy().tolist()
@@ -84,10 +94,11 @@ class OverflowReporter:
             )
             self._reported = skipped
 
-    def _most_frequent(self, layouts, counts):
+    def _most_frequent(self, layouts: list[Any], counts: list[float]) -> str:
         """" Most often: name (n steps), ..." for the tensors that overflowed most often since
         the last summary, or "" when none did (or attribution is off)."""
-        totals = {}  # (id(binding), id(param)) -> (binding, param, count)
+        # (id(binding), id(param)) -> (binding, param, count)
+        totals: dict[tuple[int, int], tuple[Any, torch.Tensor, int]] = {}
         position = 0
         for binding, params in layouts:
             for param in params:

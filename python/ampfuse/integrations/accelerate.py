@@ -36,7 +36,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from ampfuse.optimizers import FusedOptimizer  # noqa: E402
 
 
-def fused_step_was_skipped(optimizer):
+def fused_step_was_skipped(optimizer: object) -> bool:
     """Whether `optimizer`'s last step() was skipped inside it: ampfuse's fused optimizers keep a
     0-dim bool tensor `last_step_skipped` on the params' device (None before their first step).
     An optimizer without one never skips inside."""
@@ -49,12 +49,12 @@ class SkipAwareAcceleratedOptimizer(AcceleratedOptimizer):
     fused optimizer skipped on the device. Made by track_skipped_steps(); adds no state."""
 
     @property
-    def step_was_skipped(self):
+    def step_was_skipped(self) -> bool:
         # Accelerate's verdict (its GradScaler did not call step()) or the optimizer's own.
         return super().step_was_skipped or fused_step_was_skipped(self.optimizer)
 
 
-def track_skipped_steps(optimizer):
+def track_skipped_steps(optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
     """Makes a prepared optimizer (what `accelerator.prepare` returned for an ampfuse fused
     optimizer) report the steps the fused optimizer skips; returns it. Call it once after
     prepare; calling it again is harmless."""
@@ -77,7 +77,7 @@ def track_skipped_steps(optimizer):
     return optimizer
 
 
-def untrack_skipped_steps(optimizer):
+def untrack_skipped_steps(optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
     """Undoes track_skipped_steps(optimizer): the object is a plain AcceleratedOptimizer again."""
     if isinstance(optimizer, SkipAwareAcceleratedOptimizer):
         optimizer.__class__ = AcceleratedOptimizer

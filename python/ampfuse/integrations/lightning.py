@@ -29,7 +29,7 @@ standalone `pytorch_lightning` package has its own copies of these classes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 import torch
 
@@ -53,7 +53,7 @@ _TRUE = ("bf16-true",)
 _DEVICES = ("cuda", "cpu")
 
 # The scalers a mixed mode takes: ampfuse's (the default for 16-mixed) or torch's.
-_Scaler = Union[GradScaler, torch.amp.GradScaler]
+_Scaler = GradScaler | torch.amp.GradScaler
 
 
 def _check_precision(cls_name: str, precision: object) -> None:
@@ -204,7 +204,7 @@ class AmpfusePrecision(_PickedByPrecision, _TrainerPrecision):
 
 class _AmpfuseTrainerMixed(_MixedModes, AmpfusePrecision, _TrainerMixed):
     def clip_gradients(
-        self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
+        self, optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         if clip_val <= 0:

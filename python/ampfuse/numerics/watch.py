@@ -33,7 +33,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Collection
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch._ops import OpOverload
@@ -56,6 +56,9 @@ from ampfuse.numerics._stats import (
     measure,
 )
 from ampfuse.amp.aten_lists import FP32_FUNCTIONS, aten_names, check_entry
+
+if TYPE_CHECKING:
+    from typing import Self
 
 __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
 
@@ -144,7 +147,7 @@ class Watch:
     entered again to record more (the statistics add up)."""
 
     # models inside a `with` now: one watch per model at a time
-    _watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+    _watched: ClassVar[weakref.WeakSet[torch.nn.Module]] = weakref.WeakSet()
 
     def __init__(self, model: torch.nn.Module) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -167,7 +170,7 @@ class Watch:
 
     # ---- entering and leaving ------------------------------------------------------------------
 
-    def __enter__(self) -> Watch:
+    def __enter__(self) -> Self:
         if self._installed is not None:
             raise RuntimeError("numerics.watch: this watch is already active; leave its `with` "
                                "before entering it again.")

@@ -126,7 +126,7 @@ def plan_runs(hardware, low, steps, opt_levels, inject, master_modes, fp16_run):
                      "steps each; True keeps fp32 masters, the others none (the baseline "
                      "and the modes at the same steps).")
     elif master_modes:
-        notes.append("master_weights runs (False, 'stochastic', 'kahan', 'split') need bf16: "
+        notes.append("The master_weights runs are bf16 only (the master-free modes need it): "
                      "not run for this dtype.")
     if fp16_run and hardware.device_type == "cpu" and low == torch.bfloat16:
         # Its own length: fp16 may be emulated where bf16 is not (F16C only converts).

@@ -69,10 +69,14 @@ class Hardware:
         why = f"Note: {which} {verb} emulated on this CPU ({_missing_instructions(emulated)})"
         if low not in emulated:
             return f"{why}: the O2 fp16 run shows the dynamic loss scale, not speed."
+        pays = {torch.bfloat16: "AVX512-BF16 or AMX", torch.float16: "AVX512-FP16 or AMX-FP16"}
+        other = next((d for d in _NAMES if d != low and self.is_native(d)), None)
         return (f"{why}: torch runs {which} convolutions and matmuls in slower code, so the "
                 f"{_NAMES[low]} runs are slower than fp32 here and this table shows accuracy, "
                 "overflow handling and memory, not speed. Mixed precision pays in speed on a "
-                "GPU, or on a CPU with AVX512-BF16 or AMX.")
+                f"GPU, or on a CPU with {pays[low]}"
+                + (f" (here {_NAMES[other]} is native: --dtype {_NAMES[other]})." if other
+                   else "."))
 
 
 def _missing_instructions(emulated) -> str:
