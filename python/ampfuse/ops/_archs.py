@@ -12,8 +12,10 @@ only predicts and explains.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 _FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
@@ -41,7 +43,7 @@ class CudaCode:
         return text
 
 
-def _fatbin_entries(data: bytes):
+def _fatbin_entries(data: bytes) -> Iterator[tuple[int, int]]:
     """(kind, architecture) of every entry of every fat binary in `data`."""
     start = data.find(_FATBIN_MAGIC)
     while start != -1:
@@ -64,7 +66,7 @@ def _fatbin_entries(data: bytes):
         start = data.find(_FATBIN_MAGIC, end)
 
 
-def read_cuda_code(library_path) -> CudaCode:
+def read_cuda_code(library_path: str | os.PathLike[str]) -> CudaCode:
     """The device code in the library at `library_path`; an empty CudaCode for a CPU-only build
     or a file that cannot be read."""
     try:

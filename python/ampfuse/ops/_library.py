@@ -57,7 +57,7 @@ def version_problem(built: dict, torch_version: str, torch_cuda: str | None) -> 
             f"{_minor_version(built_torch)} (pip install 'torch=={_minor_version(built_torch)}.*' "
             "from PyPI), or build ampfuse from source against this torch."
         )
-    if built_cuda and built_cuda.split(".")[0] != torch_cuda.split(".")[0]:
+    if built_cuda and torch_cuda and built_cuda.split(".")[0] != torch_cuda.split(".")[0]:
         return (
             f"{ours} was built with CUDA {built_cuda}, but this torch ({torch_version}) uses CUDA "
             f"{torch_cuda}; the CUDA major versions must match. Install torch with CUDA "
@@ -112,7 +112,7 @@ def _has_cuda_kernels() -> bool:
     )
 
 
-_CUDA_CODE: list = []
+_CUDA_CODE: list[_archs.CudaCode] = []
 
 
 def cuda_code() -> _archs.CudaCode:
@@ -122,12 +122,15 @@ def cuda_code() -> _archs.CudaCode:
     return _CUDA_CODE[0]
 
 
-def _devices() -> list[tuple[str, str, tuple[int, int]]]:
+def _devices() -> list["Device"]:
     return [(f"CUDA device {i}", torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
             for i in range(torch.cuda.device_count())]
 
 
-def cuda_status(devices=None, code=None) -> str:
+Device = tuple[str, str, tuple[int, int]]  # (label, name, (major, minor))
+
+
+def cuda_status(devices: list[Device] | None = None, code: _archs.CudaCode | None = None) -> str:
     """Says whether ampfuse's CUDA kernels can run here and, if not, why and how to fix it.
 
     `devices` ((label, name, (major, minor)) per GPU) and `code` default to this machine's GPUs
@@ -148,7 +151,8 @@ def cuda_status(devices=None, code=None) -> str:
         devices = _devices()
     uncovered = [d for d in devices if not _archs.runs_on(code, d[2])]
     if uncovered:
-        return " ".join(_archs.no_code_message(*d, code) for d in uncovered)
+        return " ".join(_archs.no_code_message(label, name, capability, code)
+                        for label, name, capability in uncovered)
     seen = ", ".join(f"{name} (sm_{major}{minor})" for _, name, (major, minor) in devices)
     return f"{built}; they run on this machine's {len(devices)} device(s): {seen}."
 
