@@ -1,8 +1,10 @@
 # The README's two commands:
-#   make demo   builds ampfuse and runs a short mixed-precision training demo
-#   make test   builds ampfuse and runs every test (C++ kernel tests, pytest, the docs build)
+#   make demo   builds ampfuse in place (editable) and runs a short mixed-precision training demo
+#   make test   runs every test: the C++ kernel tests, pytest against the wheel as users install
+#               it (built by `make wheel`, installed with a PATH that has no compiler), the docs
 # Both create the Python environment on first use and reuse it afterwards, so
 # torch (about 3 GB) is downloaded once per machine.
+#   make wheel  the wheel alone, into dist/ (git-ignored)
 
 PYTHON ?= python3
 PYVER := $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
@@ -13,7 +15,7 @@ export PATH := $(VENV)/bin:$(PATH):/usr/local/cuda/bin
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: demo test build env cpp-test py-test docs bench clean
+.PHONY: demo test build wheel install-wheel env cpp-test py-test docs bench clean
 
 demo: build
 	$(VPY) -m ampfuse demo
@@ -30,13 +32,41 @@ $(VPY):
 build: env
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 
-# The kernel tests build only the torch-free kernels library (no extension module).
+# The wheel for every Python and every GPU architecture torch's wheels cover (CMakeLists.txt);
+# TORCH_CUDA_ARCH_LIST narrows it. Against the venv's torch, hence --no-build-isolation.
+wheel: env
+	rm -f dist/ampfuse-*.whl
+	$(VPY) -m pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps \
+	  --wheel-dir dist .
+	@$(VPY) -c "import glob, json, os, zipfile; w = glob.glob('dist/ampfuse-*.whl')[0]; \
+	  info = json.loads(zipfile.ZipFile(w).read('ampfuse/ops/build_info.json')); \
+	  print(f'{w}: {os.path.getsize(w) / 2**20:.0f} MB, for torch {info[\"torch\"]}, CUDA code for', \
+	        info['cuda_architectures'] or 'none (CPU only)')"
+
+# Installs the wheel as a user would: plain `pip install`, with a PATH that holds the venv's
+# Python and no compiler at all (the check fails loudly if one is there).
+NO_COMPILER_PATH := $(VENV)/bin
+install-wheel: wheel
+	@for tool in cc gcc g++ c++ clang nvcc; do \
+	  if (PATH=$(NO_COMPILER_PATH); command -v $$tool >/dev/null); then \
+	    echo "error: $$tool is on the install PATH $(NO_COMPILER_PATH)"; exit 1; fi; done
+	$(VPY) -m pip uninstall --quiet --disable-pip-version-check -y ampfuse
+	env -u CC -u CXX -u CUDACXX PATH=$(NO_COMPILER_PATH) \
+	  $(VPY) -m pip install --quiet --disable-pip-version-check dist/ampfuse-*.whl
+
+# The kernel tests build only the torch-free kernels library (no op library, no extension).
+# Their CUDA half runs only on a GPU machine (benchmarks/gpu_check.sh builds it for its GPU);
+# here it is compiled and linked for one architecture, the wheel build compiles them all.
 cpp-test: env catch2
-	cmake -S . -B build/cpp-tests -G Ninja -DAMPFUSE_BUILD_PYTHON_MODULE=OFF -DAMPFUSE_BUILD_TESTS=ON
+	cmake -S . -B build/cpp-tests -G Ninja -DAMPFUSE_BUILD_OPS=OFF -DAMPFUSE_BUILD_STEP_SCAN=OFF \
+	  -DAMPFUSE_BUILD_TESTS=ON -DCMAKE_CUDA_ARCHITECTURES=75-real
 	cmake --build build/cpp-tests -j $(MAX_JOBS)
 	ctest --test-dir build/cpp-tests --output-on-failure
 
-py-test: build
+# Against the installed wheel: python/ is not on sys.path (pytest runs from the checkout, whose
+# pyproject sets no pythonpath), and the first line checks where ampfuse comes from.
+py-test: install-wheel
+	cd tests && $(VPY) -c "import ampfuse, sys; f = ampfuse.__file__; print('testing', ampfuse.__version__, 'from', f); sys.exit('site-packages' not in f)"
 	$(VPY) -m pytest tests/python -q
 
 # The docs site (mkdocs.yml, docs/) into site/ (git-ignored), warnings as errors: a broken link
@@ -68,4 +98,5 @@ gpu-deps: env
 	  --dest .gpu expecttest pytest-xdist execnet
 
 clean:
-	rm -rf build python/ampfuse/_C*.so
+	rm -rf build dist python/ampfuse/ops/libampfuse_ops.so python/ampfuse/ops/_step_scan*.so \
+	  python/ampfuse/ops/build_info.json

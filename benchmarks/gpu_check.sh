@@ -81,7 +81,7 @@ elif [[ -z "$catch2_deb" ]]; then
 else
   started "C++ CUDA kernel tests: ctest (Catch2 from .gpu/)"
   rm -rf .gpu/catch2 && dpkg -x "$catch2_deb" .gpu/catch2
-  if cmake -S . -B build/gpu-tests -DAMPFUSE_BUILD_PYTHON_MODULE=OFF -DAMPFUSE_BUILD_TESTS=ON \
+  if cmake -S . -B build/gpu-tests -DAMPFUSE_BUILD_OPS=OFF -DAMPFUSE_BUILD_STEP_SCAN=OFF -DAMPFUSE_BUILD_TESTS=ON \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DCatch2_DIR="$PWD/.gpu/catch2/usr/lib/cmake/Catch2" \
         >"$out/ctest_cuda.log" 2>&1 &&
       cmake --build build/gpu-tests -j 16 >>"$out/ctest_cuda.log" 2>&1; then

@@ -191,12 +191,32 @@ __device__ inline std::int64_t first_chunk_of(const std::int32_t* chunk_owner,
 // docs/design/kernels.md for its one spilled value). The list kernels ask for the occupancy they
 // had with one load in flight per thread (3 or 4 blocks), so batching loads (chunk_visit.h)
 // costs them no warps.
+//
+// An SM holds at most kMaxThreadsPerSm threads: 2048 on sm_80, 87, 90 and 100, 1536 on sm_86,
+// 89 and 12x, 1024 on Turing (sm_75). A request for more blocks than fit is ignored by ptxas
+// (with a warning) and leaves the registers uncapped, so the request is clipped to what the
+// architecture being compiled holds. __CUDA_ARCH__ exists only in the device pass; the host
+// pass never reads launch bounds.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 750)
+constexpr int kMaxThreadsPerSm = 1024;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || \
+                                 __CUDA_ARCH__ >= 1200)
+constexpr int kMaxThreadsPerSm = 1536;
+#else
+constexpr int kMaxThreadsPerSm = 2048;
+#endif
+
+constexpr int clip_blocks_per_sm(int requested) {
+  return requested < kMaxThreadsPerSm / kThreadsPerBlock ? requested
+                                                         : kMaxThreadsPerSm / kThreadsPerBlock;
+}
+
 template <typename Functor, typename = void>
-struct MinBlocksPerSm : std::integral_constant<int, kMinBlocksPerSm> {};
+struct MinBlocksPerSm : std::integral_constant<int, clip_blocks_per_sm(kMinBlocksPerSm)> {};
 
 template <typename Functor>
 struct MinBlocksPerSm<Functor, std::void_t<decltype(Functor::kMinBlocksPerSm)>>
-    : std::integral_constant<int, Functor::kMinBlocksPerSm> {};
+    : std::integral_constant<int, clip_blocks_per_sm(Functor::kMinBlocksPerSm)> {};
 
 // The table travels as a __grid_constant__ kernel parameter, so blocks read it
 // straight from constant parameter space without a per-thread copy.

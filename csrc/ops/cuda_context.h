@@ -1,5 +1,7 @@
 // The CUDA context an op launches in: a device guard for the tensors' device and
-// that device's current stream (so ampfuse work orders itself with the caller's).
+// that device's current stream (so ampfuse work orders itself with the caller's). Every CUDA op
+// asks for the stream before its first launch, so that is where a device the build has no
+// code for is refused (device_image.cpp).
 #pragma once
 
 #ifdef AMPFUSE_WITH_CUDA
@@ -11,7 +13,12 @@
 
 namespace ampfuse::ops {
 
+// Throws, naming the device and the rebuild command, when this library has no GPU code that
+// runs on `device`; checked once per device.
+void require_device_image(const at::Device& device);
+
 inline kernels::StreamHandle current_stream(const at::Device& device) {
+  require_device_image(device);
   return reinterpret_cast<kernels::StreamHandle>(
       c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }

@@ -201,7 +201,7 @@ PyObject* mark_params(PyObject* /*module*/, PyObject* args) {
   }
   const Py_ssize_t n = PyList_GET_SIZE(params);
   if (PyList_GET_SIZE(records) != n) {
-    PyErr_SetString(PyExc_ValueError, "ampfuse._C.mark_params: one record per param");
+    PyErr_SetString(PyExc_ValueError, "ampfuse.ops._step_scan.mark_params: one record per param");
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {

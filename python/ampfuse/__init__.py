@@ -1,6 +1,6 @@
 """ampfuse: fused mixed-precision training for PyTorch.
 
-Importing ampfuse loads its native library, which registers the fused ops as
+Importing ampfuse loads its op library, which registers the fused ops as
 ``torch.ops.ampfuse.*``.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ampfuse.ops import (
+    _library,
     cuda_available,
     cuda_status,
     fused_adam_,
@@ -24,7 +25,8 @@ from ampfuse.apex_compat import install_apex_alias, uninstall_apex_alias  # noqa
 from ampfuse import amp  # noqa: E402
 from ampfuse.scaling import GradScaler, LossScaler  # noqa: E402
 
-__version__ = "0.1.0"
+# "0.2.0+pt211cu130": the torch and CUDA the op library was built against, as the wheel names it.
+__version__: str = _library.BUILD_INFO["version"]
 
 if TYPE_CHECKING:
     from types import ModuleType

@@ -1,10 +1,18 @@
 """Data builders, references and error checks shared by the op tests."""
 
 import contextlib
+import pathlib
 import re
 
 import pytest
 import torch
+
+import ampfuse
+
+# The folder ampfuse was imported from: site-packages for an installed wheel (how `make test`
+# runs), python/ of the checkout for a source build. Tests that start a Python of their own put
+# it on PYTHONPATH, so the child tests the same ampfuse as the test process.
+AMPFUSE_PATH = str(pathlib.Path(ampfuse.__file__).resolve().parents[1])
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

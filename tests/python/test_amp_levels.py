@@ -35,7 +35,7 @@ from amp_models import (
 )
 from ampfuse import amp
 from ampfuse.amp.casting import NORM_TYPES
-from helpers import raises_naming
+from helpers import AMPFUSE_PATH, raises_naming
 from tolerances import assert_close_report
 
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -391,7 +391,7 @@ def test_register_functions_apply_to_models_initialized_after(tmp_path):
     script.write_text(_REGISTER_SCRIPT)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(REPO, "python"), os.path.join(REPO, "tests", "python")]
+        [AMPFUSE_PATH, os.path.join(REPO, "tests", "python")]
     )
     result = subprocess.run(
         [sys.executable, str(script)],

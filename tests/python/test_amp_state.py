@@ -30,7 +30,7 @@ from amp_models import (
     train_steps,
 )
 from ampfuse import amp
-from helpers import raises_naming
+from helpers import AMPFUSE_PATH, raises_naming
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,7 +78,7 @@ RESUME_SCRIPT = textwrap.dedent(
 def run_python(script_path, *args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(REPO, "python"), os.path.join(REPO, "tests", "python")]
+        [AMPFUSE_PATH, os.path.join(REPO, "tests", "python")]
     )
     result = subprocess.run(
         [sys.executable, str(script_path), *map(str, args)],

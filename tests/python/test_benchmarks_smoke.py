@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from helpers import AMPFUSE_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ TINY = [
 def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
     # One thread: on a shared 2-core machine, two OpenMP threads competing with another process
     # can make tiny kernels hundreds of times slower; the scripts, not the speed, are under test.
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), *TINY, "--out", str(tmp_path)],
@@ -77,7 +78,7 @@ def test_run_py_runs_every_benchmark_and_writes_json(tmp_path):
 
 def test_standalone_benchmarks_run(tmp_path):
     """The scripts outside run.py, at their smallest sizes: they finish and print their rows."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_skip_nonfinite.py"),
          "--total-elements", "2e4", "--repeats", "2", "--json", str(tmp_path / "skip.json")],
@@ -90,7 +91,7 @@ def test_standalone_benchmarks_run(tmp_path):
 
 
 def test_bench_master_modes_runs_for_adagrad(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_master_modes.py"), "--optimizer",
          "adagrad", "--total-elements", "2e4", "--repeats", "2", "--json",
@@ -105,7 +106,7 @@ def test_bench_master_modes_runs_for_adagrad(tmp_path):
 
 
 def test_bench_lamb_runs_and_compares_with_torch(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_lamb.py"), "--total-elements", "2e4",
          "--repeats", "2", "--dtype", "fp16", "--json", str(tmp_path / "lamb.json")],
@@ -121,7 +122,7 @@ def test_profile_gpu_runs_on_the_cpu():
     """benchmarks/profile_gpu.py (host against device time, for the next GPU session): on the
     CPU it prints a host-time row per op, implementation and list layout (model-shaped, one
     tensor), and one per training set-up."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     train_sizes = TINY[TINY.index("--layers"):]
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "profile_gpu.py"), "--device", "cpu",
@@ -141,7 +142,7 @@ def test_profile_gpu_runs_on_the_cpu():
 
 
 def test_bench_novograd_runs_and_compares_with_torch(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_novograd.py"), "--total-elements",
          "2e4", "--repeats", "2", "--dtype", "fp16", "--json", str(tmp_path / "novograd.json")],

@@ -4,7 +4,6 @@ import inspect
 import itertools
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -16,8 +15,8 @@ from ampfuse.tools import cli
 from ampfuse.tools.cli import main
 from ampfuse.tools.demo import digits as demo
 from ampfuse.tools.demo import hardware, training
+from helpers import AMPFUSE_PATH
 
-PYTHON_DIR = pathlib.Path(__file__).resolve().parents[2] / "python"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -38,7 +37,7 @@ def _table_rows(stdout: str) -> dict:
 
 def test_demo_runs_end_to_end(tmp_path):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [AMPFUSE_PATH, env.get("PYTHONPATH")]))
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "ampfuse", "demo", "--steps", "30", "--device", "cpu",

@@ -16,7 +16,9 @@ import torch
 
 import ampfuse
 from ampfuse import ops
+from ampfuse.ops._archs import CudaCode
 from ampfuse.tools.doctor import report as doctor
+from helpers import AMPFUSE_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = list(ops.OP_NAMES)
@@ -25,7 +27,7 @@ FAKE_GPU = doctor.Gpu(index=0, name="NVIDIA Fake H100", capability=(9, 0),
 
 
 def test_doctor_passes_here():
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH)
     result = subprocess.run([sys.executable, "-m", "ampfuse", "doctor"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     out = result.stdout
@@ -84,8 +86,8 @@ def test_native_library_that_fails_to_import_gives_the_rebuild_command():
         raise ImportError(f"{name}: undefined symbol: _ZN3c104cuda9SetDeviceEa")
 
     report = doctor.Report()
-    ops, archs = doctor.check_native(report, import_module=broken_import)
-    assert ops is None and archs == []
+    ops, code = doctor.check_native(report, import_module=broken_import)
+    assert ops is None and not code
     assert report.exit_code == 1
     text = report.render()
     assert "undefined symbol" in text
@@ -147,22 +149,21 @@ def test_op_that_raises_is_reported():
 def test_gpu_lines_show_capability_and_tensor_core_support():
     old = doctor.Gpu(0, "Tesla P100", (6, 0), 16 * 2**30, bf16=False)
     report = doctor.Report()
-    doctor.check_gpus(report, [old], archs=[80, 90])
+    doctor.check_gpus(report, [old], code=CudaCode(sass=(80, 90), ptx=(90,)))
     text = report.render()
     assert "Tesla P100, compute capability 6.0" in text
     assert "fp16 no (compute capability < 7.0); bf16 no (use dtype=torch.float16)" in text
-    assert "no sm_60 code" in text
+    assert "no code that runs on sm_60" in text
     assert report.exit_code == 0  # an old GPU is information, not a broken install
 
 
-def test_built_with_reads_the_cuda_release_and_architectures(tmp_path):
-    blob = tmp_path / "_C.so"
-    blob.write_bytes(b"\0junk Cuda compilation tools, release 13.0, V13.0.88\0-arch sm_90 -m 64"
-                     b"\0-arch sm_80 -m 64\0-arch sm_90 -m 64\0")
-    assert doctor.built_with(blob) == ("13.0.88", [80, 90])
-    plain = tmp_path / "cpu_only.so"
-    plain.write_bytes(b"\0no cuda here\0")
-    assert doctor.built_with(plain) == (None, [])
+def test_native_line_names_the_built_code_and_the_step_scanner():
+    report = doctor.Report()
+    ops_module, code = doctor.check_native(report)
+    assert ops_module is not None
+    text = report.render()
+    assert "step scanner:" in text
+    assert ("code for " + code.describe()) in text if code else "CPU-only build" in text
 
 
 @pytest.mark.cuda

@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from helpers import AMPFUSE_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_fp8_runs_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
     out = tmp_path / "fp8.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_fp8.py"), "--device", "cpu",

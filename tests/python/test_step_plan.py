@@ -18,6 +18,7 @@ from ampfuse.optimizers import (
     FusedOptimizer,
     FusedSGD,
 )
+from ampfuse.ops import step_scan
 from ampfuse.optimizers import _plan
 
 SHAPES = [(4, 8), (8,), (3, 5, 2), (16,)]
@@ -186,8 +187,12 @@ def test_planned_steps_match_full_sorts(monkeypatch, device, name, precision, ch
         for key in a:
             assert torch.equal(a[key], b[key]), f"params[{i}] state {key!r} differs"
     assert full[2] == STEPS
-    # Two sorts at most: the first step, and the step after the change.
-    assert planned[2] <= 2, f"{planned[2]} full sorts in {STEPS} steps: plans were not reused"
+    # Two sorts at most: the first step, and the step after the change. Without the C++
+    # scanner (a wheel install) no plan is made and every step sorts.
+    if step_scan.NATIVE:
+        assert planned[2] <= 2, f"{planned[2]} full sorts in {STEPS} steps: plans were not reused"
+    else:
+        assert planned[2] == STEPS
 
 
 @pytest.mark.parametrize("change", ["replace_state_dict", "replace_momentum", "drop_a_grad",
@@ -226,10 +231,22 @@ def test_subclass_params_keep_the_full_sort(monkeypatch):
             set_grads(params, step)
             opt.step()
         results.append([p.detach().clone().as_subclass(torch.Tensor) for p in params])
-    assert sorts["n"] == 1 + 3, "plain params sort once, subclass params at every step"
+    # Plain params sort once (at every step without the C++ scanner), subclass params at every
+    # step.
+    assert sorts["n"] == (1 if step_scan.NATIVE else 3) + 3
     assert opt._step_plans[0] is None
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_the_python_stand_ins_always_decline(monkeypatch):
+    """Without the C++ scanner (a wheel install) every step takes the Python path, with the
+    same results: the stand-ins only ever say "not confirmed" and "marked none"."""
+    from ampfuse.ops import step_scan
+
+    plain = torch.zeros(2)
+    assert step_scan._python_scan_step([plain], {}, ((plain,),)) is None
+    assert step_scan._python_mark_params([plain], [object()]) is False
 
 
 def test_scan_step_refuses_a_dispatching_subclass():
@@ -238,7 +255,7 @@ def test_scan_step_refuses_a_dispatching_subclass():
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
             raise AssertionError("scan_step must not dispatch")
 
-    from ampfuse import _C
+    _C = pytest.importorskip("ampfuse.ops._step_scan", reason="no C++ step scanner (a wheel)")
 
     wrapped = torch.Tensor._make_subclass(Wrapped, torch.zeros(2))
     assert _C.scan_step([wrapped], {}, ((wrapped,),)) is None
@@ -267,7 +284,7 @@ def test_a_plan_does_not_keep_grads_alive(name):
         gc.collect()
         alive = [i for i, r in enumerate(refs) if r() is not None]
         assert not alive, f"step {step}: grads of params {alive} outlived zero_grad"
-    assert opt._step_plans[0] is not None
+    assert (opt._step_plans[0] is not None) == step_scan.NATIVE
 
 
 def test_stochastic_param_ids_follow_an_earlier_group_growing(monkeypatch):
@@ -288,4 +305,5 @@ def test_stochastic_param_ids_follow_an_earlier_group_growing(monkeypatch):
     full = run(make, torch.bfloat16, grow_first_group, False, monkeypatch)
     for i, (a, b) in enumerate(zip(planned[0], full[0])):
         assert torch.equal(a, b), f"params[{i}] differ between planned and full-sort steps"
-    assert planned[2] <= 4  # two groups: a sort each at the first step and after the change
+    if step_scan.NATIVE:  # two groups: a sort each at the first step and after the change
+        assert planned[2] <= 4

@@ -16,7 +16,7 @@ from ampfuse.ops._checks import (
     lr_tensor,
 )
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
-from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
+from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 
 NOVOGRAD_PARTS = ("both", "norms", "apply")
 NORM_TYPES = (2, 0)  # apex's: 2 is the L2 norm, 0 the max (infinity) norm

@@ -10,7 +10,7 @@ import torch
 
 from ampfuse.ops._checks import check_list, check_scalar, check_tensor_flags
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
-from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
+from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 
 
 def multi_tensor_unscale_(grads: Iterable[torch.Tensor], found_inf: torch.Tensor,

@@ -15,7 +15,7 @@ from ampfuse.ops._checks import (
     lr_tensor,
 )
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
-from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
+from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 
 
 def fused_sgd_(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ampfuse.ops._checks import check_scalar
-from ampfuse.ops._library import native  # noqa: F401  (registers the ops first)
+from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 
 
 def update_scale_(

@@ -7,7 +7,8 @@ layout. In Python that is several attribute reads and two tensor-keyed dict look
 (Tensor.__hash__ is itself a Python function), which took longer than the fused SGD op on a
 CPU model of 291 small tensors. A plan keeps what the last full sort found, per param, and
 ``ampfuse.ops.step_scan.scan_step`` confirms in one C++ pass per group that each param still
-matches it:
+matches it (where the C++ scanner is built: in-place source builds; a wheel makes no plans and
+sorts every step):
 
 - the group's params list, the optimizer's state dict, master_weights and the state keys of the
   group's options are the objects (values) the plan was made from;
@@ -80,7 +81,9 @@ class StepPlan:
     # optimizer: a FusedOptimizer (_base, which imports this module).
     def build(cls, optimizer: Any, index: int, calls: list[OpCall]) -> StepPlan | None:
         """A plan for group `index` of `optimizer` after the full sort made `calls` from it, or
-        None when its params are Tensor subclasses."""
+        None when its params are Tensor subclasses or there is no C++ scanner to confirm it."""
+        if not step_scan.NATIVE:
+            return None  # a wheel install: the stand-in would decline it at every step
         group = optimizer.param_groups[index]
         params = group["params"]
         if not all(type(p) in _PLAIN_TYPES for p in params):

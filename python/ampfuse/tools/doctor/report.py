@@ -1,9 +1,10 @@
 """`python -m ampfuse doctor`: says whether ampfuse works in this environment and, when it does
 not, what to run to fix it.
 
-It reports the Python, torch and CUDA versions, the nvcc release and GPU architectures the
-native library was compiled with, which backends have kernels for every op, the CPU and GPUs and
-their fp16/bf16 support, and then calls every op once on tiny tensors (on the CPU, and on the GPU
+It reports the Python, torch and CUDA versions, the nvcc release and GPU architectures (machine
+code and PTX) the op library was compiled with, whether the C++ step scanner is in use, which
+backends have kernels for every op, the CPU and GPUs (and whether the library has code for
+each) and their fp16/bf16 support, and then calls every op once on tiny tensors (on the CPU, and on the GPU
 when there is one), comparing each result with the same computation done by torch. Exit status
 0 means every check passed; 1 means at least one problem, each listed with its fix.
 
@@ -16,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import platform
-import re
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
+from ampfuse.ops._archs import CudaCode, rebuild_hint, runs_on
 from ampfuse.tools.doctor.smoke_adagrad import SMOKE_TESTS as ADAGRAD_SMOKE_TESTS
 from ampfuse.tools.doctor.smoke_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
 from ampfuse.tools.doctor.smoke_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
@@ -139,23 +140,6 @@ def rebuild_command():
     return "pip install --no-build-isolation .  (in the ampfuse source folder, with this Python)"
 
 
-def built_with(library_path):
-    """(nvcc release, sorted GPU architectures) that the CUDA code in the native library was
-    compiled with, read from the strings nvcc leaves in it; (None, []) for a CPU-only build."""
-    try:
-        data = Path(library_path).read_bytes()
-    except (OSError, TypeError):
-        return None, []
-    release = re.search(rb"Cuda compilation tools, release ([0-9.]+), V([0-9.]+)", data)
-    archs = sorted({int(m) for m in re.findall(rb"-arch sm_([0-9]+)", data)})
-    return (release.group(2).decode() if release else None), archs
-
-
-def _arch_runs_on(arch, capability):
-    # Compiled GPU code runs on its own major version at the same or a higher minor version.
-    return arch // 10 == capability[0] and arch % 10 <= capability[1]
-
-
 # ---- checks ----------------------------------------------------------------------------------
 
 
@@ -166,42 +150,44 @@ def check_versions(report):
 
 
 def check_native(report, import_module=importlib.import_module):
-    """Loads ampfuse's native library and the op wrappers. Returns (the ampfuse.ops module, the
-    GPU architectures the library has code for), or (None, []) when it cannot be loaded."""
+    """Loads ampfuse's op library and the op wrappers. Returns (the ampfuse.ops module, the GPU
+    code the library holds), or (None, an empty CudaCode) when it cannot be loaded."""
     try:
-        native = import_module("ampfuse._C")
         ops = import_module("ampfuse.ops")
     except ImportError as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         report.add(
             "native library", "not loaded",
-            problem=f"ampfuse._C could not be imported: {message}",
-            fix="rebuild it against the installed torch (needed after every torch upgrade): "
-            + rebuild_command(),
+            problem=f"ampfuse's op library could not be loaded: {message}",
+            fix="rebuild it against the installed torch (needed after every torch upgrade), or "
+            "install the ampfuse wheel built for this torch: " + rebuild_command(),
         )
-        return None, []
+        return None, CudaCode()
     from ampfuse import __version__
+    from ampfuse.ops import _library, step_scan
 
-    path = getattr(native, "__file__", None)
+    path = _library.LIBRARY_PATH
     report.add("ampfuse", f"{__version__} ({_PACKAGE_DIR})")
-    report.add("native library", f"loaded ({Path(path).name if path else 'built in'})")
-    nvcc, archs = built_with(path)
-    if nvcc is None:
+    report.add("native library", f"loaded ({path.name}, built for torch "
+                                 f"{_library.BUILD_INFO.get('torch', '?')})")
+    report.add("step scanner", "C++ (ampfuse.ops._step_scan)" if step_scan.NATIVE else
+               "Python (no _step_scan extension for this Python: a wheel install; same results)")
+    code = _library.cuda_code()
+    if code.nvcc is None and not code:
         report.add("built with nvcc", "no (CPU-only build)")
     else:
-        where = ", ".join(f"sm_{a}" for a in archs) or "unknown architectures"
-        value = f"{nvcc}, code for {where}"
+        value = f"{code.nvcc or 'unknown release'}, code for {code.describe()}"
         torch_cuda = torch.version.cuda
-        if torch_cuda and nvcc.split(".")[0] != torch_cuda.split(".")[0]:
+        if torch_cuda and code.nvcc and code.nvcc.split(".")[0] != torch_cuda.split(".")[0]:
             report.add(
                 "built with nvcc", value,
-                problem=f"ampfuse was compiled with CUDA {nvcc} but torch uses CUDA "
+                problem=f"ampfuse was compiled with CUDA {code.nvcc} but torch uses CUDA "
                 f"{torch_cuda}; the major versions must match",
                 fix=f"install the CUDA toolkit {torch_cuda} and rebuild: {rebuild_command()}",
             )
         else:
             report.add("built with nvcc", value)
-    return ops, archs
+    return ops, code
 
 
 def check_kernels(report, op_names, gpus, has_kernel=None):
@@ -265,7 +251,7 @@ def check_cpu(report):
         report.add("CPU bf16", "works, converted to fp32 in software (no bf16 instructions)")
 
 
-def check_gpus(report, gpus, why_none=None, archs=()):
+def check_gpus(report, gpus, why_none=None, code=CudaCode()):
     if not gpus:
         report.add("GPU", "none" + (f" ({why_none})" if why_none else ""))
         return
@@ -273,8 +259,9 @@ def check_gpus(report, gpus, why_none=None, archs=()):
         major, minor = gpu.capability
         label = "GPU" if len(gpus) == 1 else f"GPU {gpu.index}"
         note = ""
-        if archs and not any(_arch_runs_on(a, gpu.capability) for a in archs):
-            note = f"; ampfuse has no sm_{major}{minor} code (the op check below decides)"
+        if code and not runs_on(code, gpu.capability):
+            note = (f"; ampfuse has no code that runs on sm_{major}{minor} (the op check below "
+                    "decides)")
         report.add(label, f"{gpu.name}, compute capability {major}.{minor}, "
                           f"{gpu.memory_bytes / 2**30:.0f} GiB{note}")
         fp16 = "yes" if (major, minor) >= (7, 0) else "no (compute capability < 7.0)"
@@ -304,11 +291,10 @@ def smoke_test(ops, op, device):
     except Exception as error:  # any failure of the op is the finding
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         problem = f"{op} on {device} raised {type(error).__name__}: {message}"
-        if "no kernel image" in message:
-            major, minor = torch.cuda.get_device_capability()
+        if "no kernel image" in message or "has no GPU code" in message:
             return False, problem, (
-                f"ampfuse has no GPU code for this device: rebuild with "
-                f'TORCH_CUDA_ARCH_LIST="{major}.{minor}" {rebuild_command()}')
+                "ampfuse has no GPU code for this device: rebuild for it with "
+                f"{rebuild_hint(torch.cuda.get_device_capability())}")
         return False, problem, _bug_fix()
     if wrong:
         return False, f"{op} on {device} gives a wrong result: {wrong}", _bug_fix()
@@ -344,12 +330,12 @@ def run(import_module=importlib.import_module):
     """Runs every check, prints the report and returns the exit status."""
     report = Report()
     check_versions(report)
-    ops, archs = check_native(report, import_module)
+    ops, code = check_native(report, import_module)
     gpus, why_none = probe_gpus()
     if ops is not None:
         cuda_usable = check_kernels(report, list(ops.OP_NAMES), gpus)
     check_cpu(report)
-    check_gpus(report, gpus, why_none, archs)
+    check_gpus(report, gpus, why_none, code)
     if ops is not None:
         devices = ["cpu"] + (["cuda"] if cuda_usable else [])
         check_ops(report, ops, list(ops.OP_NAMES), devices)
