@@ -1,5 +1,5 @@
-"""Bytes per parameter that each FSDP2 rank holds, for the mixed-precision set-ups the README
-compares, measured on 1, 2 and 4 CPU processes (gloo).
+"""Bytes per parameter that each FSDP2 rank holds, for the mixed-precision set-ups that
+docs/distributed.md compares, measured on 1, 2 and 4 CPU processes (gloo).
 
 What is counted: after one training step, the bytes of every tensor the rank keeps between
 steps, i.e. its local shards of the params, their grads and the optimizer state (moments, fp32

@@ -10,7 +10,7 @@ by ampfuse's drop-ins (torch_optim_suite.drop_ins), both in the test's namespace
 write in param groups (``initial_lr``, tensor lrs, momentum and betas cycling, SWALR, state
 dicts); most step without grads, so they check that handling, not the update's arithmetic.
 
-One test differs on purpose (README, "Differences from torch that stay"):
+One test differs on purpose (docs/optimizers.md):
 ``test_cycle_lr_with_adam`` cycles Adam's beta1 up to 22, which the fused optimizers refuse at
 the step (they check a group's hyperparameters at every step; torch checks only in its
 constructor). The script prints one line per test and exits non-zero when a test passes with

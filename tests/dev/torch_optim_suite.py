@@ -14,7 +14,7 @@ The fused optimizers refuse ``differentiable=True``, so that implementation is l
 entries on both sides; the tests then run every other configuration (hooks, state_dict, zero
 grads, tensor lr...) instead of stopping at the first differentiable one.
 
-Some tests differ on purpose (README, "Differences from torch that stay"): float64 params are
+Some tests differ on purpose (docs/optimizers.md): float64 params are
 refused, argument errors are worded our own way and checked after
 torch's own base class has looked at ``params`` (torch's error inputs pass ``params=None``),
 and params on the meta device step as with torch's default path where torch's fused kernel

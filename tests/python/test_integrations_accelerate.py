@@ -195,7 +195,7 @@ def test_track_skipped_steps_refuses_what_it_cannot_track():
 
 
 def test_fp16_on_cpu_is_fp32_in_accelerate_and_the_hf_trainer():
-    """What the README says about CPU fp16: Accelerate (and so the HF Trainer) neither autocasts
+    """What the docs say about CPU fp16: Accelerate (and so the HF Trainer) neither autocasts
     nor scales, silently; bf16 does autocast."""
     transformers = pytest.importorskip("transformers")
     for flag, autocast in (("fp16", (False, torch.float32)), ("bf16", (True, torch.bfloat16))):

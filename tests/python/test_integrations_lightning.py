@@ -246,7 +246,7 @@ def test_plugins_are_lightnings_own_kinds(plugin, mixed, half):
 
 
 def test_lightning_runs_16_mixed_as_bf16_on_the_cpu_and_the_plugin_does_not():
-    """What the README says about the CPU: Lightning's own '16-mixed' turns into bf16-mixed with
+    """What the docs say about the CPU: Lightning's own '16-mixed' turns into bf16-mixed with
     a warning; AmpfusePrecision('16-mixed', device='cpu') autocasts to fp16."""
     with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
         trainer = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)

@@ -66,7 +66,7 @@ class FusedAdam(FusedOptimizer):
             high half and the master equals True's exactly). fp32 params are updated in fp32
             whatever the value; fp16 params are refused by the bf16 modes. Extra state is made
             at a param's first step, and state of another mode (a checkpoint) is converted
-            then (README, "Master-free bf16").
+            then (docs/optimizers.md, "Master-free bf16 modes").
         rounding_seed: the seed of master_weights="stochastic"'s random bits, which depend only
             on (seed, step, param index, element), so runs are reproducible and resume bit for
             bit. A param-group option, saved in state_dict().

@@ -39,7 +39,7 @@ class FusedLAMB(FusedOptimizer):
         amsgrad: must be False (LAMB has no AMSGrad variant; apex refuses it too).
         master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
             masters), False updates params in place. For bf16 params without fp32 masters,
-            "stochastic", "kahan" and "split" as in FusedAdam (README, "Master-free bf16"):
+            "stochastic", "kahan" and "split" as in FusedAdam (docs/optimizers.md):
             both passes see the value the mode holds (the param plus its compensation, or the
             master the param and its low half make up), so the trust ratio's ||param|| is that
             value's norm, and "split" steps exactly as True does (masters, moments and trust

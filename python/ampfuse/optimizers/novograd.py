@@ -48,7 +48,7 @@ class FusedNovoGrad(FusedOptimizer):
         amsgrad: must be False (apex refuses it too).
         master_weights: True keeps an fp32 master of every fp16/bf16 param (as amp's O2
             masters), False updates params in place. For bf16 params without fp32 masters,
-            "stochastic", "kahan" and "split" as in FusedAdam (README, "Master-free bf16"). The
+            "stochastic", "kahan" and "split" as in FusedAdam (docs/optimizers.md). The
             running norms come from the grads alone, so a mode changes only how the update is
             applied: the value it starts from (the param plus its compensation, or the master
             the param and its low half make up) and how the result is stored. "split" steps
