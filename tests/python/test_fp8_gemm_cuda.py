@@ -60,6 +60,23 @@ def test_cuda_matches_the_cpu_emulation(formats, rowwise, out_dtype, with_bias, 
     assert ((gpu.cpu().double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_cuda_agrees_with_torch_scaled_mm(rowwise):
+    """torch._scaled_mm on the same operands: its second operand column-major (b.t()), rowwise
+    scales shaped [m, 1] and [1, n], bf16 output for rowwise."""
+    _need((9, 0) if rowwise else (8, 9))
+    m, n = 256, 512
+    a, b, sa, sb, bias = _on_cuda(operands(m, n, 1024, rowwise=rowwise, seed=8))
+    bias = bias.bfloat16()
+    ours = fp8_gemm(a, b, sa, sb, bias, torch.bfloat16)
+    scale_a, scale_b = (sa.view(m, 1), sb.view(1, n)) if rowwise else (sa[0], sb[0])
+    theirs = torch._scaled_mm(a, b.t(), scale_a, scale_b, bias=bias, out_dtype=torch.bfloat16)
+    expected = float64_reference(a, b, sa, sb, bias)
+    bound = 2 * error_bound(a, b, sa, sb, expected, torch.bfloat16) + \
+        2 * ROUNDING[torch.bfloat16] * float64_reference(a, b, sa, sb, None).abs()
+    assert ((ours.cpu().double() - theirs.cpu().double()).abs() <= bound).all()
+
+
 def test_the_same_problem_reuses_its_plan():
     """The second call of a shape builds no plan (no heuristic query): it reuses the first's."""
     _need((8, 9))
