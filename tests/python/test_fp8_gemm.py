@@ -93,6 +93,17 @@ def test_cpu_emulation_agrees_with_torch_scaled_mm(formats, out_dtype):
     assert ((ours.double() - theirs.double()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_strided_bias_and_scales_are_read_as_values(rowwise):
+    """A bias or rowwise scale that is a strided view gives the same result as its copy."""
+    a, b, sa, sb, bias = operands(32, 48, 64, rowwise=rowwise, seed=12)
+    wide_bias = torch.stack([bias, -bias], 1).flatten().half()      # bias = wide_bias[::2]
+    strided = [t if t.numel() == 1 else torch.stack([t, t + 1], 1).flatten()[::2]
+               for t in (sa, sb)]
+    expected = fp8_gemm(a, b, sa, sb, bias.half(), torch.float16)
+    assert torch.equal(fp8_gemm(a, b, *strided, wide_bias[::2], torch.float16), expected)
+
+
 def test_opcheck(device):
     """opcheck's test_schema cannot run on fp8 inputs: its mutation check multiplies the
     inputs, which torch does not implement for float8 dtypes. The other three checks run,

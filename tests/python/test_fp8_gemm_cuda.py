@@ -77,6 +77,20 @@ def test_cuda_agrees_with_torch_scaled_mm(rowwise):
     assert ((ours.cpu().double() - theirs.cpu().double()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_strided_bias_and_scales_are_read_as_values(rowwise):
+    """A bias or rowwise scale that is a strided view gives the same result as its copy."""
+    _need((9, 0) if rowwise else (8, 9))
+    a, b, sa, sb, bias = _on_cuda(operands(64, 128, 256, rowwise=rowwise, seed=12))
+    wide_bias = torch.stack([bias, -bias], 1).flatten().bfloat16()      # bias = wide_bias[::2]
+    strided = [t if t.numel() == 1 else torch.stack([t, t + 1], 1).flatten()[::2]
+               for t in (sa, sb)]
+    expected = fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
+    got = fp8_gemm(a, b, *strided, wide_bias[::2], torch.bfloat16)
+    assert not wide_bias[::2].is_contiguous()
+    assert torch.equal(got, expected)
+
+
 def test_the_same_problem_reuses_its_plan():
     """The second call of a shape builds no plan (no heuristic query): it reuses the first's."""
     _need((8, 9))
