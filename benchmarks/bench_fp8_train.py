@@ -162,7 +162,7 @@ def run_setup(setup, work, args):
 def run(args):
     args = finish_args(args)
     work = Model(args)
-    if work.fit:
+    if work.fit and args.device == "cuda":  # on the CPU: --show-fit
         print(f"# layers: {work.cfg['layers']}"
               + (" (--layers)" if args.layers else "") + f"; fit: {work.fit}", flush=True)
     setups = args.setups or (GPT_SETUPS if args.model == "gpt" else fp8_setups.SETUPS)
