@@ -120,7 +120,8 @@ def run_setup(setup, work, args):
     row = {"model": args.model, "setup": setup, "device": device, "config": work.cfg,
            "tokens_per_step": work.tokens_per_step}
     try:
-        model, opt, autocast, what = fp8_setups.build(setup, work.make, device)
+        model, opt, autocast, what, row["fp8_linears"] = fp8_setups.build(setup, work.make,
+                                                                          device)
         row["what"] = what
         step = _step_fn(setup, model, opt, autocast, work.cfg, work.batches)
         warmup = min(3, args.steps) if args.steps else args.warmup
@@ -240,7 +241,7 @@ def format_rows(rows, env):
              + f"; {rows[0]['tokens_per_step']} tokens/step"
              + (f"; {rows[0]['params'] / 1e9:.2f}B params" if rows[0].get("params") else "")]
     head = f"{'setup':>20} {'ms/step':>9} {'noise%':>6} {'tokens/s':>10} {'vs O2':>6} " \
-           f"{'peak GiB':>8} {'mem/O2':>6} {'loss':>7} {'dloss%':>7}"
+           f"{'peak GiB':>8} {'mem/O2':>6} {'loss':>7} {'dloss%':>7} {'fp8 lin':>7}"
     lines.append(head)
     for r in rows:
         if "error" in r:
@@ -251,9 +252,10 @@ def format_rows(rows, env):
             f"{r['setup']:>20} {r['median_s'] * 1e3:9.2f} {_f(r.get('noise_pct'), '6.1f')} "
             f"{r['tokens_per_s']:10,.0f} {_f(r.get('vs_o2'), '6.2f')} "
             f"{_f(peak and peak / 2**30, '8.1f')} {_f(r.get('mem_vs_o2'), '6.2f')} "
-            f"{r['final_loss']:7.3f} {_f(r.get('dloss_pct'), '7.2f')}")
+            f"{r['final_loss']:7.3f} {_f(r.get('dloss_pct'), '7.2f')} {r['fp8_linears']:>7}")
     lines.append("# vs O2: tokens/s over bf16 O2's (> 1: faster); loss: mean of the last "
-                 f"{LOSS_WINDOW} steps; dloss%: against O2's; noise%: O2 run twice")
+                 f"{LOSS_WINDOW} steps; dloss%: against O2's; noise%: O2 run twice; fp8 lin: "
+                 "Linears in FP8 / all")
     return "\n".join(lines)
 
 

@@ -12,9 +12,14 @@ Rows, all bf16, all with AdamW's math and fp32 master weights:
   torchao tensorwise    torch amp bf16 with torchao.float8.convert_to_float8_training
   torchao rowwise       (Float8LinearConfig.from_recipe_name) and torch.compile of the model,
                         as torchao's float8 README recommends; only where torchao imports.
-A recipe this ampfuse does not have (the FP8 rework's names, before it is merged) makes its
-row an error row that says so, not a failure of the run.
+The recipe rows put every eligible Linear in FP8 (fp8_min_features=0, where amp.initialize
+has it), as torchao's conversion does, so that recipes compare on the same GEMMs; "fp8=True"
+keeps ampfuse's automatic rule, which leaves small Linears in bf16. Each row says how many
+Linears ran in FP8. A recipe this ampfuse does not have (the FP8 rework's names, before it is
+merged) makes its row an error row that says so, not a failure of the run.
 """
+
+import inspect
 
 
 import torch
@@ -62,10 +67,18 @@ def _torch_adamw(params, device):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **kind)
 
 
+def fp8_linear_count(model):
+    """'n/m': the model's Linears that compute in FP8 (ampfuse's or torchao's), of all."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    fp8 = [m for m in linears if isinstance(m, ampfuse_fp8.Linear)
+           or type(m).__name__ == "Float8Linear"]
+    return f"{len(fp8)}/{len(linears)}"
+
+
 def build(setup, make_model, device):
-    """(model, optimizer, forward context factory, description) for one row. make_model()
-    returns a fresh fp32 model on `device` (seeded by the caller). The forward context is
-    torch.autocast for torch's rows and a no-op for ampfuse's."""
+    """(model, optimizer, forward context factory, description, FP8 Linears 'n/m') for one
+    row. make_model() returns a fresh fp32 model on `device` (seeded by the caller). The
+    forward context is torch.autocast for torch's rows and a no-op for ampfuse's."""
     if setup == "torch amp bf16" or setup in TORCHAO:
         model = make_model()
         what = "fp32 model, autocast bf16, AdamW(fused)"
@@ -75,24 +88,34 @@ def build(setup, make_model, device):
                 raise NotAvailable("torchao does not import here")
             config = float8.Float8LinearConfig.from_recipe_name(TORCHAO[setup])
             float8.convert_to_float8_training(model, config=config)
+            count = fp8_linear_count(model)
             model = torch.compile(model)
             what += f", torchao float8 {TORCHAO[setup]}, torch.compile"
+        else:
+            count = fp8_linear_count(model)
         opt = _torch_adamw(model.parameters(), device)
 
         def autocast():
             return torch.autocast(device, dtype=torch.bfloat16)
 
-        return model, opt, autocast, what
+        return model, opt, autocast, what, count
 
     fp8 = False if setup == BASELINE else fp8_recipe(setup)
     model = make_model()
     opt = FusedAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
+    every = {}
+    if fp8 is not False and fp8 is not True and _initialize_takes("fp8_min_features"):
+        every = {"fp8_min_features": 0}  # every eligible Linear, as torchao converts them
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0,
-                                fp8=fp8)
+                                fp8=fp8, **every)
     what = "O2 bf16, FusedAdam (fp32 masters)"
     if fp8 is not False:
         what += f", fp8={type(fp8).__name__ + '()' if fp8 is not True else 'True'}"
-    return model, opt, _nothing, what
+    return model, opt, _nothing, what, fp8_linear_count(model)
+
+
+def _initialize_takes(name):
+    return name in inspect.signature(amp.initialize).parameters
 
 
 class _Nothing:
@@ -122,7 +145,7 @@ def convert_layer(module, setup):
     recipe = None if recipe is True else recipe
     convert = getattr(ampfuse_fp8, "convert", None)
     if convert is not None:
-        convert(module, recipe)
+        convert(module, recipe, min_features=0)  # every eligible Linear, whatever its size
         return module
     if recipe is not None and not isinstance(recipe, ampfuse_fp8.DelayedScaling):
         raise NotAvailable("ampfuse.fp8.convert is not in this ampfuse")
