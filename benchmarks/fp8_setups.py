@@ -21,7 +21,6 @@ merged) makes its row an error row that says so, not a failure of the run.
 
 import inspect
 
-
 import torch
 from ampfuse import amp
 from ampfuse import fp8 as ampfuse_fp8
