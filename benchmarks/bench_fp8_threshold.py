@@ -91,7 +91,8 @@ def threshold_constant():
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             if "bench_fp8_threshold" in line:
-                for nearby in lines[max(0, i - 6): i + 8]:
+                # The constant the comment belongs to: the first assignment after it.
+                for nearby in lines[i: i + 20]:
                     match = re.match(r"\s*([A-Z][A-Z0-9_]+)\s*(?::[^=]+)?=\s*(.+)", nearby)
                     if match:
                         return f"{path.name}: {match.group(1)} = {match.group(2).strip()}"
