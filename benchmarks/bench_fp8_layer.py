@@ -27,10 +27,10 @@ from fp8_setups import NotAvailable
 
 SETUPS = ("bf16", "bf16 compiled", "ampfuse fp8 current", "ampfuse fp8 rowwise",
           "ampfuse fp8 delayed", "torchao tensorwise", "torchao rowwise")
-DEFAULTS = {"cuda": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=2048, batch=4,
-                         warmup=5, repeats=20),
-            "cpu": dict(hidden=64, ffn=192, heads=4, kv_heads=2, seq=32, batch=2, warmup=1,
-                        repeats=3)}
+DEFAULTS = {"cuda": {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "seq": 2048,
+                     "batch": 4, "warmup": 5, "repeats": 20},
+            "cpu": {"hidden": 64, "ffn": 192, "heads": 4, "kv_heads": 2, "seq": 32, "batch": 2,
+                    "warmup": 1, "repeats": 3}}
 
 
 def layer_flops(a):

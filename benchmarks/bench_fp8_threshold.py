@@ -34,9 +34,9 @@ from fp8_setups import NotAvailable
 
 RECIPES = {"current": "ampfuse fp8 current", "rowwise": "ampfuse fp8 rowwise",
            "delayed": "ampfuse fp8 delayed"}
-DEFAULTS = {"cuda": dict(tokens=[1024, 2048, 4096, 8192, 16384],
-                         features=[768, 1024, 2048, 4096, 8192], warmup=3, repeats=10),
-            "cpu": dict(tokens=[32, 64], features=[32, 64], warmup=1, repeats=2)}
+DEFAULTS = {"cuda": {"tokens": [1024, 2048, 4096, 8192, 16384],
+                         "features": [768, 1024, 2048, 4096, 8192], "warmup": 3, "repeats": 10},
+            "cpu": {"tokens": [32, 64], "features": [32, 64], "warmup": 1, "repeats": 2}}
 FP8_PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "ampfuse" / "fp8"
 
 

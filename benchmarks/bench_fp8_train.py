@@ -38,7 +38,7 @@ from fp8_setups import BASELINE, NotAvailable
 from train_workloads import GPT_DEFAULTS, Workload
 
 GPT_SETUPS = ("torch amp bf16", BASELINE, "ampfuse fp8=True")
-STEP_DEFAULTS = {"cuda": dict(warmup=3, repeats=6), "cpu": dict(warmup=1, repeats=2)}
+STEP_DEFAULTS = {"cuda": {"warmup": 3, "repeats": 6}, "cpu": {"warmup": 1, "repeats": 2}}
 LOSS_WINDOW = 10
 DATA_MICRO_BATCHES = 16  # distinct micro-batches cycled through
 

@@ -62,7 +62,7 @@ def fp8_recipe(setup):
 
 def _torch_adamw(params, device):
     fused = device in _get_fused_kernels_supported_devices()
-    kind = dict(fused=True) if fused else dict(foreach=True)
+    kind = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **kind)
 
 

@@ -25,10 +25,10 @@ BRANCHES = 4
 LLAMA_DEFAULTS = {
     # Llama-3-8B's layer shape (hidden 4096, FFN 14336, 32 query heads, 8 key/value heads) with
     # Llama 2's 32000-token vocabulary; layers=None: as many as fit (fit_layers).
-    "cuda": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=2048, micro_batch=1,
-                 accum=4, vocab=32000, layers=None),
-    "cpu": dict(hidden=64, ffn=192, heads=4, kv_heads=2, seq=32, micro_batch=2, accum=4,
-                vocab=256, layers=2),
+    "cuda": {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "seq": 2048,
+             "micro_batch": 1, "accum": 4, "vocab": 32000, "layers": None},
+    "cpu": {"hidden": 64, "ffn": 192, "heads": 4, "kv_heads": 2, "seq": 32, "micro_batch": 2,
+            "accum": 4, "vocab": 256, "layers": 2},
 }
 
 
@@ -124,7 +124,8 @@ STATE_BYTES_PER_PARAM = 20
 # inputs and outputs, q, attention output (and o's input), k, v, and the SwiGLU's gate, up,
 # silu(gate) and product; x1.5 for fp32 norm statistics, FP8 copies and temporaries.
 ACTIVATION_SLACK = 1.5
-HEADROOM = 0.88  # of the card's memory: allocator fragmentation, cuBLAS workspaces, the CUDA context
+# Of the card's memory: allocator fragmentation, cuBLAS workspaces, the CUDA context.
+HEADROOM = 0.88
 RESERVE_BYTES = 2 * 2**30  # the optimizer step's temporaries, the loss's fp32 logits and grads
 
 
@@ -138,7 +139,8 @@ def fit_layers(cfg, total_bytes):
     fixed = 2 * cfg["vocab"] * cfg["hidden"] * per_param + tokens * cfg["vocab"] * 12
     budget = HEADROOM * total_bytes - RESERVE_BYTES - fixed
     layers = max(1, int(budget // layer))
-    why = (f"{layers} layers fit {total_bytes / 2**30:.1f} GiB: {params_per_layer(**cfg) / 1e6:.0f}M "
+    per_layer = params_per_layer(**cfg)
+    why = (f"{layers} layers fit {total_bytes / 2**30:.1f} GiB: {per_layer / 1e6:.0f}M "
            f"params/layer x {per_param} B (fp32 masters, Adam) + {act / 2**30:.2f} GiB activations "
            f"= {layer / 2**30:.2f} GiB/layer; embedding+output {fixed / 2**30:.2f} GiB; "
            f"{HEADROOM:.0%} of memory less {RESERVE_BYTES / 2**30:.0f} GiB reserve")
