@@ -199,9 +199,13 @@ fi
 # ---- (c) optimizer-state memory (scripts of the state-dtype work) ------------------------------
 if runs state; then
   log="$out/state.txt"
+  # profile_split's default size is for the CPU; 3.5e8 is its 350M-parameter GPU check.
+  declare -A STATE_ARGS=([bench_state_dtype]="" [profile_split]="--total-elements 3.5e8")
+  [[ "$device" == cuda ]] || STATE_ARGS[profile_split]=""
   for script in bench_state_dtype profile_split; do
     if [[ -f "benchmarks/$script.py" ]]; then
-      bounded 45 "$script" "$PY" "benchmarks/$script.py" --device "$device"
+      # shellcheck disable=SC2086  # the extra arguments split into words on purpose
+      bounded 45 "$script" "$PY" "benchmarks/$script.py" --device "$device" ${STATE_ARGS[$script]}
     else
       echo "gpu_check: benchmarks/$script.py is not in this checkout (not merged yet)" | tee -a "$log"
     fi
