@@ -73,6 +73,9 @@ def time_setup(setup, a):
     # without the other); the row says so and the run goes on. OOM is a RuntimeError.
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError) as error:
         row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+    finally:
+        if setup == "bf16 compiled" or setup in fp8_setups.TORCHAO:
+            torch._dynamo.reset()  # compiled graphs and their guards hold on to the layer
     return row
 
 

@@ -159,6 +159,8 @@ def run_setup(setup, work, args):
         row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
     finally:
         model = opt = step = None  # free this row's memory before the next
+        if setup in fp8_setups.TORCHAO:
+            torch._dynamo.reset()  # compiled graphs and their guards hold on to the model
     return row
 
 
