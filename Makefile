@@ -88,7 +88,9 @@ catch2:
 # and so two of the CUDA test files, import): this downloads Debian's catch2 package and the
 # wheels of expecttest and of pytest-xdist (with execnet: the CUDA tests in 4 processes) into
 # .gpu/ (git-ignored) for benchmarks/gpu_check.sh, which unpacks the package with dpkg -x and
-# installs the wheels into a folder of its own.
+# installs the wheels into a folder of its own; and torchao's wheel into .gpu/wheels/ for the
+# torchao float8 rows of the FP8 benchmarks (0.17.0 needs torch >= 2.11; a cp310-abi3 wheel, so
+# it installs on the GPU machine's Python 3.12).
 .PHONY: gpu-deps
 gpu-deps: env
 	mkdir -p .gpu
@@ -96,6 +98,8 @@ gpu-deps: env
 	cd .gpu && apt-get download catch2
 	$(VPY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 	  --dest .gpu expecttest pytest-xdist execnet
+	$(VPY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --dest .gpu/wheels torchao==0.17.0
 
 clean:
 	rm -rf build dist python/ampfuse/ops/libampfuse_ops.so python/ampfuse/ops/_step_scan*.so \

@@ -15,8 +15,11 @@ The benchmarks (run.py) give one time per call or step. This splits it:
   host time to issue the step, summed kernel time and count, how much of it is copy/cast
   kernels, the synchronizing CUDA calls per step (torch's sync debug mode in "warn", counted;
   torch's GradScaler makes one), the host time of each part of the step (forward with loss,
-  backward, and the optimizer step with its unscale and scale update; unprofiled steps), and
-  the largest kernels. Host time near wall time means the step is host-bound or waits on the
+  backward, and the optimizer step with its unscale and scale update; unprofiled steps), the
+  caching allocator's allocations per step (torch.cuda.memory_stats' "allocation.all.allocated"
+  count), and the largest kernels. The gpt model also gets two bf16 rows: "O2 bf16" and
+  "O2 fp8" (fp8=True, FP8 GEMMs), so FP8's launches, allocations and host time per step stand
+  beside the same model without it. Host time near wall time means the step is host-bound or waits on the
   device: the syncs column tells which, and the parts where.
 On the CPU the kernel columns are empty ("-"): the host figures still compare ampfuse's
 per-call cost with torch's. Figures from a GPU go in RESULTS.md with the command.
@@ -157,6 +160,13 @@ def _host_ms_per_part(step, batches, steps, device):
     return {part: seconds / steps * 1e3 for part, seconds in totals.items()}
 
 
+def _allocations(device):
+    """The caching allocator's count of allocations so far (CUDA), or None."""
+    if device != "cuda":
+        return None
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
 def profile_train(args):
     train_args = bench_train.finish_args(
         bench_train.parse_args(["--device", args.device, *args.train_argv]))
@@ -167,16 +177,22 @@ def profile_train(args):
               "steps after warm-up")
         print(f"{'impl':>11} {'wall':>8} {'host':>8} {'kernels':>8} {'launches':>9} "
               f"{'copy ms':>8} {'copies':>7} {'syncs':>6} {'host fwd':>8} {'bwd':>6} "
-              f"{'step':>6}  largest kernels (ms per step)")
-        for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
-            step, _, _ = bench_train.make_step(impl, workload, bench_train.AMP_DTYPES["fp16"]
-                                               if args.device == "cuda" else torch.bfloat16)
+              f"{'step':>6} {'allocs':>7}  largest kernels (ms per step)")
+        low = torch.float16 if args.device == "cuda" else torch.bfloat16
+        rows = [("torch amp", "torch amp", low), ("ampfuse O1", "ampfuse O1", low),
+                ("ampfuse O2", "ampfuse O2", low)]
+        if name in bench_train.FP8_MODELS:
+            rows += [("O2 bf16", "ampfuse O2", torch.bfloat16),
+                     ("O2 fp8", "ampfuse O2 fp8", torch.bfloat16)]
+        for label, impl, dtype in rows:
+            step, _, _ = bench_train.make_step(impl, workload, dtype)
             for i in range(args.warmup):
                 step(batches[i % len(batches)])
             host_s = []
             synchronize(args.device)
             activities = [ProfilerActivity.CPU] + (
                 [ProfilerActivity.CUDA] if args.device == "cuda" else [])
+            allocations = _allocations(args.device)
             with profile(activities=activities) as prof:
                 start = time.perf_counter()
                 for i in range(args.steps):
@@ -185,6 +201,8 @@ def profile_train(args):
                     host_s.append(time.perf_counter() - t)
                 synchronize(args.device)
                 wall = (time.perf_counter() - start) / args.steps * 1e3
+            allocs = _allocations(args.device)
+            allocs = None if allocs is None else (allocs - allocations) / args.steps
             kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
             per_kernel = {}
             for e in kernels:
@@ -197,13 +215,13 @@ def profile_train(args):
             on_gpu = args.device == "cuda"
             syncs = _syncs_per_step(step, batches, args.steps) if on_gpu else None
             parts = _host_ms_per_part(step, batches, args.steps, args.device)
-            print(f"{impl:>11} {wall:8.2f} {statistics.mean(host_s) * 1e3:8.2f} "
+            print(f"{label:>11} {wall:8.2f} {statistics.mean(host_s) * 1e3:8.2f} "
                   f"{_fmt(busy if on_gpu else None, '8.2f')} "
                   f"{_fmt(len(kernels) / args.steps if on_gpu else None, '9.0f')} "
                   f"{_fmt(copy_ms if on_gpu else None, '8.2f')} "
                   f"{_fmt(len(copies) / args.steps if on_gpu else None, '7.0f')} "
                   f"{_fmt(syncs, '6.1f')} {parts['forward']:8.2f} {parts['backward']:6.2f} "
-                  f"{parts['step']:6.2f}  {largest}")
+                  f"{parts['step']:6.2f} {_fmt(allocs, '7.0f')}  {largest}")
             del step
             if args.device == "cuda":
                 torch.cuda.empty_cache()

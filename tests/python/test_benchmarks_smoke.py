@@ -139,6 +139,8 @@ def test_profile_gpu_runs_on_the_cpu():
             assert "1" in tensors and len(tensors) == 2, (op, impl, tensors)
     for impl in ("torch amp", "ampfuse O1", "ampfuse O2"):
         assert sum(line.strip().startswith(impl) for line in lines) == 2, impl  # gpt and cnn
+    for label in ("O2 bf16", "O2 fp8"):  # gpt only: the same model with and without FP8 GEMMs
+        assert sum(line.strip().startswith(label) for line in lines) == 1, label
 
 
 def test_bench_novograd_runs_and_compares_with_torch(tmp_path):
