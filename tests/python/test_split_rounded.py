@@ -10,10 +10,15 @@ import copy
 
 import pytest
 import torch
-
-from ampfuse.optimizers import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedNovoGrad
-from ampfuse.optimizers import FusedSGD
 from ampfuse.ops.sgd import fused_sgd_
+from ampfuse.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedAdamW,
+    FusedLAMB,
+    FusedNovoGrad,
+    FusedSGD,
+)
 from ampfuse.optimizers._precision import (
     SPLIT_LAYOUT,
     SPLIT_LAYOUT_KEY,
@@ -225,7 +230,10 @@ def old_layout(master):
     u = bits(master)
     high = u >> 16
     low = u & 0xFFFF
-    as16 = lambda v: torch.where(v >= 0x8000, v - 0x10000, v).to(torch.int16)  # noqa: E731
+
+    def as16(v):
+        return torch.where(v >= 0x8000, v - 0x10000, v).to(torch.int16)
+
     return as16(high).view(torch.bfloat16), as16(low)
 
 
