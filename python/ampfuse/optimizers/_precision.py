@@ -242,7 +242,9 @@ def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the canonical NaN param 0x7fc0 (as rounding to nearest does), and its low bits keep the
     joined value a NaN."""
     bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    high = (bits + 0x8000) >> 16
+    # Shifts as multiplications and floor divisions (of values >= 0): on a DTensor (FSDP2),
+    # torch 2.11's `<<` by a Python int returns its input unchanged.
+    high = (bits + 0x8000) // 0x10000
     high = torch.where(torch.isnan(x), torch.full_like(high, 0x7FC0), high)
     return _as_int16(high), _as_int16(bits)
 
@@ -251,7 +253,7 @@ def joined_master(p: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 master that bf16 `p` and its low bits `low` stand for (split_halves' inverse,
     the kernels' join_master)."""
     high = p.view(torch.int16).to(torch.int64) & 0xFFFF
-    bits = (high << 16) + low.to(torch.int64)
+    bits = high * 0x10000 + low.to(torch.int64)  # not <<: see split_halves
     return _as_int32(bits).view(torch.float32)
 
 
@@ -264,7 +266,7 @@ def _as_int32(bits: torch.Tensor) -> torch.Tensor:
 def _joined_truncated(p: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 master of split's layout 1: bf16 `p` its high half, `low` its low half."""
     high = p.view(torch.int16).to(torch.int64) & 0xFFFF
-    return _as_int32((high << 16) | (low.to(torch.int64) & 0xFFFF)).view(torch.float32)
+    return _as_int32(high * 0x10000 + (low.to(torch.int64) & 0xFFFF)).view(torch.float32)
 
 
 def precise_value(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
