@@ -310,3 +310,28 @@ def test_unknown_split_layout_is_refused():
     saved["state"][0][SPLIT_LAYOUT_KEY] = torch.tensor(7)
     with raises_naming(f"{SPLIT_LAYOUT_KEY}=7", "layouts 1 and 2"):
         optimizer.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_optimizer_converts_an_old_split_checkpoint(kind):
+    """The old layout made from a run of each optimizer (the same low bits as layout 2, the
+    param truncated, no layout key): after loading and a step with lr 0, the masters are the
+    run's exactly and the params rounded; the rest of the state comes along unchanged."""
+    params, optimizer = run(kind, "split", 1e-3, "cpu", steps=3)
+    masters = [precise_value(p, optimizer.state[p]).clone() for p in params]
+    saved = copy.deepcopy(optimizer.state_dict())
+    for entry in saved["state"].values():
+        del entry[SPLIT_LAYOUT_KEY]
+    with torch.no_grad():
+        for p, master in zip(params, masters):
+            p.copy_(old_layout(master)[0])
+    resumed = KINDS[kind](params, "split", 0.0)
+    resumed.load_state_dict(saved)
+    for group in resumed.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    resumed.step()
+    for i, (p, master) in enumerate(zip(params, masters)):
+        assert torch.equal(bits(precise_value(p, resumed.state[p])), bits(master)), i
+        assert torch.equal(bf16_bits(p.detach()), expected_param_bits(master)), i
