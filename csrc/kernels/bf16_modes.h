@@ -215,17 +215,21 @@ struct SplitHalves {
   std::uint16_t low;
 };
 
+// In 16-bit halves: (u >> 16) plus the low half's top bit is (u + 0x8000) >> 16 mod 2^16, and
+// the param minus that bit is the high half of (param << 16) + sign_extend(low).
 AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE SplitHalves split_master(float x) {
   const std::uint32_t u = bits_of(x);
-  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return {static_cast<std::uint16_t>(pick_bits(nan, 0x7fc0u, (u + 0x8000u) >> 16)),
-          static_cast<std::uint16_t>(u)};
+  const auto low = static_cast<std::uint16_t>(u);
+  const auto rounded = static_cast<std::uint16_t>((u >> 16) + (low >> 15));
+  // x != x: one unordered compare (no rounding involved, so both devices agree).
+  const bool nan = x != x;
+  return {static_cast<std::uint16_t>(pick_bits(nan, 0x7fc0u, rounded)), low};
 }
 
 AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE float join_master(std::uint16_t param, std::uint16_t low) {
-  const auto remainder = static_cast<std::uint32_t>(static_cast<std::int32_t>(
-      static_cast<std::int16_t>(low)));
-  return float_of((static_cast<std::uint32_t>(param) << 16) + remainder);
+  // (param << 16) + sign_extend(low), mod 2^32: a negative remainder borrows one from the param.
+  const auto high = static_cast<std::uint16_t>(param - (low >> 15));
+  return float_of((static_cast<std::uint32_t>(high) << 16) | low);
 }
 
 template <>
