@@ -30,7 +30,7 @@ enum class MasterMode : std::int32_t {
   kFp32 = 0,
   kStochastic = 1,  // no list; the param is rounded stochastically (no extra bytes)
   kKahan = 2,       // bf16 compensations: the rounding error carried into the next update
-  kSplit = 3,       // the low 16 bits of the fp32 master; the param is its high 16 bits
+  kSplit = 3,       // the fp32 master's low 16 bits; the param is the master rounded to nearest
 };
 
 // How an optimizer op reads its master_params list: kFp32 for fp32 masters (or none when it is
@@ -200,19 +200,48 @@ struct Bf16Param<MasterMode::kKahan> {
   }
 };
 
-// The param is the fp32 master's high half (rounded toward zero) and the extra array its low
-// half, so the update sees exactly the master that master_weights=True keeps. A NaN stays a
-// NaN: the quiet bit is in the high half.
+// The param is the fp32 master rounded to nearest and the extra array the master's low 16 bits,
+// read as the signed remainder (in fp32 bit steps) from the param: master bits =
+// (param << 16) + sign_extend(low). Rounding the bit pattern up by half a bf16 step, (u + 0x8000)
+// >> 16, moves the high half by exactly the borrow that sign_extend(low) takes back, so the
+// pair holds every fp32 pattern exactly (inf included, and masters in [0x7f7f8000, 0x7f7fffff],
+// which round to an inf param as they do under master_weights=True). Ties round away from zero:
+// no 16-bit remainder can keep ties to even exact, because an even bf16 value is the nearest
+// (ties to even) of 2^16 + 1 fp32 values. So the param equals master_weights=True's
+// (bf16_nearest) except for a master exactly halfway above an even bf16 value. A NaN master
+// gives the canonical NaN param, as bf16_nearest does; its low half keeps the master a NaN.
+struct SplitHalves {
+  std::uint16_t param;
+  std::uint16_t low;
+};
+
+// In 16-bit halves: (u >> 16) plus the low half's top bit is (u + 0x8000) >> 16 mod 2^16, and
+// the param minus that bit is the high half of (param << 16) + sign_extend(low).
+AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE SplitHalves split_master(float x) {
+  const std::uint32_t u = bits_of(x);
+  const auto low = static_cast<std::uint16_t>(u);
+  const auto rounded = static_cast<std::uint16_t>((u >> 16) + (low >> 15));
+  // x != x: one unordered compare (no rounding involved, so both devices agree).
+  const bool nan = x != x;
+  return {static_cast<std::uint16_t>(pick_bits(nan, 0x7fc0u, rounded)), low};
+}
+
+AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE float join_master(std::uint16_t param, std::uint16_t low) {
+  // (param << 16) + sign_extend(low), mod 2^32: a negative remainder borrows one from the param.
+  const auto high = static_cast<std::uint16_t>(param - (low >> 15));
+  return float_of((static_cast<std::uint32_t>(high) << 16) | low);
+}
+
 template <>
 struct Bf16Param<MasterMode::kSplit> {
   AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static float load(std::uint16_t param, std::uint16_t low) {
-    return float_of((static_cast<std::uint32_t>(param) << 16) | low);
+    return join_master(param, low);
   }
   AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static void store(float x, std::uint16_t& param, std::uint16_t& low,
                                         std::uint32_t) {
-    const std::uint32_t u = bits_of(x);
-    param = static_cast<std::uint16_t>(u >> 16);
-    low = static_cast<std::uint16_t>(u);
+    const SplitHalves halves = split_master(x);
+    param = halves.param;
+    low = halves.low;
   }
 };
 

@@ -51,6 +51,34 @@ inline kernels::MasterMode parse_master_mode(const char* op, c10::string_view na
               "' is not one of 'fp32', 'stochastic', 'kahan', 'split'.");
 }
 
+// split's int16 low halves as the kernels take them: 2-byte bit patterns, which the kernels
+// address as bf16-sized elements. companion_refs' checks for a written companion (shape, device,
+// the param's memory layout), without reinterpreting each tensor as bf16 first: a view() per
+// tensor was a dispatcher call and a TensorImpl per param per step, which made split's host
+// time 1.3x True's on many small params (benchmarks/profile_split.py).
+inline std::vector<kernels::TensorRef> low_half_refs(const char* op, at::TensorList lows,
+                                                     at::TensorList params) {
+  std::vector<kernels::TensorRef> refs;
+  refs.reserve(lows.size());
+  for (std::size_t i = 0; i < lows.size(); ++i) {
+    const at::Tensor& t = lows[i];
+    const std::string label = arg_label("master_params", static_cast<std::int64_t>(i));
+    TORCH_CHECK(t.sizes() == params[i].sizes(), "ampfuse.", op, ": ", label, " has shape ",
+                t.sizes(), " but ", arg_label("params", i), " has shape ", params[i].sizes(),
+                ".");
+    TORCH_CHECK(t.device() == params[i].device(), "ampfuse.", op, ": ", label, " is on ",
+                t.device(), " but ", arg_label("params", i), " is on ", params[i].device(), ".");
+    TORCH_CHECK(t.layout() == at::kStrided && t.is_non_overlapping_and_dense() &&
+                    (t.numel() <= 1 || t.strides() == params[i].strides()),
+                "ampfuse.", op, ": ", label, " has strides ", t.strides(), " but ",
+                arg_label("params", i), " has strides ", params[i].strides(),
+                "; create it with torch.zeros_like(param, dtype=torch.int16) so both share one "
+                "memory layout.");
+    refs.push_back({t.numel() == 0 ? nullptr : t.data_ptr(), t.numel(), kernels::DType::kBFloat16});
+  }
+  return refs;
+}
+
 // Validates master_params, param_ids and seed for `master_mode`. kFp32 keeps the contract the
 // ops always had (fp32 masters, or an empty list). The bf16 modes take bf16 params only:
 // kahan one bf16 compensation per param, split one int16 low half per param (each shaped and
@@ -96,8 +124,6 @@ inline MasterArgs master_args(const char* op, c10::string_view master_mode, at::
               "' needs one ", split ? "torch.int16 low half" : "torch.bfloat16 compensation",
               " per param in master_params (", params.size(), "), got ", master_params.size(),
               ".");
-  // The low halves are bit patterns; the kernels see them as bf16-sized elements.
-  std::vector<at::Tensor> as_bf16;
   for (std::size_t i = 0; i < master_params.size(); ++i) {
     const at::Tensor& t = master_params[i];
     TORCH_CHECK(t.defined() && t.scalar_type() == expected, "ampfuse.", op, ": ",
@@ -106,11 +132,10 @@ inline MasterArgs master_args(const char* op, c10::string_view master_mode, at::
                 t.defined() ? "torch." + c10::getDtypeNames(t.scalar_type()).first
                             : std::string("None"),
                 ".");
-    as_bf16.push_back(split ? t.view(at::kBFloat16) : t);
   }
-  m.list = companion_refs(op, as_bf16, "master_params", params, Access::kWrite,
-                          /*fp32_only=*/false, /*optional=*/false, keep_alive);
-  keep_alive.insert(keep_alive.end(), as_bf16.begin(), as_bf16.end());
+  m.list = split ? low_half_refs(op, master_params, params)
+                 : companion_refs(op, master_params, "master_params", params, Access::kWrite,
+                                  /*fp32_only=*/false, /*optional=*/false, keep_alive);
   return m;
 }
 

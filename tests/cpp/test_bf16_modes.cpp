@@ -63,12 +63,42 @@ TEST_CASE("split keeps a float's two halves; kahan keeps about 16 bits") {
     std::uint16_t param, low;
     Bf16Param<MasterMode::kSplit>::store(x, param, low, 0);
     REQUIRE(float_to_bits(Bf16Param<MasterMode::kSplit>::load(param, low)) == float_to_bits(x));
-    REQUIRE(param == float_to_bits(x) >> 16);  // the high half: rounded toward zero
+    // The param is master_weights=True's (to nearest, ties to even) but at a tie above an even
+    // half, which rounds away from zero (bf16_modes.h: no 16-bit remainder keeps that tie).
+    const std::uint32_t u = float_to_bits(x);
+    const bool even_tie = (u & 0xffffu) == 0x8000u && ((u >> 16) & 1u) == 0u;
+    REQUIRE(param == (even_tie ? (u >> 16) + 1u : float_to_bf16(x)));
     std::uint16_t compensation;
     Bf16Param<MasterMode::kKahan>::store(x, param, compensation, 0);
     REQUIRE(param == float_to_bf16(x));
     const float back = Bf16Param<MasterMode::kKahan>::load(param, compensation);
     REQUIRE(std::abs(back - x) <= std::abs(x) * 0x1p-15f);
+  }
+}
+
+TEST_CASE("split holds every fp32 pattern exactly, its param rounded to nearest") {
+  // Every high half with the low halves where rounding turns (0, 0x7fff, 0x8000, 0x8001,
+  // 0xffff) and a random one: infinities, the masters that round to them, NaNs, zeros and
+  // subnormals included.
+  std::mt19937 rng(11);
+  for (std::uint32_t high = 0; high < 0x10000u; ++high) {
+    for (const std::uint32_t low_half : {0u, 1u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu,
+                                         static_cast<std::uint32_t>(rng() & 0xffffu)}) {
+      const std::uint32_t u = (high << 16) | low_half;
+      const float x = bits_to_float(u);
+      std::uint16_t param, low;
+      Bf16Param<MasterMode::kSplit>::store(x, param, low, 0);
+      const std::uint32_t back = float_to_bits(Bf16Param<MasterMode::kSplit>::load(param, low));
+      const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+      if (nan) {
+        REQUIRE(param == 0x7fc0u);
+        REQUIRE((back & 0x7fffffffu) > 0x7f800000u);  // still a NaN
+        continue;
+      }
+      REQUIRE(back == u);
+      const bool even_tie = low_half == 0x8000u && (high & 1u) == 0u;
+      REQUIRE(param == (even_tie ? high + 1u : float_to_bf16(x)));
+    }
   }
 }
 
@@ -96,6 +126,8 @@ TEST_CASE("split's masters equal the fp32-master kernel's bit for bit") {
     const float joined = Bf16Param<MasterMode::kSplit>::load(param2[i], low[i]);
     REQUIRE(float_to_bits(joined) == float_to_bits(master[i]));
     REQUIRE(m1[i] == m2[i]);
+    const std::uint32_t u = float_to_bits(master[i]);
+    if ((u & 0xffffu) != 0x8000u) REQUIRE(param2[i] == param1[i]);
   }
 }
 

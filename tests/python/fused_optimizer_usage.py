@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import ampfuse
-from ampfuse.optimizers._precision import EXTRA_KEYS, param_mode, precise_value
+from ampfuse.optimizers._precision import EXTRA_KEYS, param_mode, precise_value, split_halves
 from helpers import raises_naming
 from tolerances import assert_close_report
 from test_adam import clone_params, make_params, set_grads, step_grads
@@ -177,8 +177,8 @@ def check_dtensor_state_is_the_plain_state(plain, sharded, opts):
 
 def check_split_steps_exactly_as_fp32_masters(make, state_keys, shapes, device):
     """`make(params, master_weights)`: over five steps of grads of norm ~800, "split"'s masters
-    and `state_keys` of each param's state are True's bit for bit; the param is the master's
-    high half."""
+    and `state_keys` of each param's state are True's bit for bit; the param is the master
+    rounded (split_halves: True's param but at an even tie)."""
     params = make_params(shapes, torch.bfloat16, device)
     twin = clone_params(params)
     opts = (make(params, True), make(twin, "split"))
@@ -194,7 +194,7 @@ def check_split_steps_exactly_as_fp32_masters(make, state_keys, shapes, device):
             for key in state_keys:
                 assert_close_report(got[key], want[key], exact=True, msg=f"step {s}: {key} {i}")
     for p, q in zip(params, twin):
-        high = (opts[0].state[p]["master_param"].view(torch.int32) >> 16).to(torch.int16)
+        high, _ = split_halves(opts[0].state[p]["master_param"])
         assert torch.equal(q.detach().view(torch.int16), high)
 
 

@@ -8,6 +8,8 @@ refused); here is what is Adagrad's own, with test_bf16_master_ops.py's op helpe
 import pytest
 import torch
 
+from ampfuse.optimizers._precision import joined_master
+
 from fused_optimizer_usage import check_cuda_steps_are_the_cpu_steps
 from helpers import POSITIONS, clone_args, position_index, raises_naming
 from test_adam import make_params, set_grads, step_grads
@@ -94,8 +96,8 @@ def test_split_and_the_others_step_from_the_same_value(mode):
     for i, (p, m) in enumerate(zip(a["params"], master)):
         assert_close_report(a["state"][i], fp32["state"][i], exact=True, msg=f"sum {i}")
         if mode == "split":
-            joined = (p.view(torch.int16).int() * 65536 + (a["extra"][i].int() & 0xFFFF))
-            assert_close_report(joined.view(torch.float32), m, exact=True, msg=f"master {i}")
+            assert_close_report(joined_master(p, a["extra"][i]), m, exact=True,
+                                msg=f"master {i}")
         elif mode == "kahan":
             got = p.float() + a["extra"][i].float()
             assert_close_report(got, m, rtol=2.0**-15, atol=0.0, msg=f"value {i}")

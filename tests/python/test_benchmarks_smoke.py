@@ -157,3 +157,25 @@ def test_bench_novograd_runs_and_compares_with_torch(tmp_path):
     assert ratios["torch foreach masters"] > 0 and ratios["torch foreach fp32"] > 0, rows
     assert all(r["median_s"] > 0 for r in rows), rows
     assert "torch foreach masters" in result.stdout
+
+
+def test_profile_split_runs_tiny_on_the_cpu():
+    """benchmarks/profile_split.py (split against True, host and device time per step, for the
+    next GPU session at 350M params): tiny on the CPU it prints both modes' rows, the fused op's
+    host time per call and the ratio; the int16 low halves are no longer viewed per tensor."""
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_split.py"), "--device", "cpu",
+         "--total-elements", "2e4", "--layers", "2", "--steps", "2", "--warmup", "1",
+         "--top", "40"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    rows = {line.split()[0]: line for line in lines if "host ms/step" in line}
+    assert set(rows) == {"True", "split"}, result.stdout
+    for row in rows.values():
+        host = float(row.split("host ms/step")[1].split()[0])
+        assert host > 0 and "ampfuse::fused_adam_ host us/call" in row, row
+    assert any(line.startswith("split over True: host") for line in lines), result.stdout
+    assert not any("aten::view" in line for line in lines), result.stdout

@@ -17,7 +17,7 @@ from ampfuse.optimizers import (
     FusedNovoGrad,
     FusedSGD,
 )
-from ampfuse.optimizers._precision import EXTRA_BYTES_PER_PARAM, precise_value
+from ampfuse.optimizers._precision import EXTRA_BYTES_PER_PARAM, precise_value, split_halves
 from helpers import raises_naming
 from tolerances import assert_close_report
 
@@ -102,8 +102,8 @@ def test_updates_below_bf16_resolution(kind):
     """False stalls; stochastic and kahan follow the fp32-master run; split's masters and the
     rest of its state (moments, momentum buffers, sums) are True's bit for bit. The loss is
     linear in the outputs, so the grads do not depend on the weights and every run sees the
-    same ones (split's params are its masters rounded toward zero, which would otherwise change
-    its grads)."""
+    same ones (split's params are its masters rounded, ties away from zero, which could
+    otherwise change its grads at a tie)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
     target = torch.randn(64, 32, generator=gen)
@@ -144,8 +144,8 @@ def test_updates_below_bf16_resolution(kind):
     for i, (p, master) in enumerate(zip(split_model.parameters(), reference)):
         assert_close_report(precise_value(p, split_opt.state[p]), master, exact=True,
                             msg=f"split master {i}")
-        high = (master.view(torch.int32) >> 16).to(torch.int16)
-        assert torch.equal(p.detach().view(torch.int16), high), "param is the master's high half"
+        high, _ = split_halves(master)
+        assert torch.equal(p.detach().view(torch.int16), high), "param is the master rounded"
         true_state = true_opt.state[list(true_model.parameters())[i]]
         shared = [k for k in true_state if k != "master_param" and k in split_opt.state[p]]
         assert shared, f"param {i}: no state to compare"
@@ -272,7 +272,7 @@ def test_checkpoints_convert_between_modes(source, target, kind):
 def test_state_dict_carries_each_mode_state():
     expected = {True: {"master_param": torch.float32}, False: {}, "stochastic": {},
                 "kahan": {"kahan_compensation": torch.bfloat16},
-                "split": {"master_low_bits": torch.int16}}
+                "split": {"master_low_bits": torch.int16, "master_low_bits_layout": torch.int64}}
     for mode in ALL_MODES:
         model = make_model()
         optimizer = make_optimizer("adamw", model.parameters(), mode, 1e-3)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ampfuse  # noqa: F401  (loads the ops)
+from ampfuse.optimizers._precision import joined_master
 
 from helpers import raises_naming
 from tolerances import assert_close_report, assert_lists_exact
@@ -127,8 +128,13 @@ def test_kahan_carries_the_rounding_error():
 def test_split_keeps_the_fp32_value_in_two_halves():
     low = torch.zeros(4, dtype=torch.int16)
     p = _sgd_one(1.0, 2.0**-20, 4, mode="split", extra=low)
-    joined = (p.view(torch.int16).int() * 65536 + (low.int() & 0xFFFF)).view(torch.float32)
-    assert torch.equal(joined, torch.full((4,), 1.0 + 2.0**-20))
+    assert torch.equal(joined_master(p, low), torch.full((4,), 1.0 + 2.0**-20))
+    # Just below 1 + half a bf16 step the param rounds up to 1 + 2^-7 and the low bits hold
+    # the (negative) remainder.
+    p = _sgd_one(1.0, 2.0**-8 + 2.0**-20, 4, mode="split", extra=low.zero_())
+    assert torch.equal(p, torch.full((4,), 1.0 + 2.0**-7, dtype=torch.bfloat16))
+    assert torch.equal(joined_master(p, low), torch.full((4,), 1.0 + 2.0**-8 + 2.0**-20))
+    assert (low < 0).all()
 
 
 @pytest.mark.parametrize("op", ["adam", "sgd"])

@@ -333,6 +333,43 @@ def _split_full_state_dict():
     return result
 
 
+def _split_old_layout_loads():
+    """A sharded split checkpoint of the old layout (param truncated toward zero, no
+    'master_low_bits_layout'; its low halves are the master's low 16 bits, as layout 2's) loads
+    into a fresh optimizer and converts on each rank's shards at the next step: the masters
+    exactly, the params rounded (split_halves)."""
+    from ampfuse.optimizers._precision import SPLIT_LAYOUT_KEY, precise_value, split_halves
+
+    make = OPTIMIZERS["FusedAdamW (no masters, split)"]
+    model = _shard(_model())
+    optimizer = make(model.parameters())
+    for step in range(2):
+        inputs, targets = _batch(step)
+        F.mse_loss(model(inputs).float(), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    masters = [_local(precise_value(p, optimizer.state[p])).clone() for p in model.parameters()]
+    saved = optimizer.state_dict()
+    with torch.no_grad():
+        for p, master in zip(model.parameters(), masters):
+            _local(p).view(torch.int16).copy_((master.view(torch.int32) >> 16).to(torch.int16))
+    for entry in saved["state"].values():
+        del entry[SPLIT_LAYOUT_KEY]
+    resumed = make(model.parameters())
+    resumed.load_state_dict(saved)
+    for group in resumed.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    resumed.step()
+    exact = all(torch.equal(_local(precise_value(p, resumed.state[p])).view(torch.int32),
+                            master.view(torch.int32))
+                for p, master in zip(model.parameters(), masters))
+    rounded = all(torch.equal(_local(p).view(torch.int16), split_halves(master)[0])
+                  for p, master in zip(model.parameters(), masters))
+    return {"masters_exact": exact, "params_rounded": rounded}
+
+
 def _all_scenarios():
     """Everything the tests check, in one pair of processes (a spawn costs seconds)."""
     return {
@@ -342,6 +379,7 @@ def _all_scenarios():
         "scaler": {flag: _scaler_skips(flag) for flag in (True, False)},
         "checkpoint": _checkpoint_round_trip(),
         "split_full_state_dict": _split_full_state_dict(),
+        "split_old_layout": _split_old_layout_loads(),
         "master_follows": _master_follows_loaded_weights(),
         "attribution": _attribution(),
         "mixed_precision": [
@@ -426,6 +464,12 @@ def test_fsdp2_split_low_halves_go_through_a_full_optimizer_state_dict(ranks):
             "loaded_values": True,
             "same_after": True,
         }, f"rank {rank}"
+
+
+def test_fsdp2_old_split_checkpoints_convert_on_each_shard(ranks):
+    for rank, ranks_results in enumerate(ranks):
+        assert ranks_results["split_old_layout"] == {"masters_exact": True,
+                                                     "params_rounded": True}, f"rank {rank}"
 
 
 @pytest.fixture

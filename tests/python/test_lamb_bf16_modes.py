@@ -11,7 +11,7 @@ import torch
 
 import ampfuse
 from ampfuse.optimizers import FusedLAMB
-from ampfuse.optimizers._precision import _joined, precise_value
+from ampfuse.optimizers._precision import joined_master, precise_value
 from fused_optimizer_usage import (
     check_dtensor_params_step_like_plain_ones,
     check_dtensor_state_is_the_plain_state,
@@ -63,7 +63,7 @@ def test_split_op_is_the_fp32_master_op_bit_for_bit(device):
     squares (hence trust ratios), moments and masters are those of the op with fp32 masters."""
     split = _args(device, "split")
     fp32 = _clone(split)
-    masters = [_joined(p, low) for p, low in zip(split["params"], split["extra"])]
+    masters = [joined_master(p, low) for p, low in zip(split["params"], split["extra"])]
     for step in range(3):
         sums = {"split": _sums(split), "fp32": _sums(fp32)}
         _lamb(split, "split", sums=sums["split"])
@@ -72,7 +72,7 @@ def test_split_op_is_the_fp32_master_op_bit_for_bit(device):
         bits = {k: v.view(torch.int64) for k, v in sums.items()}  # float64, bit for bit
         assert torch.equal(bits["split"], bits["fp32"]), f"sums, step {step}"
     for i, (p, low, master) in enumerate(zip(split["params"], split["extra"], masters)):
-        assert_close_report(_joined(p, low), master, exact=True, msg=f"master {i}")
+        assert_close_report(joined_master(p, low), master, exact=True, msg=f"master {i}")
         for key in ("state", "state2", "grads"):
             assert_close_report(split[key][i], fp32[key][i], exact=True, msg=f"{key}[{i}]")
 
@@ -170,7 +170,7 @@ def test_cuda_matches_the_cpu(mode):
 
 def test_split_steps_exactly_as_fp32_masters(device):
     """Masters and moments of "split" are True's at every step (with decay, so trust ratios,
-    and grads of norm ~800 clipped to 1); the param is the master's high half."""
+    and grads of norm ~800 clipped to 1); the param is the master rounded (split_halves)."""
     check_split_steps_exactly_as_fp32_masters(make_lamb, ("exp_avg", "exp_avg_sq"), SHAPES,
                                               device)
 

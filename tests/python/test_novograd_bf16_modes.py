@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ampfuse.optimizers import FusedNovoGrad
-from ampfuse.optimizers._precision import _joined
+from ampfuse.optimizers._precision import joined_master, split_halves
 from fused_optimizer_usage import (
     check_cuda_steps_are_the_cpu_steps,
     check_dtensor_params_step_like_plain_ones,
@@ -72,7 +72,7 @@ def test_split_op_is_the_fp32_master_op_bit_for_bit(device, norm_type, reg_insid
     reductions, running norms, moments, grads and masters are the fp32-master op's."""
     split = _novo_args(device, "split")
     fp32 = _clone(split)
-    masters = [_joined(p, low) for p, low in zip(split["params"], split["extra"])]
+    masters = [joined_master(p, low) for p, low in zip(split["params"], split["extra"])]
     options = dict(norm_type=norm_type, reg_inside_moment=reg_inside_moment)
     for step in range(3):
         sums = {"split": _reductions(split), "fp32": _reductions(fp32)}
@@ -82,9 +82,9 @@ def test_split_op_is_the_fp32_master_op_bit_for_bit(device, norm_type, reg_insid
         bits = {k: v.view(torch.int64) for k, v in sums.items()}  # float64, bit for bit
         assert torch.equal(bits["split"], bits["fp32"]), f"reductions, step {step}"
     for i, (p, low, master) in enumerate(zip(split["params"], split["extra"], masters)):
-        assert_close_report(_joined(p, low), master, exact=True, msg=f"master {i}")
-        high = (master.view(torch.int32) >> 16).to(torch.int16)
-        assert torch.equal(p.view(torch.int16), high), f"param {i} is the master's high half"
+        assert_close_report(joined_master(p, low), master, exact=True, msg=f"master {i}")
+        high, _ = split_halves(master)
+        assert torch.equal(p.view(torch.int16), high), f"param {i} is the master rounded"
         for key in ("state", "norms", "grads"):
             assert_close_report(split[key][i], fp32[key][i], exact=True, msg=f"{key}[{i}]")
 
@@ -169,7 +169,7 @@ def test_cuda_matches_the_cpu(mode, norm_type):
 @pytest.mark.parametrize("norm_type", NORM_TYPES.values(), ids=NORM_TYPES.keys())
 def test_split_steps_exactly_as_fp32_masters(device, norm_type):
     """Masters, first moments and running norms of "split" are True's at every step (with
-    weight decay, which reads the param); the param is the master's high half."""
+    weight decay, which reads the param); the param is the master rounded (split_halves)."""
     check_split_steps_exactly_as_fp32_masters(
         lambda ps, mode: make_novograd(ps, mode, norm_type=norm_type), ("exp_avg", "norm_avg"),
         SHAPES, device)

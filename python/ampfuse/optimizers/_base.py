@@ -359,8 +359,7 @@ class FusedOptimizer(
                     prepare_extra(p, state, mode)
                 elif follow_params and self._written_since_step(p, record):
                     reset_extra(state, mode)
-            elif ("master_param" in state or "kahan_compensation" in state
-                  or "master_low_bits" in state):  # "none"/"stochastic" keep no extra tensor
+            elif has_foreign_state(state, mode):  # "none"/"stochastic" keep no extra tensor
                 self._check_not_capturing(index, i)
                 prepare_extra(p, state, mode)
             if record.strides != p.stride():

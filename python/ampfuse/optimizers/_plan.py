@@ -36,7 +36,7 @@ import torch
 
 from ampfuse.ops import step_scan
 from ampfuse.optimizers._call import OpCall
-from ampfuse.optimizers._precision import EXTRA_KEYS
+from ampfuse.optimizers._precision import EXTRA_KEYS, LEGACY_LOW_BITS
 
 # Param types a plan covers. Subclasses (DTensor under FSDP2, FakeTensor, user subclasses) may
 # override what the scan reads, so their groups always take the full sort.
@@ -50,7 +50,7 @@ def _mode_keys(mode: str, state_keys: Iterable[str]
     none of another mode's, which the full sort would convert first."""
     own = EXTRA_KEYS.get(mode)
     required = tuple(state_keys) + ((own,) if own is not None else ())
-    absent = tuple(key for key in EXTRA_KEYS.values() if key != own)
+    absent = tuple(key for key in (*EXTRA_KEYS.values(), LEGACY_LOW_BITS) if key != own)
     return required, absent
 
 

@@ -10,8 +10,10 @@ A group's ``master_weights`` is one of
 - ``"kahan"``: a bf16 compensation per bf16 param (state 'kahan_compensation', 2 extra bytes)
   that carries each update's rounding error into the next;
 - ``"split"``: the low 16 bits of an fp32 master (state 'master_low_bits', int16, 2 extra
-  bytes); the bf16 param is the master's high half (rounded toward zero), so the masters are
-  exactly those of ``True``.
+  bytes), read as the signed remainder from the bf16 param, which is the master rounded to
+  nearest: master bits = (param bits << 16) + low. The masters are exactly those of ``True``
+  and so is the param, except where the master lies exactly halfway above an even bf16 value
+  (ties round away from zero here, to even under ``True``; see split_halves).
 
 The three bf16 modes apply to bf16 params; fp32 params of such a group are updated in fp32 as
 with ``False``, and fp16 params are refused (fp16 is not the high half of an fp32, and its
@@ -21,7 +23,7 @@ Each param's state holds at most one of the three keys. A state holding another 
 checkpoint of another mode, or a group whose mode was changed) is converted at the param's next
 step, through the precise value the state stands for: the fp32 master; the param with its low
 half; the param plus its compensation; or the param itself. Converting True -> "split" and
-"split" -> True is exact both ways; a mode that holds less than that value rounds it to what it
+"split" -> True is exact both ways (and moves no param but such a tie); a mode that holds less than that value rounds it to what it
 can hold (to nearest, and for "kahan" the remainder into the compensation).
 """
 
@@ -92,9 +94,10 @@ def param_mode(master_weights: bool | str, p: torch.Tensor) -> str:
 
 
 def has_foreign_state(state: dict[str, Any], mode: str) -> bool:
-    """Whether `state` holds an extra tensor of a mode other than `mode` (to convert)."""
+    """Whether `state` holds an extra tensor of a mode other than `mode`, or low bits of the
+    old split layout (to convert)."""
     own = EXTRA_KEYS.get(mode)
-    for key in EXTRA_KEYS.values():
+    for key in (*EXTRA_KEYS.values(), LEGACY_LOW_BITS):
         if key != own and key in state:
             return True
     return False
@@ -105,6 +108,17 @@ def has_foreign_state(state: dict[str, Any], mode: str) -> bool:
 # The dtype each extra tensor is kept in.
 EXTRA_DTYPES = {"master_param": torch.float32, "kahan_compensation": torch.bfloat16,
                 "master_low_bits": torch.int16}
+
+# How a checkpoint's 'master_low_bits' go with its params, saved beside them in each param's
+# state (a 0-dim int64 tensor): 1 (the only layout before the key existed, so a state without the key): the param is
+# the master's high half truncated toward zero and the low bits are the rest, unsigned. 2: the
+# param is the master rounded to nearest and the low bits the signed remainder (split_halves).
+# A layout-1 state loads under LEGACY_LOW_BITS, a key of no mode, which the param's next step
+# converts like another mode's state (through precise_value), rewriting the param rounded; the
+# load itself cannot, as the model's weights may be loaded after the optimizer's state.
+SPLIT_LAYOUT_KEY = "master_low_bits_layout"
+SPLIT_LAYOUT = 2
+LEGACY_LOW_BITS = "master_low_bits_truncated"
 
 
 # Neither gloo nor NCCL all-gathers int16, and torch's full (unsharded) state dicts
@@ -121,13 +135,33 @@ def _is_dtensor(t: object) -> bool:
 
 
 def export_extra(state: dict[str, Any], out: dict[str, Any]) -> None:
-    """Copies the extra tensor `state` holds (if any) into the state_dict entry `out`."""
-    for key in EXTRA_DTYPES:
+    """Copies the extra tensor `state` holds (if any) into the state_dict entry `out`, low bits
+    with their layout (old-layout ones not yet converted as they were loaded)."""
+    layouts = {"master_low_bits": SPLIT_LAYOUT, LEGACY_LOW_BITS: 1}
+    for key in (*EXTRA_DTYPES, LEGACY_LOW_BITS):
         if key in state:
             value = state[key]
-            if key == "master_low_bits" and _is_dtensor(value):
-                value = value.to(_GATHERABLE_LOW_BITS)
+            if key in layouts:
+                if _is_dtensor(value):
+                    value = value.to(_GATHERABLE_LOW_BITS)
+                # A tensor, like 'step': code that moves every state entry (.to(device))
+                # moves it too.
+                out[SPLIT_LAYOUT_KEY] = torch.tensor(layouts[key])
+                key = "master_low_bits"
             out[key] = value
+
+
+def _saved_layout(saved: dict[str, Any], where: str, owner: str) -> int:
+    layout = saved.get(SPLIT_LAYOUT_KEY, 1)
+    if isinstance(layout, torch.Tensor):
+        layout = layout.item()
+    if layout not in (1, SPLIT_LAYOUT):
+        raise ValueError(
+            f"{owner}.load_state_dict: state of {where} has {SPLIT_LAYOUT_KEY}={layout!r}; this "
+            f"ampfuse reads layouts 1 and {SPLIT_LAYOUT} of master_weights='split' low bits. A "
+            "newer ampfuse saved it: load it with that version."
+        )
+    return int(layout)
 
 
 def _loaded_low_bits(value: torch.Tensor, where: str, owner: str) -> torch.Tensor:
@@ -178,6 +212,8 @@ def import_extras(group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
                 f"it must be {dtype}{also} (saved by master_weights="
                 f"{ {v: k for k, v in EXTRA_KEYS.items()}[key]!r})."
             )
+        if key == "master_low_bits" and _saved_layout(saved, where, owner) == 1:
+            key = LEGACY_LOW_BITS
         out[key] = like(p, dtype).copy_(value)
     return out
 
@@ -185,20 +221,52 @@ def import_extras(group: dict[str, Any], p: torch.Tensor, saved: dict[str, Any],
 # ---- conversions ------------------------------------------------------------------------------
 
 
-def _split_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) int16 halves of the fp32 tensor x's bit patterns."""
-    bits = x.view(torch.int32)
-    high = (bits >> 16).to(torch.int16)  # arithmetic shift: exactly the int16 range
+def _as_int16(bits: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of int64 `bits` as int16 (two's complement)."""
     low = bits & 0xFFFF
-    low = torch.where(low >= 0x8000, low - 0x10000, low).to(torch.int16)
-    return high, low
+    return torch.where(low >= 0x8000, low - 0x10000, low).to(torch.int16)
 
 
-def _joined(p: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The fp32 master whose high half is bf16 `p` and low half `low`."""
-    high = p.view(torch.int16).to(torch.int32)
-    # high * 2^16 fits an int32 for every int16 high; the low 16 bits are then free for low.
-    return (high * 0x10000 + (low.to(torch.int32) & 0xFFFF)).view(torch.float32)
+def split_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(param bits, low bits), both int16, that master_weights="split" keeps for the fp32
+    masters x: the kernels' split_master (csrc/kernels/bf16_modes.h), bit for bit.
+
+    With u = x's bit pattern (sign and magnitude), the param is (u + 0x8000) >> 16 and the low
+    bits are u's low 16 bits read as a signed remainder r in [-0x8000, 0x7fff]: u = (param << 16)
+    + r, because adding 0x8000 carries into the high half exactly when the low half is 0x8000 or
+    more, i.e. when r is negative. So every fp32 pattern, infinities and the masters that round
+    to them included, comes back exactly. The param is x rounded to nearest in magnitude with
+    ties away from zero (to even under master_weights=True; the two differ only for u's low half
+    exactly 0x8000 with an even high half). No 16-bit remainder could keep ties to even: an
+    even bf16 value is the nearest, ties to even, of 2^16 + 1 fp32 values. A NaN master gives
+    the canonical NaN param 0x7fc0 (as rounding to nearest does), and its low bits keep the
+    joined value a NaN."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    # Shifts as multiplications and floor divisions (of values >= 0): on a DTensor (FSDP2),
+    # torch 2.11's `<<` by a Python int returns its input unchanged.
+    high = (bits + 0x8000) // 0x10000
+    high = torch.where(torch.isnan(x), torch.full_like(high, 0x7FC0), high)
+    return _as_int16(high), _as_int16(bits)
+
+
+def joined_master(p: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 master that bf16 `p` and its low bits `low` stand for (split_halves' inverse,
+    the kernels' join_master)."""
+    high = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = high * 0x10000 + low.to(torch.int64)  # not <<: see split_halves
+    return _as_int32(bits).view(torch.float32)
+
+
+def _as_int32(bits: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 `bits` as int32."""
+    bits = bits & 0xFFFFFFFF
+    return torch.where(bits >= 0x80000000, bits - 0x100000000, bits).to(torch.int32)
+
+
+def _joined_truncated(p: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of split's layout 1: bf16 `p` its high half, `low` its low half."""
+    high = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    return _as_int32(high * 0x10000 + (low.to(torch.int64) & 0xFFFF)).view(torch.float32)
 
 
 def precise_value(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -206,7 +274,9 @@ def precise_value(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     if "master_param" in state:
         return state["master_param"].detach().float()
     if "master_low_bits" in state:
-        return _joined(p.detach(), state["master_low_bits"])
+        return joined_master(p.detach(), state["master_low_bits"])
+    if LEGACY_LOW_BITS in state:
+        return _joined_truncated(p.detach(), state[LEGACY_LOW_BITS])
     if "kahan_compensation" in state:
         return p.detach().float() + state["kahan_compensation"].float()
     return p.detach().float()
@@ -221,19 +291,20 @@ def like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def prepare_extra(p: torch.Tensor, state: dict[str, Any], mode: str) -> None:
     """Makes `state` hold exactly `mode`'s extra tensor (none for "none" and "stochastic"),
     converting another mode's (see the module docstring) or starting from the param's value.
-    Writes the param when the conversion moves it (e.g. "split" -> True rounds the master to
-    nearest where "split" kept it rounded toward zero)."""
+    Writes the param when the conversion moves it (e.g. "split" -> "kahan", or old-layout low
+    bits -> "split" or True: that layout kept the param truncated toward zero)."""
     own = EXTRA_KEYS.get(mode)
     if own is not None and own in state and not has_foreign_state(state, mode):
         return
-    if own is None and set(state).isdisjoint(("kahan_compensation", "master_low_bits")):
+    if own is None and set(state).isdisjoint(("kahan_compensation", "master_low_bits",
+                                              LEGACY_LOW_BITS)):
         # Only an fp32 master to drop: the param holds it rounded to nearest already (or a
         # value someone wrote since, which wins), as when master_weights was turned off.
         state.pop("master_param", None)
         return
     converting = has_foreign_state(state, mode)
     x: Any = precise_value(p, state) if converting else None  # a tensor where converting
-    for key in EXTRA_KEYS.values():
+    for key in (*EXTRA_KEYS.values(), LEGACY_LOW_BITS):
         state.pop(key, None)
     if mode == "fp32":
         master = like(p, torch.float32)
@@ -243,7 +314,7 @@ def prepare_extra(p: torch.Tensor, state: dict[str, Any], mode: str) -> None:
     elif mode == "split":
         low = like(p, torch.int16)
         if converting:
-            high, low_bits = _split_bits(x.contiguous())
+            high, low_bits = split_halves(x.contiguous())
             p.view(torch.int16).copy_(high)
             low.copy_(low_bits)
         state["master_low_bits"] = low

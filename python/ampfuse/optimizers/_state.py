@@ -26,7 +26,12 @@ import torch
 
 from ampfuse.optimizers._host import OptimizerHost
 from ampfuse.overflow import param_name
-from ampfuse.optimizers._precision import export_extra, import_extras, param_mode
+from ampfuse.optimizers._precision import (
+    LEGACY_LOW_BITS,
+    export_extra,
+    import_extras,
+    param_mode,
+)
 from ampfuse.optimizers._skip import SkipRecord
 
 
@@ -267,7 +272,8 @@ class OptimizerStateMixin(OptimizerHost):
         # which the model is loaded with too, before or after: not a foreign write.
         for p, entry in state.items():
             if isinstance(p, torch.Tensor) and ("kahan_compensation" in entry
-                                                or "master_low_bits" in entry):
+                                                or "master_low_bits" in entry
+                                                or LEGACY_LOW_BITS in entry):
                 self._record(p).mark = None
         self.__setstate__({"state": state, "param_groups": new_groups})
         self._lr_tensors = {}

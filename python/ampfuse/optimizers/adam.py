@@ -62,8 +62,9 @@ class FusedAdam(FusedOptimizer):
             none, the param is updated in place and rounded to nearest. For bf16 params
             without fp32 masters: "stochastic" rounds stochastically (0 bytes), "kahan" keeps
             a bf16 compensation ('kahan_compensation', 2 bytes), "split" keeps the low 16 bits
-            of the fp32 master ('master_low_bits', int16, 2 bytes; the param is the master's
-            high half and the master equals True's exactly). fp32 params are updated in fp32
+            of the fp32 master ('master_low_bits', int16, 2 bytes; the param is the master
+            rounded to nearest, True's param but at an even tie, and the master equals True's
+            exactly). fp32 params are updated in fp32
             whatever the value; fp16 params are refused by the bf16 modes. Extra state is made
             at a param's first step, and state of another mode (a checkpoint) is converted
             then (docs/optimizers.md, "Master-free bf16 modes").
