@@ -137,3 +137,13 @@ def test_small_tensor_rule_and_bad_values() -> None:
             check_state_dtype("FusedAdam", bad)
     with pytest.raises(ValueError, match="'int8' or 'fp8'"):
         quantize_moment(torch.ones(BLOCK), "fp16", False)
+
+
+def test_second_moment_scales_are_correctly_rounded_square_roots() -> None:
+    # The kernels' sqrtf is correctly rounded; the reference must be too (torch's vectorized
+    # fp32 sqrt on the CPU need not be).
+    _, v = _moments(20 * BLOCK, seed=3)
+    for kind in KINDS:
+        _, scales = quantize_moment(v, kind, second=True)
+        expected = torch.sqrt(_per_block(v).amax(dim=1).double()).float()
+        assert torch.equal(scales, expected)

@@ -112,7 +112,10 @@ def quantize_moment(x: torch.Tensor, kind: str, second: bool) -> tuple[torch.Ten
     numel = x.numel()
     blocks = _blocks(x)
     if second:
-        blocks = torch.sqrt(blocks)
+        # A correctly rounded fp32 sqrt, as C++'s sqrtf and CUDA's sqrtf give: torch's
+        # vectorized fp32 sqrt on the CPU can be one ulp off; the float64 sqrt rounded to fp32
+        # is exact (53 >= 2 * 24 + 2 bits, so the double rounding is innocuous).
+        blocks = torch.sqrt(blocks.double()).float()
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     if kind == "int8" and not second:
