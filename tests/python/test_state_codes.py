@@ -147,3 +147,44 @@ def test_second_moment_scales_are_correctly_rounded_square_roots() -> None:
         _, scales = quantize_moment(v, kind, second=True)
         expected = torch.sqrt(_per_block(v).amax(dim=1).double()).float()
         assert torch.equal(scales, expected)
+
+
+def _adam_state(shape: tuple[int, ...], seed: int) -> dict:
+    numel = math.prod(shape)
+    m, v = _moments(numel, seed)
+    return {"step": torch.tensor(7.0), "exp_avg": m.view(shape), "exp_avg_sq": v.view(shape),
+            "max_exp_avg_sq": (v * 2).view(shape)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_converts_fp32_to_codes_and_back(kind: str) -> None:
+    shape = (3, 200)
+    state = _adam_state(shape, seed=9)
+    coded = codes_mod.convert_moments(state, kind, torch.Size(shape))
+    assert codes_mod.codes_kind(coded) == kind and codes_mod.codes_kind(state) == "fp32"
+    assert coded["step"] is state["step"]
+    assert set(coded) == {"step"} | {f"{k}_{s}" for k in codes_mod.MOMENT_KEYS
+                                     for s in ("codes", "scales")}
+    back = codes_mod.convert_moments(coded, "fp32", torch.Size(shape))
+    assert set(back) == set(state)
+    for key, second in codes_mod.MOMENT_KEYS.items():
+        assert back[key].shape == shape and back[key].dtype == torch.float32
+        c, s = quantize_moment(state[key], kind, second)
+        assert torch.equal(back[key].reshape(-1), dequantize_moment(c, s, kind, second))
+    # Coded -> fp32 -> coded keeps every bit; coded -> the other kind goes through fp32.
+    again = codes_mod.convert_moments(back, kind, torch.Size(shape))
+    for key in codes_mod.MOMENT_KEYS:
+        assert torch.equal(again[f"{key}_codes"].view(torch.uint8),
+                           coded[f"{key}_codes"].view(torch.uint8))
+        assert torch.equal(again[f"{key}_scales"], coded[f"{key}_scales"])
+    other = "fp8" if kind == "int8" else "int8"
+    assert codes_mod.codes_kind(codes_mod.convert_moments(coded, other, torch.Size(shape))) == other
+
+
+def test_state_of_a_small_tensor_stays_fp32() -> None:
+    state = _adam_state((BLOCK - 1,), seed=2)
+    coded = codes_mod.convert_moments(state, "int8", torch.Size((BLOCK - 1,)))
+    assert codes_mod.codes_kind(coded) == "fp32"
+    assert all(coded[k] is state[k] for k in state)
+    with pytest.raises(ValueError, match="state_dtype='bf16'"):
+        codes_mod.convert_moments(state, "bf16", torch.Size((BLOCK - 1,)))

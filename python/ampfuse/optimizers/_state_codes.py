@@ -152,3 +152,39 @@ def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, kind: str,
 def state_bytes(codes: torch.Tensor, scales: torch.Tensor) -> int:
     """Bytes one coded moment holds, measured from its tensors."""
     return codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+
+
+# Adam's moment state keys, and whether each is a second moment (non-negative, coded as sqrt).
+MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True}
+_KIND_OF_CODES = {torch.int8: "int8", torch.uint8: "int8", torch.float8_e4m3fn: "fp8"}
+
+
+def codes_kind(state: dict) -> str:
+    """The state_dtype a param's state is held in: "fp32" when its moments are fp32 tensors
+    (or it has none), else the kind its codes' dtype names (the state needs no extra key)."""
+    for key in MOMENT_KEYS:
+        codes = state.get(f"{key}_codes")
+        if isinstance(codes, torch.Tensor):
+            return _KIND_OF_CODES[codes.dtype]
+    return "fp32"
+
+
+def convert_moments(state: dict, state_dtype: str, shape: torch.Size) -> dict:
+    """A copy of one param's state with its moments held as ``state_dtype``: fp32 moments are
+    coded ("<key>_codes" flat, "<key>_scales" one fp32 per block) and codes are decoded to fp32
+    tensors of ``shape`` (the param's). Coded -> fp32 -> the same kind gives the same bits; a
+    tensor under one block keeps fp32 moments; other entries are kept as they are."""
+    check_state_dtype("ampfuse", state_dtype)
+    held = codes_kind(state)
+    out = dict(state)
+    for key, second in MOMENT_KEYS.items():
+        if held != "fp32" and f"{key}_codes" in out:
+            codes, scales = out.pop(f"{key}_codes"), out.pop(f"{key}_scales")
+            out[key] = dequantize_moment(codes, scales, held, second).view(shape)
+        value = out.get(key)
+        if (state_dtype != "fp32" and isinstance(value, torch.Tensor)
+                and not keeps_fp32_moments(value.numel())):
+            del out[key]
+            out[f"{key}_codes"], out[f"{key}_scales"] = quantize_moment(value, state_dtype,
+                                                                        second)
+    return out
