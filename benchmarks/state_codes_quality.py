@@ -6,6 +6,11 @@ that the fused kernels must reproduce bit for bit. Two CPU workloads, fp32 model
 seed, data and steps in every row:
 
 - digits: the demo's CNN (ampfuse.tools.demo.training) on scikit-learn's digits; test accuracy;
+- digits-bf16: the same CNN in bf16, stepped by ampfuse's FusedAdamW with master_weights True
+  (fp32 masters) and "stochastic"; after each step its fp32 moments are replaced by what their
+  codes decode to (convert_moments there and back), which is what a step that keeps coded
+  moments between steps leaves, so these rows show the codes' effect with each master mode
+  before the fused coded kernels exist;
 - gpt: a 2-layer GPT-style decoder (benchmarks/train_workloads.GPT) as a byte-level language
   model of this repository's docs/*.md; final train loss (mean of the last 20 steps).
 
@@ -28,7 +33,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from ampfuse.optimizers import FusedAdamW
 from ampfuse.optimizers._state_codes import (
+    convert_moments,
     dequantize_moment,
     keeps_fp32_moments,
     quantize_moment,
@@ -117,6 +124,37 @@ def digits_run(state_dtype: str, steps: int) -> tuple[float, int, int]:
     return accuracy, _moment_bytes(optimizer), sum(p.numel() for p in model.parameters())
 
 
+def digits_bf16_run(state_dtype: str, steps: int, master_weights) -> tuple[float, int, int]:
+    x, y, x_test, y_test = load_digits(torch.device("cpu"))
+    model = make_model(seed=0).to(torch.bfloat16)
+    optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS,
+                           eps=EPS, master_weights=master_weights, rounding_seed=0)
+    held: list[dict] = []
+    for idx in batch_order(steps, x.shape[0], seed=0, device="cpu"):
+        loss = F.cross_entropy(model(x[idx].to(torch.bfloat16)).float(), y[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        held = []
+        for p, state in optimizer.state.items():
+            coded = convert_moments(state, state_dtype, p.shape)
+            held.append(coded)
+            state.update(convert_moments(coded, "fp32", p.shape))
+    model.eval()
+    with torch.no_grad():
+        logits = model(x_test.to(torch.bfloat16)).float()
+        accuracy = 100.0 * (logits.argmax(1) == y_test).float().mean().item()
+    # Params, grads and everything the optimizer holds between steps (moments as codes,
+    # masters, step counts), measured from the tensors.
+    tensors = [t for p in model.parameters() for t in (p, p.grad)]
+    tensors += [t for state in held for t in state.values() if isinstance(t, torch.Tensor)]
+    numel = sum(p.numel() for p in model.parameters())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"    bf16 model, master_weights={master_weights}, state {state_dtype}: params + grads "
+          f"+ optimizer state = {total / numel:.3f} bytes per param")
+    return accuracy, sum(_moment_bytes_of(state) for state in held), numel
+
+
 def gpt_run(state_dtype: str, steps: int) -> tuple[float, int, int]:
     text = b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md")))
     data = torch.tensor(list(text), dtype=torch.long)
@@ -139,10 +177,17 @@ def gpt_run(state_dtype: str, steps: int) -> tuple[float, int, int]:
     return final, _moment_bytes(optimizer), sum(p.numel() for p in model.parameters())
 
 
+_MOMENT_PREFIXES = ("exp_avg",)
+
+
+def _moment_bytes_of(state: dict) -> int:
+    """Bytes of one param's moment tensors (fp32 or codes and scales), not its step or master."""
+    return sum(t.numel() * t.element_size() for k, t in state.items()
+               if isinstance(t, torch.Tensor) and k.startswith(_MOMENT_PREFIXES))
+
+
 def _moment_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's moment tensors (step counts are Python ints or 0-dim)."""
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values()
-               for k, t in s.items() if isinstance(t, torch.Tensor) and k != "step")
+    return sum(_moment_bytes_of(s) for s in optimizer.state.values())
 
 
 def main() -> None:
@@ -152,14 +197,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, CPU, 1 thread, batch {BATCH_SIZE} (digits)")
-    print(f"{'workload':8} {'state':17} {'metric':>22} {'moment B/param':>15} {'time s':>7}")
-    for name, run, steps, metric in (("digits", digits_run, args.steps_digits, "test acc %"),
-                                     ("gpt", gpt_run, args.steps_gpt, "final train loss")):
-        for state_dtype in ("torch", "fp32", "int8", "fp8"):
+    print(f"{'workload':38} {'state':17} {'metric':>22} {'moment B/param':>15} {'time s':>7}")
+    rows = [("digits", digits_run, args.steps_digits, "test acc %", ("torch", "fp32", "int8",
+                                                                       "fp8"))]
+    for master in (True, "stochastic"):
+        rows.append((f"digits-bf16 master_weights={master}",
+                     lambda d, n, m=master: digits_bf16_run(d, n, m),
+                     args.steps_digits, "test acc %", ("fp32", "int8", "fp8")))
+    rows.append(("gpt", gpt_run, args.steps_gpt, "final train loss",
+                 ("torch", "fp32", "int8", "fp8")))
+    for name, run, steps, metric, state_dtypes in rows:
+        for state_dtype in state_dtypes:
             start = time.perf_counter()
             value, moment_bytes, numel = run(state_dtype, steps)
             label = "torch.optim.AdamW" if state_dtype == "torch" else state_dtype
-            print(f"{name:8} {label:17} {metric + ' ' + format(value, '.4f'):>22} "
+            print(f"{name:38} {label:17} {metric + ' ' + format(value, '.4f'):>22} "
                   f"{moment_bytes / numel:15.3f} {time.perf_counter() - start:7.1f}"
                   f"  ({steps} steps)")
 

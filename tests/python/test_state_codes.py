@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from ampfuse.optimizers._state_codes import (
     quantize_moment,
     state_bytes,
 )
+from helpers import AMPFUSE_PATH
 
 KINDS = ("int8", "fp8")
 
@@ -188,3 +193,23 @@ def test_state_of_a_small_tensor_stays_fp32() -> None:
     assert all(coded[k] is state[k] for k in state)
     with pytest.raises(ValueError, match="state_dtype='bf16'"):
         codes_mod.convert_moments(state, "bf16", torch.Size((BLOCK - 1,)))
+
+
+def test_quality_script_runs_and_its_fp32_reference_is_torchs_adamw() -> None:
+    # benchmarks/state_codes_quality.py at a few steps: every row prints, and its unfused
+    # reference optimizer with fp32 moments ends where torch.optim.AdamW does.
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "state_codes_quality.py"),
+         "--steps-digits", "3", "--steps-gpt", "3"],
+        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()
+            if line.startswith(("digits ", "gpt "))]
+    value = {(r[0], r[1]): r[-5] for r in rows}
+    for workload in ("digits", "gpt"):
+        assert {s for w, s in value if w == workload} == {"torch.optim.AdamW", "fp32", "int8",
+                                                           "fp8"}
+        assert value[(workload, "fp32")] == value[(workload, "torch.optim.AdamW")]
+    assert result.stdout.count("bytes per param") == 6
