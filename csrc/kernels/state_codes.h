@@ -92,10 +92,13 @@ AMPFUSE_CODES_HD float decode_e4m3(std::uint8_t code) {
 
 // One moment element, coded and decoded: `second` is the second moment, coded as sqrt(v).
 // Codes are bytes; for int8's first moment the byte is the int8 code's two's complement.
+// A nan moment (a nonfinite grad stepped without skip_nonfinite) makes its block's scale nan
+// and its codes 0, so the whole block decodes to nan, as an fp32 state would show it.
 template <StateCode kCode, bool kSecond>
 AMPFUSE_CODES_HD std::uint8_t encode_moment(float coded_value, float absmax) {
-  const float safe = absmax > 0.0f ? absmax : 1.0f;
+  const float safe = absmax == 0.0f ? 1.0f : absmax;  // a nan or inf absmax stays
   const float normalised = coded_value / safe;
+  if (normalised != normalised) return 0;
   if constexpr (kCode == StateCode::kFp8) {
     return encode_e4m3_unit(normalised);
   } else if constexpr (kSecond) {
@@ -132,7 +135,7 @@ inline void encode_block(const float* moment, int n, std::uint8_t* codes, float*
   float absmax = 0.0f;
   for (int i = 0; i < n; ++i) {
     const float a = std::fabs(coded_value<kSecond>(moment[i]));
-    absmax = a > absmax ? a : absmax;
+    absmax = (a > absmax || a != a) ? a : absmax;  // a nan stays: nothing compares above it
   }
   for (int i = 0; i < n; ++i) {
     codes[i] = encode_moment<kCode, kSecond>(coded_value<kSecond>(moment[i]), absmax);

@@ -131,3 +131,19 @@ TEST_CASE("state codes: a block of zeros codes to zeros with a zero scale") {
   REQUIRE(scale == 0.0f);
   REQUIRE(back == zeros);
 }
+
+TEST_CASE("state codes: a nan moment makes its block's scale nan and its codes 0") {
+  for (int where : {0, k::kStateBlock / 2, k::kStateBlock - 1}) {
+    std::vector<float> moment(k::kStateBlock, 0.25f), back(k::kStateBlock);
+    moment[where] = std::nanf("");
+    std::vector<std::uint8_t> codes(k::kStateBlock, 0xff);
+    float scale = 0.0f;
+    k::encode_block<StateCode::kInt8, false>(moment.data(), k::kStateBlock, codes.data(), &scale);
+    k::decode_block<StateCode::kInt8, false>(codes.data(), k::kStateBlock, scale, back.data());
+    REQUIRE(std::isnan(scale));
+    for (int i = 0; i < k::kStateBlock; ++i) {
+      REQUIRE(codes[i] == 0);
+      REQUIRE(std::isnan(back[i]));
+    }
+  }
+}

@@ -213,3 +213,17 @@ def test_quality_script_runs_and_its_fp32_reference_is_torchs_adamw() -> None:
                                                            "fp8"}
         assert value[(workload, "fp32")] == value[(workload, "torch.optim.AdamW")]
     assert result.stdout.count("bytes per param") == 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", [0, BLOCK // 2, BLOCK - 1])
+def test_a_nonfinite_moment_makes_its_block_nan_and_leaves_others(kind: str, where: int) -> None:
+    for second, bad in ((False, float("nan")), (False, float("-inf")), (True, float("nan")),
+                        (True, float("inf"))):
+        x = torch.rand(2 * BLOCK) + 0.5
+        x[BLOCK + where] = bad
+        c, scales = quantize_moment(x, kind, second)
+        back = dequantize_moment(c, scales, kind, second)
+        assert bool(back[BLOCK:].isnan().all())
+        assert bool(back[:BLOCK].isfinite().all())
+        assert torch.equal(c[BLOCK:].view(torch.uint8), torch.zeros(BLOCK, dtype=torch.uint8))

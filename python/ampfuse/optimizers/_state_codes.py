@@ -34,7 +34,9 @@ same fp32 operations get the same bits:
 
 Every code is normalised by the absmax and decoded as ``(code value) * absmax`` last, so the
 block's largest element decodes to the absmax exactly and coding decoded codes again gives the
-same codes and scales. A block of zeros has absmax 0; its scale is stored as 0 and its codes are 0 (decoded 0).
+same codes and scales. A block holding a nan or inf (a nonfinite grad stepped without
+skip_nonfinite) gets a nan or inf scale and codes 0, so it decodes to nan as a whole. A block
+of zeros has absmax 0; its scale is stored as 0 and its codes are 0 (decoded 0).
 """
 
 from __future__ import annotations
@@ -116,14 +118,17 @@ def quantize_moment(x: torch.Tensor, kind: str, second: bool) -> tuple[torch.Ten
         # vectorized fp32 sqrt on the CPU can be one ulp off; the float64 sqrt rounded to fp32
         # is exact (53 >= 2 * 24 + 2 bits, so the double rounding is innocuous).
         blocks = torch.sqrt(blocks.double()).float()
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    absmax = blocks.abs().amax(dim=1, keepdim=True)  # nan if the block holds a nan
+    safe = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
+    # A nan (a nonfinite grad stepped without skipping) codes to 0 under a nan scale: the
+    # block decodes to nan, as an fp32 state would show it.
+    blocks = torch.nan_to_num(blocks / safe, nan=0.0, posinf=0.0, neginf=0.0)
     if kind == "int8" and not second:
-        codes = torch.round(blocks / safe * 127.0).clamp(-127, 127).to(torch.int8)
+        codes = torch.round(blocks * 127.0).clamp(-127, 127).to(torch.int8)
     elif kind == "int8":
-        codes = _encode_u8((blocks / safe).clamp(0.0, 1.0))
+        codes = _encode_u8(blocks.clamp(0.0, 1.0))
     else:
-        codes = (blocks / safe * _E4M3_MAX).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        codes = (blocks * _E4M3_MAX).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.reshape(-1)[:numel].clone(), absmax.reshape(-1).clone()
 
 
