@@ -1,0 +1,195 @@
+"""Block-wise 8-bit codes for Adam's moments (the format behind a future ``state_dtype``).
+
+This module is the format's definition and its plain-torch reference: the fused kernels that
+will dequantize, update and requantize inside the optimizer step must produce these bits, and
+checkpoint conversion (fp32 state <-> codes) goes through these functions. It is not yet wired
+into any optimizer (issue 33).
+
+Layout. A param's moment, flattened, is cut into blocks of ``BLOCK`` (256) elements; a block
+never spans two params (each param is quantized on its own, its last block may be short). Each
+block has one fp32 scale, its absmax (of the value that is coded, see below). A tensor with
+fewer than ``BLOCK`` elements (biases, norm weights) keeps fp32 moments: one rule, by element
+count alone (``keeps_fp32_moments``), so the rule needs nothing but the shape.
+
+Codes, rounding to nearest everywhere (ties to even), so a CPU and a CUDA kernel that do the
+same fp32 operations get the same bits:
+
+- ``"int8"``, first moment ``m`` (signed): linear, ``code = round(m / absmax * 127)``, decoded
+  as ``code / 127 * absmax`` (fp32 operations in that order). An error in ``m``
+  enters the update linearly and an ``m`` rounded to zero makes no update, so a linear code is
+  safe for it.
+- ``"int8"``, second moment ``v`` (non-negative): the code stores ``sqrt(v)`` (the quantity the
+  update divides by) relative to its block absmax, in an unsigned 8-bit float: 4 exponent bits
+  (bias 15) and 4 mantissa bits, with subnormals, no inf/nan. Code ``e * 16 + f`` is
+  ``(16 + f) * 2**(e - 19)`` for ``e >= 1`` and ``f * 2**-18`` for ``e == 0``; 1.0 is code 0xF0.
+  A linear code would round every ``sqrt(v)`` under ``absmax / 510`` to zero, and the update
+  ``m / (sqrt(v) + eps)`` of such an element would explode; the peers avoid that with a
+  nonlinear code map (bitsandbytes' and torchao's dynamic tree map, arXiv 2110.02861). This
+  map keeps ``sqrt(v)`` to 1/32 relative down to ``2**-14`` of its block's absmax and to
+  ``2**-19`` absolute below (``v`` down to about ``2**-36`` of the block's largest ``v``), and
+  it decodes with exact fp32 arithmetic, no table.
+- ``"fp8"``: both moments as ``torch.float8_e4m3fn`` codes of ``x / absmax * 448`` (448 is
+  e4m3's largest finite value), decoded as ``code / 448 * absmax``; ``m`` signed, and the second moment
+  again stored as ``sqrt(v)``, which halves the octaves e4m3's 18 must cover.
+
+Every code is normalised by the absmax and decoded as ``(code value) * absmax`` last, so the
+block's largest element decodes to the absmax exactly and coding decoded codes again gives the
+same codes and scales. A block holding a nan or inf (a nonfinite grad stepped without
+skip_nonfinite) gets a nan or inf scale and codes 0, so it decodes to nan as a whole. A block
+of zeros has absmax 0; its scale is stored as 0 and its codes are 0 (decoded 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 256
+STATE_DTYPES = ("fp32", "int8", "fp8")
+_E4M3_MAX = 448.0
+# Unsigned e4m4 of sqrt(v)/absmax: smallest normal 2**-14, subnormal step 2**-18.
+_U8_MIN_NORMAL = 2.0 ** -14
+_U8_SUBNORMAL_STEP = 2.0 ** -18
+
+
+def check_state_dtype(owner: str, value: object) -> str:
+    """``value`` if it is one of STATE_DTYPES, else a ValueError naming them."""
+    if not isinstance(value, str) or value not in STATE_DTYPES:
+        raise ValueError(
+            f"{owner}: state_dtype={value!r} is not supported; use 'fp32' (the default), "
+            "'int8' (block-wise 8-bit codes) or 'fp8' (block-wise e4m3 codes).")
+    return value
+
+
+def keeps_fp32_moments(numel: int) -> bool:
+    """A tensor smaller than one block keeps fp32 moments whatever the state_dtype."""
+    return numel < BLOCK
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """x flattened to fp32 and padded with zeros to whole blocks, as (blocks, BLOCK)."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    pad = (-flat.numel()) % BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, BLOCK)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ("int8", "fp8"):
+        raise ValueError(f"ampfuse: moment codes are 'int8' or 'fp8', got {kind!r}.")
+
+
+def _round_mantissa_to_4_bits(n: torch.Tensor) -> torch.Tensor:
+    """n (fp32, >= 2**-14) rounded to 4 mantissa bits, ties to even, on its bit pattern."""
+    bits = n.view(torch.int32)
+    keep_lsb = (bits >> 19) & 1
+    rounded = (bits + (0x3FFFF + keep_lsb)) & ~0x7FFFF
+    return rounded.view(torch.float32)
+
+
+def _encode_u8(n: torch.Tensor) -> torch.Tensor:
+    """Unsigned e4m4 codes of n in [0, 1] (see the module docstring)."""
+    sub = torch.round(n * (1.0 / _U8_SUBNORMAL_STEP))  # 0..16; 16 is the first normal code
+    r = _round_mantissa_to_4_bits(torch.where(n >= _U8_MIN_NORMAL, n, _U8_MIN_NORMAL))
+    bits = r.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + 15
+    mantissa = (bits >> 19) & 0xF
+    normal = exponent * 16 + mantissa
+    return torch.where(n >= _U8_MIN_NORMAL, normal, sub.to(torch.int32)).to(torch.uint8)
+
+
+def _decode_u8(codes: torch.Tensor) -> torch.Tensor:
+    c = codes.to(torch.int32)
+    e = c >> 4
+    f = (c & 0xF).to(torch.float32)
+    normal = torch.ldexp(f + 16.0, (e - 19).to(torch.float32))
+    return torch.where(e == 0, f * _U8_SUBNORMAL_STEP, normal)
+
+
+def quantize_moment(x: torch.Tensor, kind: str, second: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of one param's moment: codes flat with x.numel() elements (int8 for the
+    int8 first moment, uint8 for the int8 second moment, float8_e4m3fn for fp8), scales fp32
+    with one per block. ``second``: x is the second moment (non-negative), coded as sqrt."""
+    _check_kind(kind)
+    numel = x.numel()
+    blocks = _blocks(x)
+    if second:
+        # A correctly rounded fp32 sqrt, as C++'s sqrtf and CUDA's sqrtf give: torch's
+        # vectorized fp32 sqrt on the CPU can be one ulp off; the float64 sqrt rounded to fp32
+        # is exact (53 >= 2 * 24 + 2 bits, so the double rounding is innocuous).
+        blocks = torch.sqrt(blocks.double()).float()
+    absmax = blocks.abs().amax(dim=1, keepdim=True)  # nan if the block holds a nan
+    safe = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
+    # A nan (a nonfinite grad stepped without skipping) codes to 0 under a nan scale: the
+    # block decodes to nan, as an fp32 state would show it.
+    blocks = torch.nan_to_num(blocks / safe, nan=0.0, posinf=0.0, neginf=0.0)
+    if kind == "int8" and not second:
+        codes = torch.round(blocks * 127.0).clamp(-127, 127).to(torch.int8)
+    elif kind == "int8":
+        codes = _encode_u8(blocks.clamp(0.0, 1.0))
+    else:
+        codes = (blocks * _E4M3_MAX).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(-1)[:numel].clone(), absmax.reshape(-1).clone()
+
+
+def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, kind: str,
+                      second: bool) -> torch.Tensor:
+    """The fp32 moment (flat) that (codes, scales) stand for."""
+    _check_kind(kind)
+    numel = codes.numel()
+    pad = (-numel) % BLOCK
+    flat = codes.reshape(-1)
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    blocks = flat.view(-1, BLOCK)
+    absmax = scales.reshape(-1, 1).to(torch.float32)
+    if kind == "int8" and not second:
+        values = blocks.to(torch.float32) / 127.0 * absmax
+    elif kind == "int8":
+        values = _decode_u8(blocks) * absmax
+    else:
+        values = blocks.to(torch.float32) / _E4M3_MAX * absmax
+    if second:
+        values = values * values
+    return values.reshape(-1)[:numel].clone()
+
+
+def state_bytes(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    """Bytes one coded moment holds, measured from its tensors."""
+    return codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+
+
+# Adam's moment state keys, and whether each is a second moment (non-negative, coded as sqrt).
+MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True}
+_KIND_OF_CODES = {torch.int8: "int8", torch.uint8: "int8", torch.float8_e4m3fn: "fp8"}
+
+
+def codes_kind(state: dict) -> str:
+    """The state_dtype a param's state is held in: "fp32" when its moments are fp32 tensors
+    (or it has none), else the kind its codes' dtype names (the state needs no extra key)."""
+    for key in MOMENT_KEYS:
+        codes = state.get(f"{key}_codes")
+        if isinstance(codes, torch.Tensor):
+            return _KIND_OF_CODES[codes.dtype]
+    return "fp32"
+
+
+def convert_moments(state: dict, state_dtype: str, shape: torch.Size) -> dict:
+    """A copy of one param's state with its moments held as ``state_dtype``: fp32 moments are
+    coded ("<key>_codes" flat, "<key>_scales" one fp32 per block) and codes are decoded to fp32
+    tensors of ``shape`` (the param's). Coded -> fp32 -> the same kind gives the same bits; a
+    tensor under one block keeps fp32 moments; other entries are kept as they are."""
+    check_state_dtype("ampfuse", state_dtype)
+    held = codes_kind(state)
+    out = dict(state)
+    for key, second in MOMENT_KEYS.items():
+        if held != "fp32" and f"{key}_codes" in out:
+            codes, scales = out.pop(f"{key}_codes"), out.pop(f"{key}_scales")
+            out[key] = dequantize_moment(codes, scales, held, second).view(shape)
+        value = out.get(key)
+        if (state_dtype != "fp32" and isinstance(value, torch.Tensor)
+                and not keeps_fp32_moments(value.numel())):
+            del out[key]
+            out[f"{key}_codes"], out[f"{key}_scales"] = quantize_moment(value, state_dtype,
+                                                                        second)
+    return out
