@@ -51,6 +51,10 @@ OpKernels fp8_cast_amax_kernels();                  // csrc/ops/fp8.cpp
 OpKernels fp8_update_scales_kernels();              // csrc/ops/fp8.cpp
 OpKernels fp8_gemm_kernels();                       // csrc/ops/fp8_gemm.cpp
 OpKernels fp8_transpose_kernels();                  // csrc/ops/fp8_transpose.cpp
+OpKernels fp8_tensor_scale_kernels();               // csrc/ops/fp8_quantize.cpp
+OpKernels fp8_quantize_rowwise_kernels();           // csrc/ops/fp8_quantize.cpp
+OpKernels fp8_cast_transpose_kernels();             // csrc/ops/fp8_cast_transpose.cpp
+OpKernels fp8_cast_transpose_dbias_kernels();       // csrc/ops/fp8_cast_transpose.cpp
 
 }  // namespace ampfuse::ops
 
