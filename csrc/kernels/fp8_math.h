@@ -167,6 +167,17 @@ struct Fp8ScaleState {
 // scale is fp8_max / amax / 2^margin, computed in fp32 in that order; when that amax is 0,
 // inf or nan, or the quotient is not a finite positive number, the old scale stays.
 // scale_inv is always rewritten as 1 / scale, and the step's amax is reset to 0 either way.
+// The scale half of update_fp8_scale, once the history has been rolled: `amax` is the one the
+// rule uses (the history's max or the step's). Shared with the CUDA kernel that rolls a
+// history with a whole block (csrc/kernels/fp8_cast.cu).
+AMPFUSE_FP8_HD void set_delayed_scale(const Fp8ScaleState& s, float amax, float margin_factor) {
+  const float candidate =
+      fp8_detail::div_rn(fp8_detail::div_rn(s.fp8_max, amax), margin_factor);
+  const bool usable = amax > 0.0f && abs_bits(amax) < 0x7f800000u &&
+                      abs_bits(candidate) < 0x7f800000u && candidate > 0.0f;
+  if (usable) *s.scale = candidate;
+}
+
 AMPFUSE_FP8_HD void update_fp8_scale(const Fp8ScaleState& s, float margin_factor, bool use_max,
                                      bool skip) {
   const float step_amax = *s.amax;
@@ -180,13 +191,9 @@ AMPFUSE_FP8_HD void update_fp8_scale(const Fp8ScaleState& s, float margin_factor
       largest = bits > largest ? bits : largest;
     }
     s.history[0] = step_amax;
-    const float amax = use_max ? fp8_detail::float_of(largest) : step_amax;
-    const float candidate = (s.fp8_max / amax) / margin_factor;
-    const bool usable = amax > 0.0f && abs_bits(amax) < 0x7f800000u &&
-                        abs_bits(candidate) < 0x7f800000u && candidate > 0.0f;
-    if (usable) *s.scale = candidate;
+    set_delayed_scale(s, use_max ? fp8_detail::float_of(largest) : step_amax, margin_factor);
   }
-  *s.scale_inv = 1.0f / *s.scale;
+  *s.scale_inv = fp8_detail::div_rn(1.0f, *s.scale);
 }
 
 }  // namespace ampfuse::kernels

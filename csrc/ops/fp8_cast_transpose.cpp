@@ -110,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_cast_transpose_dbias(const at
 
 }  // namespace
 
-OpKernels fp8_cast_transpose_kernels() { return OpKernels{torch::CppFunction(&fp8_cast_transpose<at::kCPU>)}; }
-OpKernels fp8_cast_transpose_dbias_kernels() { return OpKernels{torch::CppFunction(&fp8_cast_transpose_dbias<at::kCPU>)}; }
+OpKernels fp8_cast_transpose_kernels() { return AMPFUSE_KERNELS(fp8_cast_transpose); }
+OpKernels fp8_cast_transpose_dbias_kernels() { return AMPFUSE_KERNELS(fp8_cast_transpose_dbias); }
 
 }  // namespace ampfuse::ops

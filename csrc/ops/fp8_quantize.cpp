@@ -2,7 +2,8 @@
 // whole tensor, and fp8_quantize_rowwise, one scale per row (or per column, written
 // transposed). The scale rule is current_fp8_scale (csrc/kernels/fp8_math.h); the CPU loops
 // are in csrc/kernels/cpu/fp8_quantize_kernels.cpp and the CUDA kernels in
-// csrc/kernels/fp8_current_scaling.cu.
+// csrc/kernels/fp8_current_scaling.cu
+// (whole-tensor scale) and csrc/kernels/fp8_cast_transpose.cu (rowwise).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -103,6 +104,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_rowwise(const at::Tensor& input,
   } else {
 #ifdef AMPFUSE_WITH_CUDA
     const c10::cuda::CUDAGuard guard(src.device());
+    // An empty row (or column) has amax 0, hence scale 1: the kernels have no element to visit.
+    if (rows == 0 || cols == 0) scale_inv.fill_(1.0f);
     at::Tensor workspace;
     if (transpose) workspace = at::empty({std::max<std::int64_t>(cols, 1)}, src.options().dtype(at::kInt));
     kernels::cuda::fp8_quantize_rowwise(
@@ -116,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_rowwise(const at::Tensor& input,
 
 }  // namespace
 
-OpKernels fp8_tensor_scale_kernels() { return OpKernels{torch::CppFunction(&fp8_tensor_scale<at::kCPU>)}; }  // CUDA: next commit
-OpKernels fp8_quantize_rowwise_kernels() { return OpKernels{torch::CppFunction(&fp8_quantize_rowwise<at::kCPU>)}; }
+OpKernels fp8_tensor_scale_kernels() { return AMPFUSE_KERNELS(fp8_tensor_scale); }
+OpKernels fp8_quantize_rowwise_kernels() { return AMPFUSE_KERNELS(fp8_quantize_rowwise); }
 
 }  // namespace ampfuse::ops
