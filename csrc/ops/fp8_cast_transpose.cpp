@@ -48,7 +48,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const char* op,
   if constexpr (kDevice == at::kCPU) {
     const void* data = src.data_ptr();
     const float scale_value = *scale.data_ptr<float>();
-    // Whole blocks of 64 rows per task, so no two tasks write the same cache line of out_t.
+    // At least 64 rows (about 64K elements) per task: a task's transposed writes then fill
+    // 64-byte runs of out_t rows, and few cache lines are shared between tasks.
     const std::int64_t grain = std::max<std::int64_t>(64, (kGrain / std::max<std::int64_t>(cols, 1) + 63) / 64 * 64);
     std::atomic<std::uint32_t> largest{0};
     at::parallel_for(0, rows, grain, [&](std::int64_t begin, std::int64_t end) {
