@@ -24,7 +24,9 @@
 #include <c10/core/DeviceType.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace ampfuse::ops {
 
@@ -50,6 +52,9 @@ OpKernels fused_novograd_kernels();                 // csrc/ops/novograd.cpp
 OpKernels fp8_cast_amax_kernels();                  // csrc/ops/fp8.cpp
 OpKernels fp8_update_scales_kernels();              // csrc/ops/fp8.cpp
 OpKernels fp8_gemm_kernels();                       // csrc/ops/fp8_gemm.cpp
+// {plans built, plans reused} of fp8_gemm's cuBLASLt plan cache ({0, 0} without CUDA): a
+// host-side catch-all function, not a tensor op.
+std::vector<std::int64_t> fp8_gemm_plan_stats();    // csrc/ops/fp8_gemm.cpp
 OpKernels fp8_transpose_kernels();                  // csrc/ops/fp8_transpose.cpp
 
 }  // namespace ampfuse::ops

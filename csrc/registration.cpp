@@ -159,12 +159,17 @@ TORCH_LIBRARY(ampfuse, m) {
       "Tensor(c!)[] scales, Tensor(d!)[] scale_invs, float[] fp8_maxes, int margin, "
       "str amax_compute, Tensor? found_inf=None) -> ()",
       ops::fp8_update_scales_kernels());
-  // (a @ b.T) * a_scale_inv * b_scale_inv + bias for fp8 a [m, k], b [n, k]: cuBLASLt on CUDA,
-  // its fp32 emulation on the CPU.
+  // (a @ b.T) * scales + bias for fp8 a [m, k] and b [n, k]: cuBLASLt on CUDA, its fp32
+  // emulation on the CPU. Scales tensorwise (one element each) or rowwise (a_scale_inv [m],
+  // b_scale_inv [n], both operands e4m3); out_dtype bf16, fp16 or fp32, bias of out_dtype.
+  // use_fast_accum: cuBLASLt's FP8 fast accumulation (the CPU emulation ignores it).
   def(m,
       "fp8_gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor? bias, "
-      "ScalarType out_dtype) -> Tensor",
+      "ScalarType out_dtype, bool use_fast_accum=False) -> Tensor",
       ops::fp8_gemm_kernels());
+  // {plans built, plans reused} of fp8_gemm's cuBLASLt plan cache, over the process: a debug
+  // counter for tests and benchmarks (host-side, no tensors, like the o1_ helpers).
+  m.def("fp8_gemm_plan_stats() -> int[]", &ops::fp8_gemm_plan_stats);
   // A contiguous [k, m] copy of a 2-D fp8 tensor [m, k]: the K-contiguous operands an FP8
   // layer's backward GEMMs take.
   def(m, "fp8_transpose(Tensor input) -> Tensor", ops::fp8_transpose_kernels());

@@ -27,11 +27,18 @@ void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_fa
 // major * 10 + minor of a device (89 for Ada, 90 for Hopper).
 int compute_capability(int device);
 
-// out[m, n] = (a[m, :] . b[n, :]) * *a_scale_inv * *b_scale_inv (+ bias[n]) with a and b
-// row-major fp8 (K contiguous, the "TN" layout cuBLASLt's FP8 kernels take) and fp32
-// accumulation. out is bf16 or fp32 (row-major); bias, when given, is bf16 and needs a bf16
-// out (cuBLASLt's FP8 kernels take a bf16 bias only). m, n, k are multiples of 16, pointers
-// 16-byte aligned, and a and b are not both e5m2: the op layer checks all of it.
+// How fp8_gemm's scale_invs apply: one each for all of out (tensorwise), or a_scale_inv[i] for
+// row i of a and b_scale_inv[j] for row j of b (rowwise; cuBLASLt's outer-vector scaling).
+enum class Fp8ScaleMode : std::int8_t { kTensorwise, kRowwise };
+
+// out[m, n] = (a[m, :] . b[n, :]) * scales (+ bias[n]) with a and b row-major fp8 (K
+// contiguous, the "TN" layout cuBLASLt's FP8 kernels take). out is bf16, fp16 or fp32
+// (row-major); bias, when given, has out's type and out is bf16 or fp16 (for an fp32 out
+// cuBLASLt's FP8 kernels take a bf16 bias only, so the op layer adds an fp32 bias itself).
+// m, n, k are multiples of 16, a and b 16-byte aligned and not both e5m2, and rowwise scales
+// have m and n elements with both operands e4m3: the op layer checks all of it.
+// fast_accum: cuBLASLt's FP8 fast accumulation (partial sums not promoted to full fp32 along
+// K; faster, less accurate).
 struct Fp8GemmArgs {
   const void* a;
   Fp8Format a_format;
@@ -40,21 +47,45 @@ struct Fp8GemmArgs {
   std::int64_t m, n, k;
   const float* a_scale_inv;
   const float* b_scale_inv;
+  Fp8ScaleMode scale_mode;
+  bool fast_accum;
   const void* bias;
   void* out;
   DType out_dtype;
+  int device;
+};
+
+// The cuBLASLt handle (a cublasLtHandle_t; opaque here so that this header needs no CUDA
+// header) and the workspace the call may use, both owned by the caller (the op layer passes
+// torch's: its per-thread handle and its persistent per-(handle, stream) workspace from the
+// caching allocator).
+struct Fp8GemmContext {
+  void* blaslt_handle;
   void* workspace;
   std::size_t workspace_bytes;
 };
 
-void fp8_gemm(const Fp8GemmArgs& args, StreamHandle stream);
+// Runs the GEMM on `stream`. The matmul descriptor, the three layouts and the algorithm
+// cuBLASLt's heuristic picks are built once per problem (device, m, n, k, formats, scale
+// mode, fast_accum, bias, out dtype, pointer alignment, workspace size) and cached for the
+// process, per host thread: a cached plan is only touched by its own thread. Returns whether
+// the bias was fused into the epilogue; when cuBLASLt has no kernel with the bias epilogue for
+// a problem (possible for rowwise scaling, whose kernels are newer), the plan runs without it and returns false, and
+// the caller adds the bias.
+bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream);
+
+// Counters of fp8_gemm's plan cache over the process (all threads): plans built (one
+// heuristic query each) and calls that found their plan cached. Tests read them through the
+// op fp8_gemm_plan_stats.
+struct Fp8GemmPlanStats {
+  std::int64_t built;
+  std::int64_t reused;
+};
+Fp8GemmPlanStats fp8_gemm_plan_stats();
 
 // out (cols x rows, row-major) = the transpose of in (rows x cols, row-major), one-byte FP8
 // codes moved as they are (csrc/kernels/fp8_transpose.cu).
 void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
                    std::int64_t cols, StreamHandle stream);
-
-// Bytes of workspace fp8_gemm is offered (cuBLAS's recommendation for Hopper).
-constexpr std::size_t kFp8GemmWorkspaceBytes = std::size_t{32} << 20;
 
 }  // namespace ampfuse::kernels::cuda

@@ -3,13 +3,25 @@
 // Layout: cuBLASLt is column-major and its FP8 kernels take only "TN" (A transposed, B
 // not), i.e. both operands with K contiguous. Our row-major out[m, n] = a[m, :] . b[n, :]
 // is, column-major, out^T (n x m) = b (k x n)^T * a (k x m): cuBLASLt's A is our b and its B
-// is our a, so its A scale is b's and its B scale is a's.
+// is our a, so its A scale is b's and its B scale is a's (for rowwise scaling: cuBLASLt's A
+// scale vector has its M = our n elements, its B scale vector its N = our m elements), and
+// its per-row-of-D bias is our per-column bias.
+//
+// Plans: building the descriptors and asking the heuristic costs far more host time than the
+// launch itself, and this runs three times per FP8 Linear per step with a handful of shapes,
+// so each problem's plan is built once and kept. The scale and bias pointers change per call
+// and are attributes of the matmul descriptor, so a plan is set and launched by one thread
+// only: the cache is per host thread (the autograd engine's backward thread gets its own), and
+// no lock is taken on the hot path.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <mutex>
+#include <atomic>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "fp8_cuda.h"
 
@@ -23,30 +35,69 @@ void check(cublasStatus_t status, const char* what) {
   }
 }
 
-// One handle for the process: a cuBLASLt handle is not tied to a device or a stream and may
-// be used from several threads.
-cublasLtHandle_t handle() {
-  static std::once_flag once;
-  static cublasLtHandle_t h = nullptr;
-  std::call_once(once, [] { check(cublasLtCreate(&h), "cublasLtCreate"); });
-  return h;
-}
-
 cudaDataType_t fp8_type(Fp8Format format) {
   return format == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
 }
 
-// Owns the cuBLASLt descriptors of one call.
-struct Descriptors {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, out = nullptr;
-  cublasLtMatmulPreference_t preference = nullptr;
-  ~Descriptors() {
-    if (preference) cublasLtMatmulPreferenceDestroy(preference);
-    if (out) cublasLtMatrixLayoutDestroy(out);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
+cudaDataType_t out_type(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+const char* out_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+    default: return "float32";
+  }
+}
+
+// The largest power of two, up to 256 (cuBLASLt's default assumption), that divides every
+// address: the heuristic is told it, so the algorithm it picks accepts these pointers.
+std::uint32_t common_alignment(const Fp8GemmArgs& args) {
+  std::uintptr_t bits = reinterpret_cast<std::uintptr_t>(args.a) |
+                        reinterpret_cast<std::uintptr_t>(args.b) |
+                        reinterpret_cast<std::uintptr_t>(args.out) |
+                        reinterpret_cast<std::uintptr_t>(args.bias) | std::uintptr_t{256};
+  return static_cast<std::uint32_t>(bits & (~bits + 1));  // the lowest set bit
+}
+
+// Everything the descriptors and the algorithm depend on.
+struct PlanKey {
+  int device;
+  std::int64_t m, n, k;
+  Fp8Format a_format, b_format;
+  Fp8ScaleMode scale_mode;
+  bool fast_accum;
+  bool bias;
+  DType out_dtype;
+  std::uint32_t alignment;
+  std::size_t workspace_bytes;
+
+  bool operator==(const PlanKey& o) const {
+    return device == o.device && m == o.m && n == o.n && k == o.k && a_format == o.a_format &&
+           b_format == o.b_format && scale_mode == o.scale_mode && fast_accum == o.fast_accum &&
+           bias == o.bias && out_dtype == o.out_dtype && alignment == o.alignment &&
+           workspace_bytes == o.workspace_bytes;
+  }
+};
+
+struct PlanKeyHash {
+  std::size_t operator()(const PlanKey& key) const {
+    std::size_t h = std::hash<std::int64_t>()(key.m);
+    const auto mix = [&h](std::size_t v) { h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+    mix(std::hash<std::int64_t>()(key.n));
+    mix(std::hash<std::int64_t>()(key.k));
+    mix(static_cast<std::size_t>(key.device));
+    mix((static_cast<std::size_t>(key.a_format) << 0) | (static_cast<std::size_t>(key.b_format) << 2) |
+        (static_cast<std::size_t>(key.scale_mode) << 4) | (std::size_t{key.fast_accum} << 6) |
+        (std::size_t{key.bias} << 7) | (static_cast<std::size_t>(key.out_dtype) << 8));
+    mix(key.alignment);
+    mix(key.workspace_bytes);
+    return h;
   }
 };
 
@@ -56,60 +107,162 @@ void set_attribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t att
   check(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), what);
 }
 
-}  // namespace
+// One problem's descriptors and algorithm. The pointer attributes (scales, bias) are set
+// before each launch.
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, out = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool fused_bias = false;
 
-void fp8_gemm(const Fp8GemmArgs& args, StreamHandle stream) {
-  const cudaDataType_t out_type = args.out_dtype == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
-  Descriptors d;
-  check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (out) cublasLtMatrixLayoutDestroy(out);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct PreferenceOwner {
+  cublasLtMatmulPreference_t preference = nullptr;
+  ~PreferenceOwner() {
+    if (preference) cublasLtMatmulPreferenceDestroy(preference);
+  }
+};
+
+// The matmul descriptor of `key`, with the bias epilogue when `with_bias`.
+void describe(Plan& plan, const PlanKey& key, bool with_bias) {
+  if (plan.op) {
+    cublasLtMatmulDescDestroy(plan.op);
+    plan.op = nullptr;
+  }
+  check(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+        "cublasLtMatmulDescCreate");
   const cublasOperation_t transposed = CUBLAS_OP_T;
   const cublasOperation_t plain = CUBLAS_OP_N;
-  set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, transposed, "setting TRANSA");
-  set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, plain, "setting TRANSB");
-  set_attribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv, "setting A's scale");
-  set_attribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv, "setting B's scale");
-  // Fast accumulation stays off (the default): with it the tensor cores keep partial sums in
-  // reduced precision, and the result would drift from the fp32 CPU emulation.
-  if (args.bias != nullptr) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    const cudaDataType_t bias_type = CUDA_R_16BF;
-    set_attribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue, "setting the bias epilogue");
-    set_attribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type, "setting the bias type");
-    set_attribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias, "setting the bias");
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, transposed, "setting TRANSA");
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, plain, "setting TRANSB");
+  const std::int8_t fast_accum = key.fast_accum ? 1 : 0;
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum, "setting FAST_ACCUM");
+  if (key.scale_mode == Fp8ScaleMode::kRowwise) {
+    const std::int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, outer, "setting A's scale mode");
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, outer, "setting B's scale mode");
   }
-  const auto k = static_cast<std::uint64_t>(args.k);
-  const auto m = static_cast<std::uint64_t>(args.m);
-  const auto n = static_cast<std::uint64_t>(args.n);
-  check(cublasLtMatrixLayoutCreate(&d.a, fp8_type(args.b_format), k, n, args.k),
-        "creating A's layout");
-  check(cublasLtMatrixLayoutCreate(&d.b, fp8_type(args.a_format), k, m, args.k),
-        "creating B's layout");
-  check(cublasLtMatrixLayoutCreate(&d.out, out_type, n, m, args.n), "creating D's layout");
+  if (with_bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    // The bias has the output's type (bf16 or fp16: the op layer never fuses an fp32 bias).
+    const std::int32_t bias_type = out_type(key.out_dtype);
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue, "setting the bias epilogue");
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type,
+                  "setting the bias type");
+  }
+}
 
-  check(cublasLtMatmulPreferenceCreate(&d.preference), "cublasLtMatmulPreferenceCreate");
-  const std::size_t workspace_bytes = args.workspace_bytes;
-  check(cublasLtMatmulPreferenceSetAttribute(d.preference,
+// The heuristic's first algorithm for the plan's descriptors, or false if it has none.
+bool pick_algorithm(Plan& plan, const PlanKey& key, cublasLtHandle_t handle) {
+  PreferenceOwner p;
+  check(cublasLtMatmulPreferenceCreate(&p.preference), "cublasLtMatmulPreferenceCreate");
+  const std::size_t workspace_bytes = key.workspace_bytes;
+  check(cublasLtMatmulPreferenceSetAttribute(p.preference,
                                              CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                              &workspace_bytes, sizeof(workspace_bytes)),
         "setting the workspace size");
+  for (const auto attribute :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    check(cublasLtMatmulPreferenceSetAttribute(p.preference, attribute, &key.alignment,
+                                               sizeof(key.alignment)),
+          "setting the alignment");
+  }
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  check(cublasLtMatmulAlgoGetHeuristic(handle(), d.op, d.a, d.b, d.out, d.out, d.preference, 1,
-                                       &heuristic, &found),
-        "cublasLtMatmulAlgoGetHeuristic");
-  if (found == 0) {
-    throw std::runtime_error(
-        "ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for this problem (m=" +
-        std::to_string(args.m) + ", n=" + std::to_string(args.n) + ", k=" +
-        std::to_string(args.k) + "); FP8 GEMMs need an sm_89 or newer GPU and a CUDA 12 or "
-        "newer cuBLAS.");
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.out, plan.out,
+                                     p.preference, 1, &heuristic, &found);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
+  check(status, "cublasLtMatmulAlgoGetHeuristic");
+  plan.algo = heuristic.algo;
+  return true;
+}
+
+std::unique_ptr<Plan> build_plan(const PlanKey& key, cublasLtHandle_t handle) {
+  auto plan = std::make_unique<Plan>();
+  const auto k = static_cast<std::uint64_t>(key.k);
+  const auto m = static_cast<std::uint64_t>(key.m);
+  const auto n = static_cast<std::uint64_t>(key.n);
+  check(cublasLtMatrixLayoutCreate(&plan->a, fp8_type(key.b_format), k, n, key.k),
+        "creating A's layout");
+  check(cublasLtMatrixLayoutCreate(&plan->b, fp8_type(key.a_format), k, m, key.k),
+        "creating B's layout");
+  check(cublasLtMatrixLayoutCreate(&plan->out, out_type(key.out_dtype), n, m, key.n),
+        "creating D's layout");
+  describe(*plan, key, key.bias);
+  plan->fused_bias = key.bias;
+  if (pick_algorithm(*plan, key, handle)) return plan;
+  if (key.bias) {
+    // No kernel with the bias epilogue: run the GEMM alone; the caller adds the bias.
+    describe(*plan, key, false);
+    plan->fused_bias = false;
+    if (pick_algorithm(*plan, key, handle)) return plan;
+  }
+  throw std::runtime_error(
+      std::string("ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for this problem (m=") +
+      std::to_string(key.m) + ", n=" + std::to_string(key.n) + ", k=" + std::to_string(key.k) +
+      ", " + (key.scale_mode == Fp8ScaleMode::kRowwise ? "rowwise" : "tensorwise") +
+      " scales, out_dtype " + out_name(key.out_dtype) + ", use_fast_accum=" +
+      (key.fast_accum ? "True" : "False") + ", pointers aligned to " +
+      std::to_string(key.alignment) + " bytes); FP8 GEMMs need an sm_89 or newer GPU (rowwise "
+      "scales sm_90 or newer) and a CUDA 12.9 or newer cuBLAS. Try tensorwise scales or "
+      "another out_dtype.");
+}
+
+std::atomic<std::int64_t> plans_built{0};
+std::atomic<std::int64_t> plans_reused{0};
+
+Plan& plan_for(const PlanKey& key, cublasLtHandle_t handle) {
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans;
+  auto found = plans.find(key);
+  if (found != plans.end()) {
+    plans_reused.fetch_add(1, std::memory_order_relaxed);
+    return *found->second;
+  }
+  std::unique_ptr<Plan> plan = build_plan(key, handle);
+  plans_built.fetch_add(1, std::memory_order_relaxed);
+  return *plans.emplace(key, std::move(plan)).first->second;
+}
+
+}  // namespace
+
+bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream) {
+  const auto handle = static_cast<cublasLtHandle_t>(context.blaslt_handle);
+  const PlanKey key{args.device,     args.m,          args.n,
+                    args.k,          args.a_format,   args.b_format,
+                    args.scale_mode, args.fast_accum, args.bias != nullptr,
+                    args.out_dtype,  common_alignment(args), context.workspace_bytes};
+  Plan& plan = plan_for(key, handle);
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv,
+                "setting A's scale");
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv,
+                "setting B's scale");
+  if (plan.fused_bias) {
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias, "setting the bias");
   }
   const float alpha = 1.0f;
   const float beta = 0.0f;  // C is D's buffer and is not read
-  check(cublasLtMatmul(handle(), d.op, &alpha, args.b, d.a, args.a, d.b, &beta, args.out, d.out,
-                       args.out, d.out, &heuristic.algo, args.workspace, workspace_bytes,
-                       reinterpret_cast<cudaStream_t>(stream)),
+  check(cublasLtMatmul(handle, plan.op, &alpha, args.b, plan.a, args.a, plan.b, &beta, args.out,
+                       plan.out, args.out, plan.out, &plan.algo, context.workspace,
+                       context.workspace_bytes, reinterpret_cast<cudaStream_t>(stream)),
         "cublasLtMatmul");
+  return plan.fused_bias;
+}
+
+Fp8GemmPlanStats fp8_gemm_plan_stats() {
+  return {plans_built.load(std::memory_order_relaxed),
+          plans_reused.load(std::memory_order_relaxed)};
 }
 
 }  // namespace ampfuse::kernels::cuda

@@ -1,11 +1,21 @@
-// fp8_gemm: out = (a . b^T) * a_scale_inv * b_scale_inv (+ bias) for fp8 a [m, k] and b [n, k].
-// CUDA runs cuBLASLt's FP8 kernels (csrc/kernels/fp8_gemm.cu); the CPU emulates them in fp32:
-// fp8 products are exact in fp32, so the two differ only in accumulation order.
-// Both devices accept the same arguments, so a model that runs on the CPU runs on a GPU.
+// fp8_gemm: out = (a . b^T) * scales (+ bias) for fp8 a [m, k] and b [n, k], with the scales
+// either tensorwise (one a_scale_inv, one b_scale_inv) or rowwise (a_scale_inv[i] per row of a,
+// b_scale_inv[j] per row of b). CUDA runs cuBLASLt's FP8 kernels (csrc/kernels/fp8_gemm.cu);
+// the CPU emulates them in fp32: fp8 products are exact in fp32, so the two differ only in
+// accumulation order. Both devices accept the same arguments, so a model that runs on the CPU
+// runs on a GPU. This op runs three times per FP8 Linear per step: the checks below read only
+// tensor metadata (no device sync, no allocation).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <vector>
+
+#ifdef AMPFUSE_WITH_CUDA
+#include <ATen/cuda/CUDAContextLight.h>
+#endif
 
 #include "../kernels/fp8_cuda.h"
 #include "../ops.h"
@@ -18,11 +28,55 @@ namespace {
 
 constexpr const char* kGemm = "fp8_gemm";
 
+// Tensorwise when both scale_invs hold one element; rowwise when a_scale_inv is [m] and
+// b_scale_inv is [n] (then both operands must be e4m3: the layout cuBLASLt's outer-vector
+// scaling and torch._scaled_mm's rowwise path take). Anything else is refused, naming both.
+kernels::cuda::Fp8ScaleMode scale_mode(const at::Tensor& a_scale_inv,
+                                       const at::Tensor& b_scale_inv, std::int64_t m,
+                                       std::int64_t n, kernels::Fp8Format a_format,
+                                       kernels::Fp8Format b_format, const at::Device& device) {
+  for (const auto& [t, name] : {std::pair{&a_scale_inv, "a_scale_inv"},
+                                std::pair{&b_scale_inv, "b_scale_inv"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "ampfuse.", kGemm, ": ", name, " must be a "
+                "torch.float32 tensor, got ", t->scalar_type(), ".");
+    TORCH_CHECK(t->device() == device, "ampfuse.", kGemm, ": ", name, " is on ", t->device(),
+                " but must be on ", device, " (the device of a); move ", name, " to ", device,
+                ".");
+  }
+  if (a_scale_inv.numel() == 1 && b_scale_inv.numel() == 1) {
+    return kernels::cuda::Fp8ScaleMode::kTensorwise;
+  }
+  const bool rowwise = a_scale_inv.dim() == 1 && a_scale_inv.size(0) == m &&
+                       b_scale_inv.dim() == 1 && b_scale_inv.size(0) == n;
+  TORCH_CHECK(rowwise, "ampfuse.", kGemm, ": a_scale_inv has shape ", a_scale_inv.sizes(),
+              " and b_scale_inv has shape ", b_scale_inv.sizes(), "; they must be either one "
+              "element each (tensorwise scaling) or 1-D of m=", m, " and n=", n, " elements "
+              "(rowwise scaling: one per row of a [m, k] and one per row of b [n, k]).");
+  TORCH_CHECK(a_format == kernels::Fp8Format::kE4M3 && b_format == kernels::Fp8Format::kE4M3,
+              "ampfuse.", kGemm, ": rowwise scales (a_scale_inv [m], b_scale_inv [n]) need both "
+              "a and b in torch.float8_e4m3fn, got a ",
+              a_format == kernels::Fp8Format::kE4M3 ? "e4m3fn" : "e5m2", " and b ",
+              b_format == kernels::Fp8Format::kE4M3 ? "e4m3fn" : "e5m2", ". Quantize both "
+              "rowwise operands to e4m3fn, or use one-element (tensorwise) scales for e5m2.");
+  return kernels::cuda::Fp8ScaleMode::kRowwise;
+}
+
+kernels::DType gemm_out_dtype(at::ScalarType out_dtype) {
+  switch (out_dtype) {
+    case at::kBFloat16: return kernels::DType::kBFloat16;
+    case at::kHalf: return kernels::DType::kFloat16;
+    case at::kFloat: return kernels::DType::kFloat32;
+    default:
+      TORCH_CHECK(false, "ampfuse.", kGemm, ": out_dtype must be torch.bfloat16, torch.float16 "
+                  "or torch.float32, got ", out_dtype, ".");
+  }
+}
+
 // fp8_gemm on kDevice (see ../ops.h).
 template <c10::DeviceType kDevice>
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
                     const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
-                    at::ScalarType out_dtype) {
+                    at::ScalarType out_dtype, bool use_fast_accum) {
   const kernels::Fp8Format a_format = fp8_format(kGemm, a.scalar_type(), "a");
   const kernels::Fp8Format b_format = fp8_format(kGemm, b.scalar_type(), "b");
   TORCH_CHECK(a_format == kernels::Fp8Format::kE4M3 || b_format == kernels::Fp8Format::kE4M3,
@@ -43,10 +97,10 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "ampfuse.", kGemm, ": a and b must be "
               "row-major contiguous with K contiguous (the TN layout of FP8 GEMMs); pass "
               "a.contiguous() and b.contiguous() (for b = w.T, a transposed copy of w).");
-  check_scalar_tensor(kGemm, a_scale_inv, "a_scale_inv", at::kFloat, a.device(), "a");
-  check_scalar_tensor(kGemm, b_scale_inv, "b_scale_inv", at::kFloat, a.device(), "a");
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "ampfuse.", kGemm,
-              ": out_dtype must be torch.bfloat16 or torch.float32, got ", out_dtype, ".");
+  const kernels::cuda::Fp8ScaleMode mode =
+      scale_mode(a_scale_inv, b_scale_inv, m, n, a_format, b_format, a.device());
+  const bool rowwise = mode == kernels::cuda::Fp8ScaleMode::kRowwise;
+  const kernels::DType out_kernel_dtype = gemm_out_dtype(out_dtype);
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == out_dtype &&
                     bias->device() == a.device(),
@@ -55,10 +109,17 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
                 bias->sizes(), ", dtype ", bias->scalar_type(), " on ", bias->device(), ".");
   }
   if constexpr (kDevice == at::kCPU) {
-    // What the GPU computes: exact fp8 products summed in fp32, the sum times the product of
-    // the two scale_invs, plus the bias, rounded once to out_dtype.
+    // What the GPU computes: exact fp8 products summed in fp32, the sum times the scale_invs'
+    // product (one per output, or one per (row of a, row of b)), plus the bias, rounded once
+    // to out_dtype. use_fast_accum changes only how a GPU keeps its partial sums, so the
+    // emulation, which is the fp32-accumulated reference, ignores it.
+    (void)use_fast_accum;
     at::Tensor out = at::mm(a.to(at::kFloat), b.to(at::kFloat).t());
-    out.mul_(at::mul(a_scale_inv, b_scale_inv));
+    if (rowwise) {
+      out.mul_(at::mul(a_scale_inv.view({m, 1}), b_scale_inv.view({1, n})));
+    } else {
+      out.mul_(at::mul(a_scale_inv.reshape({}), b_scale_inv.reshape({})));
+    }
     if (bias.has_value()) out.add_(bias->to(at::kFloat));
     return out.to(out_dtype);
   } else {
@@ -68,27 +129,40 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     TORCH_CHECK(capability >= 89, "ampfuse.", kGemm, ": CUDA device ", device, " has compute "
                 "capability ", capability / 10, ".", capability % 10, "; FP8 GEMMs need 8.9 or "
                 "newer (Ada, Hopper, Blackwell). Train this model without fp8, or on such a GPU.");
+    // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper and newer (cuBLAS 12.9+);
+    // Ada has tensorwise FP8 only.
+    TORCH_CHECK(!rowwise || capability >= 90, "ampfuse.", kGemm, ": rowwise scales need a GPU "
+                "of compute capability 9.0 or newer (cuBLASLt's outer-vector scaling); CUDA "
+                "device ", device, " has ", capability / 10, ".", capability % 10, ". Use "
+                "one-element (tensorwise) scales on this GPU.");
     for (const at::Tensor* t : {&a, &b}) {
       TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 == 0, "ampfuse.", kGemm,
                   ": a and b must start on a 16-byte boundary (cuBLASLt's rule); pass a fresh "
                   "copy (t.clone()) instead of a view into another tensor.");
     }
     const c10::cuda::CUDAGuard guard(a.device());
+    // A strided 1-D scale vector (a view) is copied; contiguous ones (the usual case) are not.
+    const at::Tensor a_scales = rowwise ? a_scale_inv.contiguous() : a_scale_inv;
+    const at::Tensor b_scales = rowwise ? b_scale_inv.contiguous() : b_scale_inv;
     at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
-    at::Tensor workspace =
-        at::empty({static_cast<std::int64_t>(kernels::cuda::kFp8GemmWorkspaceBytes)},
-                  a.options().dtype(at::kByte));
-    // cuBLASLt's FP8 kernels take a bf16 bias only; an fp32 out gets its fp32 bias added after,
-    // which keeps the bias's bits.
-    const bool fused_bias = bias.has_value() && out_dtype == at::kBFloat16;
+    // cuBLASLt's FP8 kernels fuse a bias of the output's type for bf16 and fp16 outputs; for
+    // an fp32 output they take a bf16 bias only (cuBLASLt's FP8 type table), so an fp32 bias
+    // is added after, which keeps its bits.
+    const bool fused_bias = bias.has_value() && out_dtype != at::kFloat;
+    const kernels::StreamHandle stream = current_stream(a.device());
     kernels::cuda::Fp8GemmArgs args{a.data_ptr(), a_format, b.data_ptr(), b_format, m, n, k,
-                                    a_scale_inv.data_ptr<float>(), b_scale_inv.data_ptr<float>(),
-                                    fused_bias ? bias->data_ptr() : nullptr, out.data_ptr(),
-                                    out_dtype == at::kBFloat16 ? kernels::DType::kBFloat16
-                                                               : kernels::DType::kFloat32,
-                                    workspace.data_ptr(), kernels::cuda::kFp8GemmWorkspaceBytes};
-    kernels::cuda::fp8_gemm(args, current_stream(a.device()));
-    if (bias.has_value() && !fused_bias) out.add_(*bias);
+                                    a_scales.data_ptr<float>(), b_scales.data_ptr<float>(), mode,
+                                    use_fast_accum, fused_bias ? bias->data_ptr() : nullptr,
+                                    out.data_ptr(), out_kernel_dtype, device};
+    // torch's cuBLASLt handle (one per thread and device) and its workspace for this handle
+    // and the current stream: allocated once from the caching allocator and kept, so memory
+    // stats and CUDA graphs see it, and shared with torch's own GEMMs on the stream (stream
+    // order keeps the uses apart).
+    const kernels::cuda::Fp8GemmContext context{at::cuda::getCurrentCUDABlasLtHandle(),
+                                                at::cuda::getCUDABlasLtWorkspace(),
+                                                at::cuda::getCUDABlasLtWorkspaceSize()};
+    const bool bias_done = kernels::cuda::fp8_gemm(args, context, stream);
+    if (bias.has_value() && !bias_done) out.add_(*bias);
     return out;
 #endif
   }
@@ -97,5 +171,14 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 }  // namespace
 
 OpKernels fp8_gemm_kernels() { return AMPFUSE_KERNELS(fp8_gemm); }
+
+std::vector<std::int64_t> fp8_gemm_plan_stats() {
+#ifdef AMPFUSE_WITH_CUDA
+  const kernels::cuda::Fp8GemmPlanStats stats = kernels::cuda::fp8_gemm_plan_stats();
+  return {stats.built, stats.reused};
+#else
+  return {0, 0};
+#endif
+}
 
 }  // namespace ampfuse::ops

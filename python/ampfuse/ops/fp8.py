@@ -38,11 +38,35 @@ def fp8_update_scales_(amaxes: Iterable[torch.Tensor], amax_histories: Iterable[
     )
 
 
+GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
              b_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``(a @ b.T) * a_scale_inv * b_scale_inv + bias`` for fp8 ``a`` [m, k] and ``b`` [n, k]."""
-    return torch.ops.ampfuse.fp8_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype)
+             out_dtype: torch.dtype = torch.bfloat16,
+             use_fast_accum: bool = False) -> torch.Tensor:
+    """``(a @ b.T) * scales + bias`` for fp8 ``a`` [m, k] and ``b`` [n, k] (both contiguous;
+    m, n, k multiples of 16), accumulated in fp32 and rounded once to ``out_dtype``.
+
+    Scales: tensorwise (``a_scale_inv`` and ``b_scale_inv`` one element each) or rowwise
+    (``a_scale_inv`` [m], one per row of ``a``, and ``b_scale_inv`` [n], one per row of ``b``;
+    both operands float8_e4m3fn; on CUDA compute capability 9.0 or newer).
+    ``out_dtype``: torch.bfloat16, torch.float16 or torch.float32; ``bias`` [n] has
+    ``out_dtype`` and is fused into cuBLASLt's epilogue for bf16 and fp16 outputs (an fp32 bias
+    is added after the GEMM: cuBLASLt's FP8 kernels take only a bf16 bias with an fp32 output).
+    ``use_fast_accum``: cuBLASLt's FP8 fast accumulation on CUDA (faster, partial sums kept in
+    lower precision along K); the CPU emulation, the fp32-accumulated reference, ignores it.
+    """
+    return torch.ops.ampfuse.fp8_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype,
+                                      use_fast_accum)
+
+
+def fp8_gemm_plan_stats() -> tuple[int, int]:
+    """``(built, reused)``: how many cuBLASLt plans (descriptors, layouts and the heuristic's
+    algorithm) ``fp8_gemm`` has built in this process, and how many CUDA calls found theirs
+    cached. Both stay 0 without CUDA calls. For tests and benchmarks."""
+    built, reused = torch.ops.ampfuse.fp8_gemm_plan_stats()
+    return int(built), int(reused)
 
 
 def fp8_transpose(input: torch.Tensor) -> torch.Tensor:
@@ -108,17 +132,42 @@ def _update_scales_fake(amaxes: Sequence[torch.Tensor], amax_histories: Sequence
 @torch.library.register_fake("ampfuse::fp8_gemm")
 def _gemm_fake(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                b_scale_inv: torch.Tensor, bias: torch.Tensor | None,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
     op = "fp8_gemm"
     _check_fp8_dtype(op, "a", a.dtype)
     _check_fp8_dtype(op, "b", b.dtype)
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise RuntimeError(f"ampfuse.{op}: a and b are both float8_e5m2; cuBLASLt's FP8 GEMMs "
+                           "take at most one e5m2 operand. Quantize one of them to "
+                           "float8_e4m3fn.")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise RuntimeError(f"ampfuse.{op}: a [m, k] and b [n, k] must be 2-D with the same k, "
                            f"got {tuple(a.shape)} and {tuple(b.shape)}.")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise RuntimeError(f"ampfuse.{op}: out_dtype must be torch.bfloat16 or torch.float32, "
-                           f"got {out_dtype}.")
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    m, n = a.shape[0], b.shape[0]
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.dtype != torch.float32 or t.device != a.device:
+            raise RuntimeError(f"ampfuse.{op}: {name} must be a torch.float32 tensor on "
+                               f"{a.device} (the device of a), got {t.dtype} on {t.device}.")
+    if not (a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1):
+        if not (a_scale_inv.dim() == 1 and a_scale_inv.shape[0] == m
+                and b_scale_inv.dim() == 1 and b_scale_inv.shape[0] == n):
+            raise RuntimeError(
+                f"ampfuse.{op}: a_scale_inv has shape {tuple(a_scale_inv.shape)} and "
+                f"b_scale_inv has shape {tuple(b_scale_inv.shape)}; they must be either one "
+                f"element each (tensorwise scaling) or 1-D of m={m} and n={n} elements "
+                "(rowwise scaling).")
+        if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+            raise RuntimeError(f"ampfuse.{op}: rowwise scales (a_scale_inv [m], b_scale_inv "
+                               "[n]) need both a and b in torch.float8_e4m3fn.")
+    if out_dtype not in GEMM_OUT_DTYPES:
+        raise RuntimeError(f"ampfuse.{op}: out_dtype must be torch.bfloat16, torch.float16 or "
+                           f"torch.float32, got {out_dtype}.")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != out_dtype
+                             or bias.device != a.device):
+        raise RuntimeError(f"ampfuse.{op}: bias must be a 1-D tensor of n={n} elements with "
+                           f"dtype out_dtype ({out_dtype}) on {a.device}, got shape "
+                           f"{tuple(bias.shape)}, dtype {bias.dtype} on {bias.device}.")
+    return a.new_empty((m, n), dtype=out_dtype)
 
 
 @torch.library.register_fake("ampfuse::fp8_transpose")

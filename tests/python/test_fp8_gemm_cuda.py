@@ -1,0 +1,106 @@
+"""fp8_gemm on CUDA (cuBLASLt) against the CPU emulation (test_fp8_gemm.py checks that one
+against float64): tensorwise and rowwise scales, every output dtype, bias, fast accumulation;
+the plan cache and the persistent workspace; the refusals of GPUs without FP8 (or rowwise)
+GEMMs. Every test needs a GPU and is skipped without one.
+"""
+
+import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
+import pytest
+import torch
+from ampfuse.ops.fp8 import fp8_gemm, fp8_gemm_plan_stats
+from fp8_gemm_cases import E4M3, E5M2, OUT_DTYPES, OUT_IDS, ROUNDING, error_bound, operands
+from helpers import raises_naming
+
+pytestmark = pytest.mark.cuda
+
+
+def _need(capability):
+    if torch.cuda.get_device_capability() < capability:
+        pytest.skip(f"needs compute capability {capability[0]}.{capability[1]} or newer")
+
+
+def _on_cuda(tensors):
+    return [t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize(("formats", "rowwise"),
+                         [((E4M3, E4M3), False), ((E5M2, E4M3), False), ((E4M3, E5M2), False),
+                          ((E4M3, E4M3), True)],
+                         ids=["tensorwise-e4m3-e4m3", "tensorwise-e5m2-e4m3",
+                              "tensorwise-e4m3-e5m2", "rowwise-e4m3-e4m3"])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=OUT_IDS.get)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["fp32-accum", "fast-accum"])
+def test_cuda_matches_the_cpu_emulation(formats, rowwise, out_dtype, with_bias, fast_accum):
+    _need((9, 0) if rowwise else (8, 9))
+    a, b, sa, sb, bias = operands(256, 768, 1024, *formats, rowwise=rowwise, seed=7)
+    bias = bias.to(out_dtype) if with_bias else None
+    cpu = fp8_gemm(a, b, sa, sb, bias, out_dtype)
+    gpu = fp8_gemm(*_on_cuda([a, b, sa, sb]), None if bias is None else bias.cuda(), out_dtype,
+                   use_fast_accum=fast_accum)
+    assert gpu.dtype == out_dtype and gpu.is_cuda
+    # Same products, another summation order (and, with fast accumulation, coarser partial
+    # sums): each side within its bound of the exact value, so within the sum of the two.
+    exact = cpu.double()
+    bound = (error_bound(a, b, sa, sb, exact, out_dtype, fast_accum)
+             + error_bound(a, b, sa, sb, exact, out_dtype) + ROUNDING[out_dtype] * exact.abs())
+    assert ((gpu.cpu().double() - exact).abs() <= bound).all()
+
+
+def test_the_same_problem_reuses_its_plan():
+    """The second call of a shape builds no plan (no heuristic query): it reuses the first's."""
+    _need((8, 9))
+    a, b, sa, sb, bias = _on_cuda(operands(64, 96, 128, seed=2))
+    fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
+    built, reused = fp8_gemm_plan_stats()
+    fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
+    assert fp8_gemm_plan_stats() == (built, reused + 1)
+    # Another problem (here: the output type) is another plan.
+    fp8_gemm(a, b, sa, sb, None, torch.float32)
+    assert fp8_gemm_plan_stats() == (built + 1, reused + 1)
+
+
+def test_no_workspace_is_allocated_per_call():
+    """cuBLASLt's workspace is torch's persistent one for the stream: once warm, a call
+    allocates only its output."""
+    _need((8, 9))
+    a, b, sa, sb, bias = _on_cuda(operands(256, 512, 1024, seed=4))
+    fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
+    torch.cuda.synchronize()
+    output_bytes = out.numel() * out.element_size()
+    assert torch.cuda.max_memory_allocated() - before <= output_bytes + 4096
+
+
+def test_plans_are_per_device_and_thread_safe():
+    """Calls from several threads at once (each with its own plans) agree with one thread's."""
+    _need((8, 9))
+    import concurrent.futures
+
+    a, b, sa, sb, _ = _on_cuda(operands(128, 256, 512, seed=6))
+    expected = fp8_gemm(a, b, sa, sb, None, torch.float32)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fp8_gemm(a, b, sa, sb, None, torch.float32),
+                                range(16)))
+    torch.cuda.synchronize()
+    for r in results:
+        assert torch.equal(r, expected)
+
+
+def test_cuda_refuses_devices_below_sm89():
+    if torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this GPU has FP8 GEMMs")
+    a, b, sa, sb, _ = _on_cuda(operands(16, 16, 16))
+    with raises_naming("compute capability", "8.9"):
+        fp8_gemm(a, b, sa, sb)
+
+
+def test_cuda_refuses_rowwise_below_sm90():
+    if not (8, 9) <= torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("only GPUs with tensorwise FP8 GEMMs but no rowwise ones (Ada) refuse")
+    a, b, sa, sb, _ = _on_cuda(operands(16, 16, 16, rowwise=True))
+    with raises_naming("rowwise", "9.0", "tensorwise"):
+        fp8_gemm(a, b, sa, sb)
