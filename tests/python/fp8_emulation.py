@@ -45,7 +45,7 @@ def gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
     acc = a.float() @ b.float().T
     a_si = a_scale_inv.reshape(-1, 1) if a_scale_inv.numel() > 1 else a_scale_inv
     b_si = b_scale_inv.reshape(1, -1) if b_scale_inv.numel() > 1 else b_scale_inv
-    out = acc * a_si * b_si
+    out = acc * (a_si * b_si)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
