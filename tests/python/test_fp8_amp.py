@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from ampfuse import amp, fp8
 from ampfuse.amp import fp8_layers
 from ampfuse.amp.initialize_checks import ATTR
-from ampfuse.tools.demo import digits as demo
 from ampfuse.optimizers import FusedAdamW
+from ampfuse.tools.demo import digits as demo
 from helpers import raises_naming
 
 STEPS = 300

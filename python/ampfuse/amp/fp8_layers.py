@@ -66,7 +66,7 @@ def convert_linears(models: Iterable[torch.nn.Module], recipe: fp8_api.Recipe, v
                     min_features: int | None = None, include: Collection[str] | None = None,
                     exclude: Collection[str] | None = None) -> dict[str, str]:
     """ampfuse.fp8.convert on every model (names prefixed "model{i}." when there are several);
-    prints the decisions at verbosity >= 1; returns them."""
+    prints the decisions at verbosity >= 1 (on rank 0); returns them."""
     models = list(models)
     if len(models) > 1:  # (with one model, convert checks the names itself)
         linears = {f"model{i}.{fqn}" for i, model in enumerate(models)
@@ -86,7 +86,9 @@ def convert_linears(models: Iterable[torch.nn.Module], recipe: fp8_api.Recipe, v
                                min_features=min_features, include=_own(include, prefix, model),
                                exclude=_own(exclude, prefix, model))
         decisions.update((prefix + fqn, d) for fqn, d in made.items())
-    if verbosity >= 1:
+    dist = torch.distributed
+    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if verbosity >= 1 and rank0:  # every rank decides alike: one printout
         fp8_count = sum(d.startswith("fp8") for d in decisions.values())
         print(f"amp fp8 ({type(recipe).__name__}): {fp8_count} of {len(decisions)} Linear "
               "layers compute in FP8")
