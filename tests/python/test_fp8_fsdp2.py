@@ -1,7 +1,7 @@
 """An FP8 Linear inside FSDP2's fully_shard on two CPU processes (gloo) trains like the
-unsharded layer: each rank all-gathers the bf16 weight, quantizes it (once per optimizer step:
-the weight cache holds across the two micro-batches of each step) and its FP8 GEMMs see the
-same values as the single-process run. Every rank trains on the same batches, so FSDP2's
+unsharded layer: each rank all-gathers the bf16 weight, quantizes it in each forward (a
+fully_shard unit caches no FP8 weight: that would keep the whole layer alive between
+micro-batches) and its FP8 GEMMs see the same values as the single-process run. Every rank trains on the same batches, so FSDP2's
 averaged gradients are the single-process ones."""
 
 import os
@@ -57,6 +57,8 @@ def _train(recipe, sharded):
     if sharded:
         params = [p.full_tensor() for p in params]
         assert all(isinstance(m, fp8.Linear) for m in (model[0], model[2]))
+        # A fully_shard unit keeps no FP8 copy of its all-gathered weight between forwards.
+        assert not model[0]._fp8_weight_cache.holds
     return {"params": params, "losses": torch.stack(losses)}
 
 

@@ -46,6 +46,11 @@ def check_shape(module: torch.nn.Linear) -> None:
                          "nn.Linear or pad its features.")
 
 
+def _is_fsdp_module(module: torch.nn.Module) -> bool:
+    fsdp = getattr(torch.distributed, "fsdp", None)
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
+
+
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` computing its GEMMs in FP8 (see the module docstring).
 
@@ -152,6 +157,11 @@ class Linear(torch.nn.Linear):
     def _quantized_weight(self) -> Any:
         r = self.fp8_recipe
         cache = self._fp8_weight_cache
+        if _is_fsdp_module(self):
+            # fully_shard: the weight here is the all-gathered one, freed after the forward;
+            # caching its FP8 copies would keep the whole layer's weight (2 bytes a param)
+            # alive between micro-batches, undoing the sharding's memory saving.
+            cache = WeightCache(enabled=False)
         if isinstance(r, RowwiseScaling):
             return cache.get(self.weight, rowwise.quantize_weight_rowwise)
         if isinstance(r, CurrentScaling):

@@ -12,7 +12,9 @@ next ones. A cached copy is dropped when anything may have written the weight:
 - ``load_state_dict`` and ``module._apply`` (``.to``, ``.cuda``, ``.half``) on the layer;
 - ``ampfuse.fp8.update_scales`` (delayed scaling's scales move) and ``invalidate``.
 
-While torch.compile traces, nothing is cached: the compiled graph quantizes the weight in
+A layer that is itself an FSDP2 ``fully_shard`` unit caches nothing: its weight is
+all-gathered for each forward, and keeping the whole layer's FP8 copies between micro-batches
+would undo the sharding's memory saving. While torch.compile traces, nothing is cached: the compiled graph quantizes the weight in
 each forward (a graph cannot keep Python state between calls). The one write the cache cannot
 see is one through ``p.data`` (``p.data.copy_(...)``), which by design bypasses the version
 counter: call ``ampfuse.fp8.invalidate(model)`` after such a write if no optimizer step
@@ -62,14 +64,15 @@ class WeightCache:
     """One layer's cached FP8 weight: ``get(weight, make)`` returns ``make(weight)``, from the
     cache while the weight is unchanged (see the module docstring for what counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._key: tuple[object, ...] | None = None
         self._value: Any = None
 
     def get(self, weight: torch.Tensor, make: Callable[[torch.Tensor], Any],
             extra: object = None) -> Any:
         """`extra`: anything else the copy depends on (compared with ==)."""
-        if torch.compiler.is_compiling():
+        if not self.enabled or torch.compiler.is_compiling():
             return make(weight)
         key = _key(weight, extra)
         if key is None:
