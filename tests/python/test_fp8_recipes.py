@@ -178,3 +178,33 @@ def test_compiles_fullgraph_like_eager(recipe):
                     p -= 0.1 * p.grad
                     p.grad = None
             fp8.update_scales(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.RowwiseScaling(),
+                                    fp8.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "rowwise", "delayed"])
+def test_cuda_matches_the_cpu_emulation(recipe, dtype):
+    """The same layer and data on the GPU (fused kernels, cuBLASLt) and the CPU: the FP8 codes
+    and scales are the same, so results differ by GEMM summation order (and fast
+    accumulation in the forward) only."""
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 9) or (isinstance(recipe, fp8.RowwiseScaling) and capability < (9, 0)):
+        pytest.skip("this GPU has no FP8 GEMMs for this recipe")
+    torch.manual_seed(8)
+    cpu = fp8.Linear(256, 512, recipe=recipe).to(dtype)
+    gpu = copy.deepcopy(cpu).cuda()
+    for seed in range(3):
+        x, g = data(seed, dtype, rows=(40,), k=256, n=512, spread=3 * (seed == 2))
+        results = []
+        for layer, device in ((cpu, "cpu"), (gpu, "cuda")):
+            got = run(layer, x.to(device), g.to(device))
+            assert all(t is not None for t in got), device
+            results.append([t.cpu().float() for t in got])
+            layer.weight.grad = layer.bias.grad = None
+            fp8.update_scales(layer)
+        for name, c, d in zip(("out", "x.grad", "weight.grad", "bias.grad"), *results):
+            tol = 2**-6
+            torch.testing.assert_close(d, c, rtol=tol, atol=tol * c.abs().max().item(),
+                                       msg=name)

@@ -87,6 +87,11 @@ class WeightCache:
         self._key = None
         self._value = None
 
+    # A copied or pickled layer (copy.deepcopy, torch.save of the module) starts empty: the
+    # copies belong to the original's weight.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "_key": None, "_value": None}
+
     @property
     def holds(self) -> bool:
         """Whether a copy is cached (it may still be stale: get() checks)."""
