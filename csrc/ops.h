@@ -56,6 +56,10 @@ OpKernels fp8_gemm_kernels();                       // csrc/ops/fp8_gemm.cpp
 // host-side catch-all function, not a tensor op.
 std::vector<std::int64_t> fp8_gemm_plan_stats();    // csrc/ops/fp8_gemm.cpp
 OpKernels fp8_transpose_kernels();                  // csrc/ops/fp8_transpose.cpp
+OpKernels fp8_tensor_scale_kernels();               // csrc/ops/fp8_quantize.cpp
+OpKernels fp8_quantize_rowwise_kernels();           // csrc/ops/fp8_quantize.cpp
+OpKernels fp8_cast_transpose_kernels();             // csrc/ops/fp8_cast_transpose.cpp
+OpKernels fp8_cast_transpose_dbias_kernels();       // csrc/ops/fp8_cast_transpose.cpp
 
 }  // namespace ampfuse::ops
 

@@ -1,5 +1,14 @@
 // FP8 cast + amax in one pass, and the multi-tensor delayed-scaling update: the element
 // arithmetic is fp8_math.h's, shared with the CPU kernels bit for bit.
+//
+// The cast's access pattern: the input is cut into 16-byte vectors (4 fp32 or 8 fp16/bf16
+// elements); vector v goes to thread v mod (threads in the grid), so one load instruction of a
+// warp reads 32 consecutive vectors, 512 contiguous bytes, and the matching store writes their
+// codes as 32 consecutive 4- or 8-byte words (128 or 256 contiguous bytes): every sector moved
+// is whole, and each thread keeps kCastUnroll 16-byte loads in flight. This needs src 16-byte
+// aligned and dst aligned to the code group (always, for tensors torch allocated); a view at
+// an odd offset takes the element-per-thread kernel, whose byte stores still coalesce. The
+// few elements past the last whole vector are cast one per thread.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -9,6 +18,7 @@
 #include <string>
 
 #include "fp8_cuda.h"
+#include "fp8_vector_io.cuh"
 #include "launch_check.cuh"
 
 namespace ampfuse::kernels::cuda {
@@ -67,45 +77,134 @@ __global__ void __launch_bounds__(kCastThreads)
   }
 }
 
+// The vector path (see the top of the file).
+template <Fp8Format kFormat, typename T>
+__global__ void __launch_bounds__(kCastThreads)
+    cast_amax_vector_kernel(const T* src, std::uint8_t* dst, std::int64_t n,
+                            const float* scale_ptr, float* amax) {
+  constexpr int kE = kElemsPer16B<T>;
+  const float scale = *scale_ptr;
+  const std::int64_t vectors = n / kE;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kCastThreads;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kCastThreads + threadIdx.x;
+  std::uint32_t largest = 0;
+  std::int64_t v = first;
+  for (; v + (kCastUnroll - 1) * stride < vectors; v += kCastUnroll * stride) {
+    float x[kCastUnroll][kE];
+#pragma unroll
+    for (int u = 0; u < kCastUnroll; ++u) load_16b(src + (v + u * stride) * kE, x[u]);
+#pragma unroll
+    for (int u = 0; u < kCastUnroll; ++u) {
+      std::uint8_t c[kE];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        largest = max(largest, abs_bits(x[u][e]));
+        c[e] = scale_to_fp8<kFormat>(x[u][e], scale);
+      }
+      store_codes<kE>(dst + (v + u * stride) * kE, c);
+    }
+  }
+  for (; v < vectors; v += stride) {
+    float x[kE];
+    std::uint8_t c[kE];
+    load_16b(src + v * kE, x);
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      largest = max(largest, abs_bits(x[e]));
+      c[e] = scale_to_fp8<kFormat>(x[e], scale);
+    }
+    store_codes<kE>(dst + v * kE, c);
+  }
+  for (std::int64_t i = vectors * kE + first; i < n; i += stride) {
+    const float x = to_float(src[i]);
+    largest = max(largest, abs_bits(x));
+    dst[i] = scale_to_fp8<kFormat>(x, scale);
+  }
+  largest = block_max_bits(largest);
+  if (threadIdx.x == 0 && largest != 0) atomicMax(reinterpret_cast<unsigned int*>(amax), largest);
+}
+
+template <Fp8Format kFormat, typename T>
+void launch_typed_cast(const T* src, std::uint8_t* dst, std::int64_t n, const float* scale,
+                       float* amax, cudaStream_t stream) {
+  constexpr int kE = kElemsPer16B<T>;
+  const bool vector = (reinterpret_cast<std::uintptr_t>(src) & 15u) == 0 &&
+                      (reinterpret_cast<std::uintptr_t>(dst) & (kE - 1)) == 0;
+  const std::int64_t per_block = std::int64_t{kCastThreads} * kCastUnroll * (vector ? kE : 1);
+  const auto blocks = static_cast<unsigned>(
+      std::clamp<std::int64_t>((n + per_block - 1) / per_block, 1, kMaxCastBlocks));
+  if (vector) {
+    cast_amax_vector_kernel<kFormat><<<blocks, kCastThreads, 0, stream>>>(src, dst, n, scale, amax);
+  } else {
+    cast_amax_kernel<kFormat><<<blocks, kCastThreads, 0, stream>>>(src, dst, n, scale, amax);
+  }
+}
+
 template <Fp8Format kFormat>
 void launch_cast(const TensorRef& src, std::uint8_t* dst, const float* scale, float* amax,
                  cudaStream_t stream) {
-  const std::int64_t per_block = std::int64_t{kCastThreads} * kCastUnroll;
-  const auto blocks = static_cast<unsigned>(
-      std::clamp<std::int64_t>((src.numel + per_block - 1) / per_block, 1, kMaxCastBlocks));
   switch (src.dtype) {
     case DType::kFloat32:
-      cast_amax_kernel<kFormat><<<blocks, kCastThreads, 0, stream>>>(
-          static_cast<const float*>(src.data), dst, src.numel, scale, amax);
+      launch_typed_cast<kFormat>(static_cast<const float*>(src.data), dst, src.numel, scale,
+                                 amax, stream);
       break;
     case DType::kFloat16:
-      cast_amax_kernel<kFormat><<<blocks, kCastThreads, 0, stream>>>(
-          static_cast<const __half*>(src.data), dst, src.numel, scale, amax);
+      launch_typed_cast<kFormat>(static_cast<const __half*>(src.data), dst, src.numel, scale,
+                                 amax, stream);
       break;
     case DType::kBFloat16:
-      cast_amax_kernel<kFormat><<<blocks, kCastThreads, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(src.data), dst, src.numel, scale, amax);
+      launch_typed_cast<kFormat>(static_cast<const __nv_bfloat16*>(src.data), dst, src.numel,
+                                 scale, amax, stream);
       break;
   }
 }
 
-// States per launch: the table stays under the classic 4 KB of kernel parameters, so this
-// launch needs no particular driver; a step with more FP8 tensors takes a few launches.
-constexpr int kFp8StatesPerLaunch = 64;
+// States per launch: kernel parameters may take up to 32 KB (CUDA 12.1+, Volta and newer, which
+// covers every architecture ampfuse builds), so a step's whole state table (512 x 48 bytes)
+// goes in one launch; a step with more FP8 tensors takes a launch per 512.
+constexpr int kFp8StatesPerLaunch = 512;
+constexpr int kUpdateThreads = 128;
 
 struct Fp8StateTable {
   Fp8ScaleState states[kFp8StatesPerLaunch];
   int count;
 };
 
-// One thread per tensor: a history is short (a few hundred floats at most in practice) and
-// the whole update is latency, not bandwidth.
-__global__ void update_scales_kernel(Fp8StateTable table, float margin_factor, bool use_max,
-                                     const float* skip) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= table.count) return;
+// A block per tensor. The history moves one slot older in parallel: chunks of blockDim
+// entries from the oldest end down, each thread reading its entry's newer neighbour, a barrier,
+// then every thread writing. A chunk writes only entries above what the next (newer) chunk
+// reads, and the next chunk's writes come after its own barrier, which every thread reaches
+// only after this chunk's reads: no entry is overwritten before it was read. The block max of
+// the entries read (and the step's amax) is the history's new max; thread 0 applies
+// set_delayed_scale, the CPU's rule.
+__global__ void __launch_bounds__(kUpdateThreads)
+    update_scales_kernel(const __grid_constant__ Fp8StateTable table, float margin_factor,
+                         bool use_max, const float* skip) {
+  const Fp8ScaleState& s = table.states[blockIdx.x];
+  const float step_amax = *s.amax;
   const bool skipped = skip != nullptr && *skip != 0.0f;
-  update_fp8_scale(table.states[t], margin_factor, use_max, skipped);
+  std::uint32_t largest = abs_bits(step_amax);
+  const bool roll = !skipped && s.history_len > 0;
+  if (roll) {
+    for (std::int64_t top = s.history_len; top > 1; top -= kUpdateThreads) {
+      const std::int64_t i = top - 1 - threadIdx.x;
+      float older = 0.0f;
+      if (i >= 1) {
+        older = s.history[i - 1];
+        largest = max(largest, abs_bits(older));
+      }
+      __syncthreads();
+      if (i >= 1) s.history[i] = older;
+    }
+  }
+  largest = block_max_bits(largest);  // also the barrier before thread 0 writes *s.amax
+  if (threadIdx.x != 0) return;
+  if (roll) {
+    s.history[0] = step_amax;
+    set_delayed_scale(s, use_max ? fp8_detail::float_of(largest) : step_amax, margin_factor);
+  }
+  *s.amax = 0.0f;
+  *s.scale_inv = fp8_detail::div_rn(1.0f, *s.scale);
 }
 
 }  // namespace
@@ -126,11 +225,12 @@ void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_fa
                        bool use_max, const float* skip, StreamHandle stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   for (std::size_t first = 0; first < states.size(); first += kFp8StatesPerLaunch) {
-    Fp8StateTable table{};
+    static thread_local Fp8StateTable table;  // 24 KB: kept off the stack
     table.count = static_cast<int>(
         std::min<std::size_t>(kFp8StatesPerLaunch, states.size() - first));
     std::copy_n(states.begin() + static_cast<std::ptrdiff_t>(first), table.count, table.states);
-    update_scales_kernel<<<1, kFp8StatesPerLaunch, 0, s>>>(table, margin_factor, use_max, skip);
+    update_scales_kernel<<<table.count, kUpdateThreads, 0, s>>>(table, margin_factor, use_max,
+                                                                skip);
     throw_on_launch_error("fp8_update_scales_");
   }
 }

@@ -88,4 +88,40 @@ Fp8GemmPlanStats fp8_gemm_plan_stats();
 void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
                    std::int64_t cols, StreamHandle stream);
 
+// Current scaling of one tensor (fp8_tensor_scale): *amax = max |src| with nan winning (the
+// previous value of *amax is ignored), then *scale = current_fp8_scale(*amax, fp8_max,
+// margin_factor) (fp8_math.h) and *scale_inv = 1 / *scale, all on the device: one reduction
+// launch (after an async zero of *amax) and one single-thread launch, no host sync.
+void fp8_tensor_scale(const TensorRef& src, float* amax, float* scale, float* scale_inv,
+                      float fp8_max, float margin_factor, StreamHandle stream);
+
+// One pass over src [rows, cols] (row-major, fp32/fp16/bf16): out [rows, cols] and out_t
+// [cols, rows] get the fp8 codes of src * *scale, *amax = max(*amax, max |src|) with nan
+// winning, and, when dbias is not null, dbias[c] = sum of column c in fp32. dbias needs
+// dbias_workspace of fp8_dbias_workspace_floats(rows, cols) floats (per-tile column sums,
+// reduced in a fixed order by a second launch: dbias is the same bits on every run).
+struct Fp8CastTransposeArgs {
+  const void* src;
+  DType src_dtype;
+  std::int64_t rows, cols;
+  const float* scale;
+  float* amax;
+  std::uint8_t* out;
+  std::uint8_t* out_t;
+  float* dbias;
+  float* dbias_workspace;
+  Fp8Format format;
+};
+void fp8_cast_transpose(const Fp8CastTransposeArgs& args, StreamHandle stream);
+std::int64_t fp8_dbias_workspace_floats(std::int64_t rows, std::int64_t cols);
+
+// Rowwise current scaling of src [rows, cols] (no margin). transpose == false: out [rows,
+// cols], scale_inv [rows], one block per row. transpose == true: out [cols, rows] = the codes
+// of src.T with one scale per column of src, scale_inv [cols]; needs column_amax_workspace of
+// cols uint32 (a column-amax launch, then a tiled cast + transpose launch).
+void fp8_quantize_rowwise(const void* src, DType src_dtype, std::int64_t rows, std::int64_t cols,
+                          bool transpose, std::uint8_t* out, float* scale_inv,
+                          std::uint32_t* column_amax_workspace, Fp8Format format,
+                          StreamHandle stream);
+
 }  // namespace ampfuse::kernels::cuda

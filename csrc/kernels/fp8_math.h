@@ -57,6 +57,15 @@ AMPFUSE_FP8_HD float add_rn(float a, float b) {
 #endif
 }
 
+// IEEE division on both devices (a -use_fast_math build would otherwise approximate it).
+AMPFUSE_FP8_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 }  // namespace fp8_detail
 
 // cond ? a : b on bit patterns, spelled with masks: GCC vectorizes this form where a ternary
@@ -119,6 +128,29 @@ AMPFUSE_FP8_HD std::uint8_t scale_to_fp8(float x, float scale) {
 // nan, needs no float compare, and combines across threads with an integer atomicMax.
 AMPFUSE_FP8_HD std::uint32_t abs_bits(float x) { return fp8_detail::bits_of(x) & 0x7fffffffu; }
 
+// Current scaling: the scale of a tensor (or of one row or column for rowwise scaling) from
+// its own amax, fp8_max / amax / margin_factor in fp32 in that order (margin_factor is
+// 2**margin). The rule at the edges:
+//  - amax == 0 (an all-zero tensor): scale 1, so zeros stay zeros and scale_inv is 1;
+//  - amax inf or nan (the tensor holds a non-finite value): scale nan, so every code of the
+//    cast is nan, scale_inv (1 / nan) is nan, and the GEMM output is nan: the loss scaler's
+//    overflow check sees it and skips the step, as it would have without FP8;
+//  - a quotient beyond fp32's range (a tiny amax, a large margin) is clamped to the largest
+//    finite / smallest normal fp32, so scale and scale_inv both stay finite and positive.
+AMPFUSE_FP8_HD float current_fp8_scale(float amax, float fp8_max, float margin_factor) {
+  const std::uint32_t a = abs_bits(amax);
+  const float quotient = fp8_detail::div_rn(fp8_detail::div_rn(fp8_max, fp8_detail::float_of(a)),
+                                            margin_factor);
+  constexpr std::uint32_t kLargestFiniteBits = 0x7f7fffffu;
+  constexpr std::uint32_t kSmallestNormalBits = 0x00800000u;
+  std::uint32_t q = abs_bits(quotient);
+  q = q > kLargestFiniteBits ? kLargestFiniteBits : q;
+  q = q < kSmallestNormalBits ? kSmallestNormalBits : q;
+  if (a == 0u) return 1.0f;
+  if (a >= 0x7f800000u) return fp8_detail::float_of(0x7fc00000u);
+  return fp8_detail::float_of(q);
+}
+
 // Where one FP8 tensor's delayed-scaling state lives (all fp32, on one device).
 struct Fp8ScaleState {
   float* amax;          // the step's amax (cast ops fold into it); reset to 0 here
@@ -135,6 +167,17 @@ struct Fp8ScaleState {
 // scale is fp8_max / amax / 2^margin, computed in fp32 in that order; when that amax is 0,
 // inf or nan, or the quotient is not a finite positive number, the old scale stays.
 // scale_inv is always rewritten as 1 / scale, and the step's amax is reset to 0 either way.
+// The scale half of update_fp8_scale, once the history has been rolled: `amax` is the one the
+// rule uses (the history's max or the step's). Shared with the CUDA kernel that rolls a
+// history with a whole block (csrc/kernels/fp8_cast.cu).
+AMPFUSE_FP8_HD void set_delayed_scale(const Fp8ScaleState& s, float amax, float margin_factor) {
+  const float candidate =
+      fp8_detail::div_rn(fp8_detail::div_rn(s.fp8_max, amax), margin_factor);
+  const bool usable = amax > 0.0f && abs_bits(amax) < 0x7f800000u &&
+                      abs_bits(candidate) < 0x7f800000u && candidate > 0.0f;
+  if (usable) *s.scale = candidate;
+}
+
 AMPFUSE_FP8_HD void update_fp8_scale(const Fp8ScaleState& s, float margin_factor, bool use_max,
                                      bool skip) {
   const float step_amax = *s.amax;
@@ -148,13 +191,9 @@ AMPFUSE_FP8_HD void update_fp8_scale(const Fp8ScaleState& s, float margin_factor
       largest = bits > largest ? bits : largest;
     }
     s.history[0] = step_amax;
-    const float amax = use_max ? fp8_detail::float_of(largest) : step_amax;
-    const float candidate = (s.fp8_max / amax) / margin_factor;
-    const bool usable = amax > 0.0f && abs_bits(amax) < 0x7f800000u &&
-                        abs_bits(candidate) < 0x7f800000u && candidate > 0.0f;
-    if (usable) *s.scale = candidate;
+    set_delayed_scale(s, use_max ? fp8_detail::float_of(largest) : step_amax, margin_factor);
   }
-  *s.scale_inv = 1.0f / *s.scale;
+  *s.scale_inv = fp8_detail::div_rn(1.0f, *s.scale);
 }
 
 }  // namespace ampfuse::kernels

@@ -21,4 +21,15 @@ inline kernels::Fp8Format fp8_format(const char* op, at::ScalarType dtype, const
               "supported.");
 }
 
+// The input of the 2-D FP8 quantize ops (fp8_cast_transpose[_dbias], fp8_quantize_rowwise):
+// a dense 2-D fp32/fp16/bf16 matrix [m, k] (callers flatten leading dimensions). Returns it
+// contiguous (row-major), copied if it was not.
+inline at::Tensor fp8_matrix_input(const char* op, const at::Tensor& input) {
+  TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", op, ": input has layout ",
+              input.layout(), "; pass a dense tensor (t.to_dense()).");
+  TORCH_CHECK(input.dim() == 2, "ampfuse.", op, ": input must be 2-D [m, k], got shape ",
+              input.sizes(), "; flatten the leading dimensions first (x.reshape(-1, x.shape[-1])).");
+  return input.contiguous();
+}
+
 }  // namespace ampfuse::ops

@@ -165,3 +165,23 @@ def test_cuda_matches_cpu_with_nonfinite_amaxes():
             torch.testing.assert_close(g.history.cpu(), c.history, rtol=0, atol=0,
                                        equal_nan=True)
             assert g.scale.item() == c.scale.item() and g.scale_inv.item() == c.scale_inv.item()
+
+
+@pytest.mark.parametrize("amax_compute", ["max", "most_recent"])
+def test_long_histories_and_many_states(device, amax_compute):
+    """Histories longer than a CUDA block (128 threads roll 128 entries per pass) and more
+    states than one launch's table (512) follow the model exactly, a skipped step included."""
+    lengths = [1, 2, 127, 128, 129, 300, 1024]
+    states = [State(lengths[i % len(lengths)], E4M3 if i % 3 else E5M2, device)
+              for i in range(600)]
+    gen = make_generator(9)
+    for step in range(3):
+        values = (torch.rand(len(states), generator=gen) * 50).tolist()
+        for s, v in zip(states, values):
+            s.amax.fill_(v)
+        skipped = step == 1
+        found_inf = torch.full((1,), 1.0 if skipped else 0.0, device=device)
+        update(states, 1, amax_compute, found_inf)
+        for s, v in zip(states, values):
+            s.model_step(np.float32(v), 1, amax_compute, skipped=skipped)
+            s.check()

@@ -18,7 +18,9 @@ module             ops
 ``adagrad``        ``fused_adagrad_``
 ``lamb``           ``fused_lamb_``
 ``novograd``       ``fused_novograd_``
-``fp8``            ``fp8_cast_amax``, ``fp8_update_scales_``, ``fp8_gemm``, ``fp8_transpose``
+``fp8``            ``fp8_cast_amax``, ``fp8_update_scales_``, ``fp8_gemm``, ``fp8_transpose``,
+                   ``fp8_tensor_scale``, ``fp8_cast_transpose``, ``fp8_cast_transpose_dbias``,
+                   ``fp8_quantize_rowwise``
 ``dtensor``        the DTensor rules of the list ops (FSDP2), registered on first use
 ``step_scan``      the fused optimizers' host-side helpers (not ops)
 =================  ==========================================================================
@@ -28,7 +30,16 @@ from ampfuse.ops._checks import HELD_INF, HELD_NAN
 from ampfuse.ops._library import OP_NAMES, cuda_available, cuda_status
 from ampfuse.ops.adagrad import fused_adagrad_
 from ampfuse.ops.adam import fused_adam_
-from ampfuse.ops.fp8 import fp8_cast_amax, fp8_gemm, fp8_transpose, fp8_update_scales_
+from ampfuse.ops.fp8 import (
+    fp8_cast_amax,
+    fp8_cast_transpose,
+    fp8_cast_transpose_dbias,
+    fp8_gemm,
+    fp8_quantize_rowwise,
+    fp8_tensor_scale,
+    fp8_transpose,
+    fp8_update_scales_,
+)
 from ampfuse.ops.l2norm import multi_tensor_l2norm
 from ampfuse.ops.lamb import fused_lamb_
 from ampfuse.ops.novograd import fused_novograd_
@@ -59,6 +70,10 @@ __all__ = [
     "fp8_update_scales_",
     "fp8_gemm",
     "fp8_transpose",
+    "fp8_tensor_scale",
+    "fp8_cast_transpose",
+    "fp8_cast_transpose_dbias",
+    "fp8_quantize_rowwise",
     # the bits of tensor_flags
     "HELD_INF",
     "HELD_NAN",

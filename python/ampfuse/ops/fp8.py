@@ -76,6 +76,41 @@ def fp8_transpose(input: torch.Tensor) -> torch.Tensor:
     return torch.ops.ampfuse.fp8_transpose(input)
 
 
+def fp8_tensor_scale(input: torch.Tensor, dtype: torch.dtype, margin: float = 0.0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling of one tensor: ``(amax, scale, scale_inv)``, each a fresh fp32 ``[1]``
+    on ``input``'s device, computed there (no host sync). ``amax = input.abs().amax()`` with
+    nan winning; ``scale = FP8_MAX[dtype] / amax / 2**margin`` in fp32; ``scale_inv = 1 / scale``.
+    An all-zero (or empty) input gives scale 1; an inf or nan anywhere gives a nan scale and
+    scale_inv, so that everything computed from them is nan and an overflow check sees it; a
+    quotient beyond fp32's range is clamped to the largest finite / smallest normal fp32."""
+    return torch.ops.ampfuse.fp8_tensor_scale(input, dtype, float(margin))
+
+
+def fp8_cast_transpose(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a 2-D ``input`` ``[m, k]``: its fp8 codes as :func:`fp8_cast_amax` gives them
+    (``[m, k]``) and the same codes transposed (``[k, m]``, contiguous), with ``amax`` folded
+    as :func:`fp8_cast_amax` folds it, in one pass over ``input``."""
+    return torch.ops.ampfuse.fp8_cast_transpose(input, scale, amax, dtype)
+
+
+def fp8_cast_transpose_dbias(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fp8_cast_transpose` plus ``dbias = input.sum(0)`` accumulated in fp32 (fp32 ``[k]``),
+    the bias gradient of a linear layer whose output gradient is ``input``."""
+    return torch.ops.ampfuse.fp8_cast_transpose_dbias(input, scale, amax, dtype)
+
+
+def fp8_quantize_rowwise(input: torch.Tensor, dtype: torch.dtype, transpose: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise current scaling of a 2-D ``input`` ``[m, k]``: ``transpose=False`` gives the codes
+    ``[m, k]`` and one ``scale_inv`` per row (``[m]``); ``transpose=True`` gives the codes of
+    ``input.T`` (``[k, m]``, contiguous) and one ``scale_inv`` per column of ``input`` (``[k]``).
+    Each row's (column's) scale follows :func:`fp8_tensor_scale`'s rule, without margin."""
+    return torch.ops.ampfuse.fp8_quantize_rowwise(input, dtype, bool(transpose))
+
+
 # ---- fake kernels: the checks that need no data, with the real kernels' wording ----------
 
 
@@ -179,3 +214,66 @@ def _transpose_fake(input: torch.Tensor) -> torch.Tensor:
                            f"{tuple(input.shape)}; reshape it to 2-D first (an FP8 GEMM operand "
                            "is a matrix).")
     return input.new_empty((input.shape[1], input.shape[0]))
+
+
+def _check_input_dtype(op: str, input: torch.Tensor) -> None:
+    if input.dtype not in _INPUT_DTYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: input has dtype {input.dtype}; ampfuse ops take torch.float32, "
+            "torch.float16 or torch.bfloat16 tensors."
+        )
+
+
+def _check_matrix(op: str, input: torch.Tensor) -> None:
+    if input.dim() != 2:
+        raise RuntimeError(f"ampfuse.{op}: input must be 2-D [m, k], got shape "
+                           f"{tuple(input.shape)}; flatten the leading dimensions first "
+                           "(x.reshape(-1, x.shape[-1])).")
+    _check_input_dtype(op, input)
+
+
+@torch.library.register_fake("ampfuse::fp8_tensor_scale")
+def _tensor_scale_fake(input: torch.Tensor, dtype: torch.dtype, margin: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = "fp8_tensor_scale"
+    _check_input_dtype(op, input)
+    _check_fp8_dtype(op, "dtype", dtype)
+    if not (0.0 <= margin <= 64.0):
+        raise RuntimeError(f"ampfuse.{op}: margin must be a finite number between 0 and 64, "
+                           f"got {margin}.")
+    return tuple(input.new_empty((1,), dtype=torch.float32) for _ in range(3))  # type: ignore[return-value]
+
+
+def _cast_transpose_common(op: str, input: torch.Tensor, scale: torch.Tensor,
+                           amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_matrix(op, input)
+    _check_fp8_dtype(op, "dtype", dtype)
+    check_scalar(op, "scale", scale, torch.float32, input.device, device_owner="input")
+    check_scalar(op, "amax", amax, torch.float32, input.device, device_owner="input")
+    m, k = input.shape
+    return input.new_empty((m, k), dtype=dtype), input.new_empty((k, m), dtype=dtype)
+
+
+@torch.library.register_fake("ampfuse::fp8_cast_transpose")
+def _cast_transpose_fake(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cast_transpose_common("fp8_cast_transpose", input, scale, amax, dtype)
+
+
+@torch.library.register_fake("ampfuse::fp8_cast_transpose_dbias")
+def _cast_transpose_dbias_fake(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, out_t = _cast_transpose_common("fp8_cast_transpose_dbias", input, scale, amax, dtype)
+    return out, out_t, input.new_empty((input.shape[1],), dtype=torch.float32)
+
+
+@torch.library.register_fake("ampfuse::fp8_quantize_rowwise")
+def _quantize_rowwise_fake(input: torch.Tensor, dtype: torch.dtype, transpose: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "fp8_quantize_rowwise"
+    _check_matrix(op, input)
+    _check_fp8_dtype(op, "dtype", dtype)
+    m, k = input.shape
+    if transpose:
+        return input.new_empty((k, m), dtype=dtype), input.new_empty((k,), dtype=torch.float32)
+    return input.new_empty((m, k), dtype=dtype), input.new_empty((m,), dtype=torch.float32)

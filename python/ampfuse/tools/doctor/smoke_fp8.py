@@ -87,3 +87,69 @@ SMOKE_TESTS = {
     "fp8_gemm": smoke_gemm,
     "fp8_transpose": smoke_transpose,
 }
+
+
+def _torch_codes(x, scale, fp8):
+    limit = FP8_MAX[fp8]
+    return (x.float() * scale).clamp(-limit, limit).to(fp8).view(torch.uint8)
+
+
+def smoke_tensor_scale(ops, device):
+    x = _sample((5, 7), torch.bfloat16, device, 5)
+    amax, scale, scale_inv = ops.fp8_tensor_scale(x, E4M3, 1.0)
+    want_amax = x.float().abs().max()
+    want = (torch.tensor(448.0) / want_amax.cpu()) / 2.0
+    if amax.item() != want_amax.item():
+        return f"amax {amax.item()}, torch gives {want_amax.item()}"
+    if scale.item() != want.item() or scale_inv.item() != (1 / want).item():
+        return f"scale {scale.item()}, expected {want.item()} (448 / amax / 2**1)"
+    return None
+
+
+def smoke_cast_transpose(ops, device):
+    x = _sample((9, 20), torch.float32, device, 6)
+    scale, amax = torch.full((1,), 30.0, device=device), torch.zeros(1, device=device)
+    out, out_t = ops.fp8_cast_transpose(x, scale, amax, E4M3)
+    expected = _torch_codes(x, scale, E4M3)
+    if not torch.equal(out.view(torch.uint8), expected):
+        return "the codes differ from torch's clamp and cast"
+    if not torch.equal(out_t.view(torch.uint8), expected.t().contiguous()):
+        return "the transposed codes differ from torch's transpose of the codes"
+    if amax.item() != x.abs().max().item():
+        return f"amax {amax.item()}, torch gives {x.abs().max().item()}"
+    return None
+
+
+def smoke_cast_transpose_dbias(ops, device):
+    x = _sample((9, 20), torch.float16, device, 7)
+    scale, amax = torch.full((1,), 30.0, device=device), torch.zeros(1, device=device)
+    out, out_t, dbias = ops.fp8_cast_transpose_dbias(x, scale, amax, torch.float8_e5m2)
+    expected = _torch_codes(x, scale, torch.float8_e5m2)
+    if not torch.equal(out.view(torch.uint8), expected) or not torch.equal(
+            out_t.view(torch.uint8), expected.t().contiguous()):
+        return "the codes differ from torch's clamp and cast"
+    worst = (dbias.double() - x.double().sum(0)).abs().max().item()
+    if not worst <= 1e-5:
+        return f"dbias differs from the float64 column sums by {worst:.2e}"
+    return None
+
+
+def smoke_quantize_rowwise(ops, device):
+    x = _sample((6, 16), torch.float32, device, 8) * torch.logspace(-3, 3, 6, device=device)[:, None]
+    for transpose in (False, True):
+        rows = x.t() if transpose else x
+        out, scale_inv = ops.fp8_quantize_rowwise(x, E4M3, transpose)
+        scale = torch.tensor(448.0, device=device) / rows.abs().amax(1)
+        if not torch.equal(out.view(torch.uint8), _torch_codes(rows, scale[:, None], E4M3)):
+            return f"transpose={transpose}: the codes differ from torch's per-row cast"
+        if not torch.equal(scale_inv, 1 / scale):
+            return f"transpose={transpose}: scale_inv is not 1 / (448 / row amax)"
+    return None
+
+
+SMOKE_TESTS.update({
+    "fp8_tensor_scale": smoke_tensor_scale,
+    "fp8_cast_transpose": smoke_cast_transpose,
+    "fp8_cast_transpose_dbias": smoke_cast_transpose_dbias,
+    "fp8_quantize_rowwise": smoke_quantize_rowwise,
+})
