@@ -12,9 +12,13 @@ MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def scale_from_amax(amax, dtype, margin=0.0):
-    """fp32 scale and scale_inv from fp32 amaxes (any shape)."""
-    scale = torch.where(amax > 0, MAX[dtype] / amax / 2.0**margin, torch.ones_like(amax))
-    return scale, 1.0 / scale
+    """fp32 scale and scale_inv from fp32 amaxes (any shape), each division correctly rounded
+    to fp32 (done in fp64, which rounds a quotient of fp32 values once more exactly: torch's
+    vectorized fp32 division and reciprocal may differ by an ulp)."""
+    quotient = (MAX[dtype] / amax.double()).float()
+    scale = torch.where(amax > 0, (quotient.double() / 2.0**margin).float(),
+                        torch.ones_like(amax))
+    return scale, (1.0 / scale.double()).float()
 
 
 def tensor_scale(x, dtype, margin=0.0):
