@@ -27,8 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 # Bumped by every optimizer step (before and after it) and by invalidate_all: a cached copy
 # made under another generation is stale.
