@@ -137,3 +137,24 @@ def test_nothing_is_cached_while_compiling():
     fp8.invalidate(eager)
     with torch.no_grad():
         assert torch.equal(compiled(x), eager(x))
+
+
+def test_amp_o2_step_is_seen():
+    """Under amp O2 the optimizer steps the fp32 masters and amp writes the bf16 model params
+    after the step: the next forward quantizes the new weights."""
+    from ampfuse import amp
+
+    torch.manual_seed(8)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    opt = FusedAdamW(m.parameters(), lr=1e-1)
+    m, opt = amp.initialize(m, opt, opt_level="O2", dtype=torch.bfloat16, fp8=True,
+                            fp8_min_features=0, verbosity=0)
+    x = batches(10, 1)[0][0]
+    for _ in range(2):
+        before = m[0].weight.detach().clone()
+        with amp.scale_loss(m(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(m[0].weight, before)
+        assert forward_sees(m, x.bfloat16())
