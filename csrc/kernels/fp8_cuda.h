@@ -70,8 +70,9 @@ struct Fp8GemmContext {
 // mode, fast_accum, bias, out dtype, pointer alignment, workspace size) and cached for the
 // process, per host thread: a cached plan is only touched by its own thread. Returns whether
 // the bias was fused into the epilogue; when cuBLASLt has no kernel with the bias epilogue for
-// a problem (possible for rowwise scaling, whose kernels are newer), the plan runs without it and returns false, and
-// the caller adds the bias.
+// a problem (its heuristic finds none, or it refuses the first launch; possible for rowwise
+// scaling, whose kernels are newer), the plan runs without it from then on and returns false,
+// and the caller adds the bias.
 bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream);
 
 // Counters of fp8_gemm's plan cache over the process (all threads): plans built (one

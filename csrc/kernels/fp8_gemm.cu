@@ -101,6 +101,20 @@ struct PlanKeyHash {
   }
 };
 
+// The problem in words, for errors.
+std::string problem(const PlanKey& key) {
+  return "m=" + std::to_string(key.m) + ", n=" + std::to_string(key.n) + ", k=" +
+         std::to_string(key.k) + ", " +
+         (key.scale_mode == Fp8ScaleMode::kRowwise ? "rowwise" : "tensorwise") +
+         " scales, out_dtype " + out_name(key.out_dtype) + ", use_fast_accum=" +
+         (key.fast_accum ? "True" : "False") + ", pointers aligned to " +
+         std::to_string(key.alignment) + " bytes";
+}
+
+constexpr const char* kRequirements =
+    "FP8 GEMMs need an sm_89 or newer GPU (rowwise scales sm_90 or newer) and a CUDA 12.9 or "
+    "newer cuBLAS. Try tensorwise scales or another out_dtype.";
+
 template <typename T>
 void set_attribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
                    const T& value, const char* what) {
@@ -114,6 +128,7 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, out = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool fused_bias = false;
+  bool launched = false;  // cuBLASLt has accepted a launch of this plan
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -209,15 +224,8 @@ std::unique_ptr<Plan> build_plan(const PlanKey& key, cublasLtHandle_t handle) {
     plan->fused_bias = false;
     if (pick_algorithm(*plan, key, handle)) return plan;
   }
-  throw std::runtime_error(
-      std::string("ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for this problem (m=") +
-      std::to_string(key.m) + ", n=" + std::to_string(key.n) + ", k=" + std::to_string(key.k) +
-      ", " + (key.scale_mode == Fp8ScaleMode::kRowwise ? "rowwise" : "tensorwise") +
-      " scales, out_dtype " + out_name(key.out_dtype) + ", use_fast_accum=" +
-      (key.fast_accum ? "True" : "False") + ", pointers aligned to " +
-      std::to_string(key.alignment) + " bytes); FP8 GEMMs need an sm_89 or newer GPU (rowwise "
-      "scales sm_90 or newer) and a CUDA 12.9 or newer cuBLAS. Try tensorwise scales or "
-      "another out_dtype.");
+  throw std::runtime_error("ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for " + problem(key) +
+                           "; " + kRequirements);
 }
 
 std::atomic<std::int64_t> plans_built{0};
@@ -237,13 +245,10 @@ Plan& plan_for(const PlanKey& key, cublasLtHandle_t handle) {
 
 }  // namespace
 
-bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream) {
-  const auto handle = static_cast<cublasLtHandle_t>(context.blaslt_handle);
-  const PlanKey key{args.device,     args.m,          args.n,
-                    args.k,          args.a_format,   args.b_format,
-                    args.scale_mode, args.fast_accum, args.bias != nullptr,
-                    args.out_dtype,  common_alignment(args), context.workspace_bytes};
-  Plan& plan = plan_for(key, handle);
+namespace {
+
+cublasStatus_t launch(Plan& plan, const Fp8GemmArgs& args, const Fp8GemmContext& context,
+                      cublasLtHandle_t handle, StreamHandle stream) {
   set_attribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv,
                 "setting A's scale");
   set_attribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv,
@@ -253,10 +258,40 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
   }
   const float alpha = 1.0f;
   const float beta = 0.0f;  // C is D's buffer and is not read
-  check(cublasLtMatmul(handle, plan.op, &alpha, args.b, plan.a, args.a, plan.b, &beta, args.out,
-                       plan.out, args.out, plan.out, &plan.algo, context.workspace,
-                       context.workspace_bytes, reinterpret_cast<cudaStream_t>(stream)),
-        "cublasLtMatmul");
+  return cublasLtMatmul(handle, plan.op, &alpha, args.b, plan.a, args.a, plan.b, &beta, args.out,
+                        plan.out, args.out, plan.out, &plan.algo, context.workspace,
+                        context.workspace_bytes, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // namespace
+
+bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream) {
+  const auto handle = static_cast<cublasLtHandle_t>(context.blaslt_handle);
+  const PlanKey key{args.device,     args.m,          args.n,
+                    args.k,          args.a_format,   args.b_format,
+                    args.scale_mode, args.fast_accum, args.bias != nullptr,
+                    args.out_dtype,  common_alignment(args), context.workspace_bytes};
+  Plan& plan = plan_for(key, handle);
+  cublasStatus_t status = launch(plan, args, context, handle, stream);
+  if (status != CUBLAS_STATUS_SUCCESS && !plan.launched && plan.fused_bias &&
+      (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
+    // cuBLASLt checks some combinations (scale modes with epilogues) only at the launch, and
+    // refuses them there before enqueuing anything: run this problem without the bias
+    // epilogue from now on; the caller adds the bias.
+    describe(plan, key, false);
+    plan.fused_bias = false;
+    if (!pick_algorithm(plan, key, handle)) {
+      throw std::runtime_error("ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for " +
+                               problem(key) + "; " + kRequirements);
+    }
+    status = launch(plan, args, context, handle, stream);
+  }
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string("ampfuse.fp8_gemm: cublasLtMatmul failed (") +
+                             cublasLtGetStatusString(status) + ") for " + problem(key) + "; " +
+                             kRequirements);
+  }
+  plan.launched = true;
   return plan.fused_bias;
 }
 

@@ -149,11 +149,18 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     // an fp32 output they take a bf16 bias only (cuBLASLt's FP8 type table), so an fp32 bias
     // is added after, which keeps its bits.
     const bool fused_bias = bias.has_value() && out_dtype != at::kFloat;
+    // The epilogue reads the bias as a dense vector: a strided view (bias[::2]) is copied.
+    const at::Tensor fused_bias_values = fused_bias ? bias->contiguous() : at::Tensor();
     const kernels::StreamHandle stream = current_stream(a.device());
-    kernels::cuda::Fp8GemmArgs args{a.data_ptr(), a_format, b.data_ptr(), b_format, m, n, k,
-                                    a_scales.data_ptr<float>(), b_scales.data_ptr<float>(), mode,
-                                    use_fast_accum, fused_bias ? bias->data_ptr() : nullptr,
-                                    out.data_ptr(), out_kernel_dtype, device};
+    kernels::cuda::Fp8GemmArgs args{
+        a.data_ptr(),   a_format,
+        b.data_ptr(),   b_format,
+        m,              n,
+        k,              a_scales.data_ptr<float>(),
+        b_scales.data_ptr<float>(), mode,
+        use_fast_accum, fused_bias ? fused_bias_values.data_ptr() : nullptr,
+        out.data_ptr(), out_kernel_dtype,
+        device};
     // torch's cuBLASLt handle (one per thread and device) and its workspace for this handle
     // and the current stream: allocated once from the caching allocator and kept, so memory
     // stats and CUDA graphs see it, and shared with torch's own GEMMs on the stream (stream

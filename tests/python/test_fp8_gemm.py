@@ -78,6 +78,32 @@ def test_rowwise_scales_apply_per_row_of_a_and_per_row_of_b():
     assert torch.equal(out, base * sa[:, None] * sb[None, :])
 
 
+@pytest.mark.parametrize("formats", [(E4M3, E4M3), (E4M3, E5M2)], ids=["e4m3-e4m3", "e4m3-e5m2"])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=OUT_IDS.get)
+def test_cpu_emulation_agrees_with_torch_scaled_mm(formats, out_dtype):
+    """torch's own CPU _scaled_mm (tensorwise only on the CPU in torch 2.11; its second operand
+    column-major, hence b.t()): both within their bound of the exact value."""
+    a, b, sa, sb, bias = operands(32, 48, 256, *formats, seed=9)
+    bias = bias.to(out_dtype)
+    ours = fp8_gemm(a, b, sa, sb, bias, out_dtype)
+    theirs = torch._scaled_mm(a, b.t(), sa.reshape(()), sb.reshape(()), bias=bias,
+                              out_dtype=out_dtype)
+    expected = float64_reference(a, b, sa, sb, bias)
+    bound = 2 * error_bound(a, b, sa, sb, expected, out_dtype)
+    assert ((ours.double() - theirs.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_strided_bias_and_scales_are_read_as_values(rowwise):
+    """A bias or rowwise scale that is a strided view gives the same result as its copy."""
+    a, b, sa, sb, bias = operands(32, 48, 64, rowwise=rowwise, seed=12)
+    wide_bias = torch.stack([bias, -bias], 1).flatten().half()      # bias = wide_bias[::2]
+    strided = [t if t.numel() == 1 else torch.stack([t, t + 1], 1).flatten()[::2]
+               for t in (sa, sb)]
+    expected = fp8_gemm(a, b, sa, sb, bias.half(), torch.float16)
+    assert torch.equal(fp8_gemm(a, b, *strided, wide_bias[::2], torch.float16), expected)
+
+
 def test_opcheck(device):
     """opcheck's test_schema cannot run on fp8 inputs: its mutation check multiplies the
     inputs, which torch does not implement for float8 dtypes. The other three checks run,
