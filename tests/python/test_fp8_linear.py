@@ -1,4 +1,5 @@
-"""ampfuse.fp8: the DelayedScaling recipe, fp8.Linear and update_scales, on the CPU.
+"""ampfuse.fp8: the DelayedScaling recipe, fp8.Linear and update_scales, on the CPU (the
+other recipes: test_fp8_recipes.py).
 
 fp8.Linear is checked against the same quantization written with torch ops (torch's float8
 casts and an fp32 matmul), forward and backward, with scales that are not 1; its amaxes and
@@ -94,7 +95,7 @@ def test_records_amaxes_and_updates_by_the_formula():
 
 def test_update_scales_finds_every_layer_and_skips_with_found_inf():
     model = torch.nn.Sequential(make_layer(1), torch.nn.ReLU(), torch.nn.Linear(32, 32),
-                                fp8.Linear(32, 64))
+                                fp8.Linear(32, 64, recipe=fp8.DelayedScaling()))
     x, _ = step_data(5)
     model(x).sum().backward()
     assert len(fp8.fp8_modules(model)) == 2
@@ -197,7 +198,8 @@ def test_refusals():
         fp8.Linear(24, 32)
     with raises_naming("out_features=8"):
         fp8.Linear(32, 8)
-    with pytest.raises(TypeError, match="recipe must be an ampfuse.fp8.DelayedScaling"):
+    with pytest.raises(TypeError, match="recipe must be ampfuse.fp8.CurrentScaling, "
+                       "ampfuse.fp8.RowwiseScaling or ampfuse.fp8.DelayedScaling"):
         fp8.Linear(32, 32, recipe={"margin": 0})
     with raises_naming("48 features", "64"):
         make_layer()(torch.randn(2, 48))

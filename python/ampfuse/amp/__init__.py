@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -47,7 +47,7 @@ from ampfuse.amp.optimizer_access import hookable, optimizer_params
 from ampfuse.amp.sharded import refuse_casting_sharded_models
 
 if TYPE_CHECKING:
-    from ampfuse.fp8 import DelayedScaling
+    from ampfuse.fp8 import Recipe
     from ampfuse.overflow import OverflowReport
 
 __all__ = [
@@ -101,7 +101,11 @@ def initialize(
     all_reduce_found_inf: bool = False,
     process_group: torch.distributed.ProcessGroup | None = None,
     attribute_overflow: bool = True,
-    fp8: bool | DelayedScaling | None = False,
+    fp8: bool | Recipe | None = False,
+    fp8_module_filter: Callable[[str, torch.nn.Module], bool] | None = None,
+    fp8_min_features: int | None = None,
+    fp8_include: Collection[str] | None = None,
+    fp8_exclude: Collection[str] | None = None,
 ) -> Any:
     """Sets models and optimizers up for mixed precision and returns them in the shapes given
     (a model or a list; an optimizer, a list, or nothing).
@@ -119,8 +123,12 @@ def initialize(
     attribute_overflow (default True): the unscale/check kernels also record which gradients
     held inf/nan, in the same pass, for amp.last_overflow() and the overflow summary; False
     turns that off.
-    fp8: True or an ampfuse.fp8.DelayedScaling recipe, at O2 only: nn.Linear layers whose
-    sizes are multiples of 16 compute their GEMMs in FP8 (see ampfuse.amp.fp8_layers).
+    fp8: True (ampfuse.fp8.CurrentScaling()) or a recipe (ampfuse.fp8.CurrentScaling,
+    RowwiseScaling or DelayedScaling), at O2 only: the nn.Linear layers large enough to gain
+    compute their GEMMs in FP8 (see ampfuse.fp8.convert); fp8_module_filter(fqn, module),
+    fp8_min_features, fp8_include and fp8_exclude override that choice as convert's
+    module_filter, min_features, include and exclude do. verbosity >= 1 prints each Linear's
+    decision and its reason.
     """
     global _latest
     model_list, models_were_list = as_list(models)
@@ -152,6 +160,9 @@ def initialize(
             f"amp.initialize: attribute_overflow must be True or False, got "
             f"{attribute_overflow!r}."
         )
+    fp8_layers.check_filter_options(fp8, fp8_module_filter=fp8_module_filter,
+                                    fp8_min_features=fp8_min_features, fp8_include=fp8_include,
+                                    fp8_exclude=fp8_exclude)
     fp8_recipe = fp8_layers.resolve(fp8, props.opt_level, device)
     if enabled:
         check_param_dtypes(model_list, props)
@@ -197,7 +208,10 @@ def initialize(
                 if props.cast_model_outputs is not None:
                     handle.hooks += casting.cast_model_io(model, None, props.cast_model_outputs)
         if fp8_recipe is not None:
-            fp8_layers.swap_linears(model_list, fp8_recipe)
+            fp8_layers.convert_linears(model_list, fp8_recipe, verbosity,
+                                       module_filter=fp8_module_filter,
+                                       min_features=fp8_min_features, include=fp8_include,
+                                       exclude=fp8_exclude)
         # Only params that were actually cast down need fp32 masters.
         cast_down = {p: v for p, v in originals.items() if p.dtype != torch.float32}
         for optimizer in optimizer_list:
@@ -206,7 +220,8 @@ def initialize(
         if cast_down:
             for model in model_list:
                 handle.watch_model(model)
-        if fp8_recipe is not None and optimizer_list:
+        if (fp8_recipe is not None and optimizer_list
+                and fp8_layers.ScaleUpdates.needed(model_list)):
             handle.hooks.append(fp8_layers.ScaleUpdates(
                 model_list, handle.binding_of(optimizer_list[0])))
 

@@ -1,4 +1,10 @@
-"""The FP8 recipe: how delayed scaling picks each FP8 tensor's scale."""
+"""The FP8 recipes: how each FP8 tensor of a Linear gets its scale.
+
+``CurrentScaling`` (the default, what ``fp8=True`` means): one scale per tensor from its own
+amax in the same step. ``RowwiseScaling``: one scale per row of activations and output grads
+and per output feature of the weight, all e4m3. ``DelayedScaling``: a scale from the amaxes of
+earlier steps (an amax history per tensor, updated once per optimizer step).
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,13 @@ _FORMATS = {
 }
 
 
-def _format(field: str, value: object) -> torch.dtype:
+def _format(field: str, value: object,
+            name: str = "ampfuse.fp8.DelayedScaling") -> torch.dtype:
     try:
         return _FORMATS[value]
     except (KeyError, TypeError):
         raise ValueError(
-            f"ampfuse.fp8.DelayedScaling: {field}={value!r} is not an FP8 format; use \"e4m3\" "
+            f"{name}: {field}={value!r} is not an FP8 format; use \"e4m3\" "
             "(torch.float8_e4m3fn) or \"e5m2\" (torch.float8_e5m2)."
         ) from None
 
@@ -70,3 +77,83 @@ class DelayedScaling:
             )
         object.__setattr__(self, "fwd_format", fwd)
         object.__setattr__(self, "bwd_format", _format("bwd_format", self.bwd_format))
+
+
+def _check_flag(name: str, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: {field} must be True or False, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Current (per-tensor, dynamic) scaling: each FP8 tensor is cast with
+    ``fp8_max / amax`` of its own values in the same step, so no history is kept and there is
+    nothing to update between steps. The weight's FP8 copies are made once per optimizer step
+    and reused by every micro-batch (see ampfuse.fp8.weight_cache).
+
+    fwd_format: inputs and weights, only "e4m3" (cuBLASLt's FP8 GEMMs take at most one e5m2
+    operand). bwd_format: output gradients, "e5m2" (range, the usual choice) or "e4m3".
+    fast_accum_fwd / fast_accum_bwd: cuBLASLt's fast FP8 accumulation for the forward GEMM
+    (on by default, as TransformerEngine and torchao do) and for the two backward GEMMs (off:
+    gradients sum over many more products). The CPU emulation ignores them.
+    """
+
+    fwd_format: str | torch.dtype = "e4m3"
+    bwd_format: str | torch.dtype = "e5m2"
+    fast_accum_fwd: bool = True
+    fast_accum_bwd: bool = False
+
+    def __post_init__(self) -> None:
+        name = "ampfuse.fp8.CurrentScaling"
+        fwd = _format("fwd_format", self.fwd_format, name)
+        if fwd != torch.float8_e4m3fn:
+            raise ValueError(f"{name}: fwd_format must be \"e4m3\": the forward GEMM multiplies "
+                             "two forward tensors, and cuBLASLt's FP8 GEMMs take at most one "
+                             "e5m2 operand. Use bwd_format for e5m2 gradients.")
+        object.__setattr__(self, "fwd_format", fwd)
+        object.__setattr__(self, "bwd_format", _format("bwd_format", self.bwd_format, name))
+        _check_flag(name, "fast_accum_fwd", self.fast_accum_fwd)
+        _check_flag(name, "fast_accum_bwd", self.fast_accum_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling:
+    """Rowwise scaling: one scale per row of each GEMM operand (per token for activations and
+    output gradients, per output feature of the weight; the backward GEMMs take per-column
+    scales of the transposed operands), every tensor e4m3. More accurate than one scale per
+    tensor when rows differ in range, a little slower.
+
+    fast_accum_fwd / fast_accum_bwd: as in CurrentScaling.
+    """
+
+    fast_accum_fwd: bool = True
+    fast_accum_bwd: bool = False
+
+    def __post_init__(self) -> None:
+        name = "ampfuse.fp8.RowwiseScaling"
+        _check_flag(name, "fast_accum_fwd", self.fast_accum_fwd)
+        _check_flag(name, "fast_accum_bwd", self.fast_accum_bwd)
+
+    @property
+    def fwd_format(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_format(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+
+# Every recipe ampfuse knows; anything else is refused by checked_recipe.
+Recipe = CurrentScaling | RowwiseScaling | DelayedScaling
+RECIPES = (CurrentScaling, RowwiseScaling, DelayedScaling)
+
+
+def checked_recipe(recipe: object, where: str) -> Recipe:
+    """`recipe` if it is one of ampfuse's recipes, CurrentScaling() for None; else TypeError."""
+    if recipe is None:
+        return CurrentScaling()
+    if isinstance(recipe, RECIPES):
+        return recipe
+    raise TypeError(
+        f"{where}: recipe must be ampfuse.fp8.CurrentScaling, ampfuse.fp8.RowwiseScaling or "
+        f"ampfuse.fp8.DelayedScaling, got {type(recipe).__module__}.{type(recipe).__qualname__}.")

@@ -1,4 +1,5 @@
-"""One delayed-scaling update for every FP8 tensor of a model, per optimizer step."""
+"""One delayed-scaling update for every FP8 tensor of a model, per optimizer step; and
+``invalidate``, which drops cached FP8 weights after a write no optimizer step covers."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from collections import defaultdict
 
 import torch
 
-from ampfuse.ops import fp8 as fp8_ops
 from ampfuse.fp8.linear import Linear
+from ampfuse.fp8.recipe import DelayedScaling
+from ampfuse.fp8.weight_cache import invalidate_all
+from ampfuse.ops import fp8 as fp8_ops
 
 
 def fp8_modules(
@@ -32,10 +35,14 @@ def update_scales(models: torch.nn.Module | list[torch.nn.Module] | tuple[torch.
 
     Call it once per optimizer step, after the step's backward passes (amp.initialize with
     fp8 does, in an optimizer step pre-hook). ``found_inf``: this step's overflow flag; when
-    it is set the step's amaxes are dropped and the scales stay."""
+    it is set the step's amaxes are dropped and the scales stay. Layers of the other recipes
+    have nothing to update and are passed over."""
+    invalidate_all()  # the weights' cached FP8 copies were cast with the old scales
     groups: defaultdict[tuple[torch.device, int, str], list[Linear]] = defaultdict(list)
     for m in fp8_modules(models):
         r = m.fp8_recipe
+        if not isinstance(r, DelayedScaling):
+            continue  # current and rowwise scaling keep no history
         groups[(m.fp8_input_amax.device, r.margin, r.amax_compute)].append(m)
     for (device, margin, amax_compute), mods in groups.items():
         lists = {kind: [t for m in mods for t in m.fp8_state(kind)]
@@ -44,3 +51,12 @@ def update_scales(models: torch.nn.Module | list[torch.nn.Module] | tuple[torch.
         fp8_ops.fp8_update_scales_(
             lists["amax"], lists["amax_history"], lists["scale"], lists["scale_inv"],
             [v for m in mods for v in m.fp8_maxes()], margin, amax_compute, flag)
+
+
+def invalidate(models: torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...]
+               ) -> None:
+    """Drops the cached FP8 weights of every ampfuse.fp8.Linear in `models`. Needed only after
+    writing a weight through ``.data`` (which bypasses its version counter) when no optimizer
+    step follows before the next forward; every other write is seen on its own."""
+    for m in fp8_modules(models):
+        m.invalidate()
