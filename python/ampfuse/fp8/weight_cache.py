@@ -14,8 +14,9 @@ next ones. A cached copy is dropped when anything may have written the weight:
 
 A layer that is itself an FSDP2 ``fully_shard`` unit caches nothing: its weight is
 all-gathered for each forward, and keeping the whole layer's FP8 copies between micro-batches
-would undo the sharding's memory saving. While torch.compile traces, nothing is cached: the compiled graph quantizes the weight in
-each forward (a graph cannot keep Python state between calls). The one write the cache cannot
+would undo the sharding's memory saving. While torch.compile traces, nothing is cached: the
+compiled graph quantizes the weight in each forward (a graph cannot keep Python state between
+calls). The one write the cache cannot
 see is one through ``p.data`` (``p.data.copy_(...)``), which by design bypasses the version
 counter: call ``ampfuse.fp8.invalidate(model)`` after such a write if no optimizer step
 follows it before the next forward.
