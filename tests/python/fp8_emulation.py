@@ -28,8 +28,8 @@ def tensor_scale(x, dtype, margin=0.0):
 
 
 def cast(x, scale, dtype):
-    """sat(x * scale) in `dtype` (scale: [1], or [rows, 1] for rowwise)."""
-    return (x.float() * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+    """sat(x * scale) in `dtype` (scale: [1], or [rows, 1] for rowwise; on any device)."""
+    return (x.float() * scale.float().to(x.device)).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
 
 
 def cast_transpose(x, scale, dtype):

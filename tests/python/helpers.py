@@ -4,10 +4,9 @@ import contextlib
 import pathlib
 import re
 
+import ampfuse
 import pytest
 import torch
-
-import ampfuse
 
 # The folder ampfuse was imported from: site-packages for an installed wheel (how `make test`
 # runs), python/ of the checkout for a source build. Tests that start a Python of their own put
@@ -16,6 +15,8 @@ AMPFUSE_PATH = str(pathlib.Path(ampfuse.__file__).resolve().parents[1])
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_IDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 CHUNK = 65536
 # Sizes on both sides of the 64K-element chunk the kernels split work into.

@@ -13,9 +13,12 @@ import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
 from ampfuse.ops.fp8 import FP8_MAX, fp8_cast_amax, fp8_cast_transpose, fp8_cast_transpose_dbias
+from fp8_emulation import cast
 from helpers import (
     DTYPE_IDS,
     FLOAT_DTYPES,
+    FP8,
+    FP8_IDS,
     POSITIONS,
     make_generator,
     other_device,
@@ -23,15 +26,8 @@ from helpers import (
     raises_naming,
 )
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_IDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 # Odd sizes (scalar tails), tile multiples and a shape past one tile in both directions.
 SHAPES = [(1, 1), (3, 5), (16, 16), (64, 128), (67, 129), (130, 48), (256, 33)]
-
-
-def reference(x, scale, dtype):
-    m = FP8_MAX[dtype]
-    return (x.float() * scale.float().cpu().to(x.device)).clamp(-m, m).to(dtype)
 
 
 def wide_matrix(shape, dtype, device, seed=0):
@@ -73,7 +69,7 @@ def test_codes_transpose_amax_and_dbias(device, src, fp8, shape):
     out, out_t, dbias = both_ops(x, scale, amax, fp8)
     assert out.dtype == fp8 and out.shape == shape and out.is_contiguous()
     assert out_t.dtype == fp8 and out_t.shape == shape[::-1] and out_t.is_contiguous()
-    expected = reference(x, scale, fp8)
+    expected = cast(x, scale, fp8)
     assert_same_bits(out, expected)
     assert_same_bits(out_t, expected.t().contiguous())
     assert amax.item() == x.float().abs().amax().item()
@@ -107,7 +103,7 @@ def test_nonfinite(device, fp8, position, bad):
     scale = torch.tensor([0.5], device=device)
     amax = torch.zeros(1, device=device)
     out, out_t, dbias = both_ops(x, scale, amax, fp8)
-    expected = reference(x, scale, fp8)
+    expected = cast(x, scale, fp8)
     assert_same_bits(out, expected)
     assert_same_bits(out_t, expected.t().contiguous())
     if math.isnan(bad):
@@ -154,8 +150,8 @@ def test_non_contiguous_input_is_copied(device):
     one = torch.ones(1, device=device)
     for x in (base.t(), base[:, ::2]):
         out, out_t = fp8_cast_transpose(x, one, torch.zeros(1, device=device), torch.float8_e4m3fn)
-        assert_same_bits(out, reference(x, one, torch.float8_e4m3fn))
-        assert_same_bits(out_t, reference(x, one, torch.float8_e4m3fn).t().contiguous())
+        assert_same_bits(out, cast(x, one, torch.float8_e4m3fn))
+        assert_same_bits(out_t, cast(x, one, torch.float8_e4m3fn).t().contiguous())
 
 
 def test_opcheck(device):

@@ -16,14 +16,14 @@ from ampfuse.ops.fp8 import FP8_MAX, fp8_quantize_rowwise, fp8_tensor_scale
 from helpers import (
     DTYPE_IDS,
     FLOAT_DTYPES,
+    FP8,
+    FP8_IDS,
     POSITIONS,
     make_generator,
     position_index,
     raises_naming,
 )
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_IDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 SHAPES = [(1, 1), (3, 5), (64, 128), (67, 129), (300, 17)]
 

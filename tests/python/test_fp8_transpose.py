@@ -9,10 +9,8 @@ import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
 from ampfuse.ops.fp8 import fp8_transpose
-from helpers import POSITIONS, make_generator, position_index, raises_naming
+from helpers import FP8, FP8_IDS, POSITIONS, make_generator, position_index, raises_naming
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_IDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 # Special codes: NaN in e4m3fn is S.1111.111; e5m2 has NaN (S.11111.xx, xx != 0) and inf
 # (S.11111.00).
 SPECIAL_CODES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e5m2: (0x7C, 0xFC, 0x7E, 0xFF)}
