@@ -3,7 +3,7 @@
 
     PYTHONPATH=python python benchmarks/bench_fp8_kernels.py [--device cuda] [--json PATH]
 
-Ops (torch.ops.ampfuse, the FP8 rework's schemas; an op this build lacks is reported as such):
+Ops (torch.ops.ampfuse):
   fp8_cast_transpose        reads [m, k] once; writes the FP8 copy and its transpose (2mk B)
   fp8_cast_transpose_dbias  as above plus the fp32 column sums (4k B)
   fp8_cast_amax             reads [m, k]; writes the FP8 copy (mk B)
@@ -30,13 +30,6 @@ SHAPES = {"cuda": {"llama x [8192, 4096]": (8192, 4096),
                    "llama w [14336, 4096]": (14336, 4096),
                    "gpt2 x [8192, 768]": (8192, 768)},
           "cpu": {"tiny [256, 384]": (256, 384)}}
-
-
-def _op(name):
-    try:
-        return getattr(torch.ops.ampfuse, name)
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def _calls(name, op, sets, fp8_dtype):
@@ -75,11 +68,7 @@ def run(args):
                 row = {"shape": label, "m": m, "k": k, "dtype": str(dtype).replace("torch.", ""),
                        "op": name, "device": device, "sets": sets_n}
                 rows.append(row)
-                op = _op(name)
-                if op is None:
-                    row["error"] = "not in this build (the FP8 rework's op)"
-                    continue
-                call, written = _calls(name, op, sets, fp8_dtype)
+                call, written = _calls(name, getattr(torch.ops.ampfuse, name), sets, fp8_dtype)
                 floor = in_bytes + written(m, k)
                 try:
                     medians = [statistics.median(time_calls(call, device, max(args.warmup, sets_n),

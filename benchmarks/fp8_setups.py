@@ -49,14 +49,20 @@ def torchao_float8():
     return float8
 
 
+def torchao_convert(module, setup):
+    """torchao's float8 training conversion of `module` in place, with the recipe of `setup`."""
+    float8 = torchao_float8()
+    if float8 is None:
+        raise NotAvailable("torchao does not import here")
+    config = float8.Float8LinearConfig.from_recipe_name(TORCHAO[setup])
+    float8.convert_to_float8_training(module, config=config)
+
+
 def fp8_recipe(setup):
     """The fp8= argument of amp.initialize for an ampfuse FP8 row."""
     name = FP8_RECIPES[setup]
     if name is None:
         return True
-    if not hasattr(ampfuse_fp8, name):
-        raise NotAvailable(f"ampfuse.fp8.{name} is not in this ampfuse (the FP8 rework's "
-                           "recipe, issue 31)")
     return getattr(ampfuse_fp8, name)()
 
 
@@ -82,11 +88,7 @@ def build(setup, make_model, device):
         model = make_model()
         what = "fp32 model, autocast bf16, AdamW(fused)"
         if setup in TORCHAO:
-            float8 = torchao_float8()
-            if float8 is None:
-                raise NotAvailable("torchao does not import here")
-            config = float8.Float8LinearConfig.from_recipe_name(TORCHAO[setup])
-            float8.convert_to_float8_training(model, config=config)
+            torchao_convert(model, setup)
             count = fp8_linear_count(model)
             model = torch.compile(model)
             what += f", torchao float8 {TORCHAO[setup]}, torch.compile"
@@ -131,26 +133,13 @@ def _nothing():
 
 def convert_layer(module, setup):
     """Turns the nn.Linear layers of a bf16 module into FP8 ones for a layer benchmark (no
-    optimizer): ampfuse.fp8.convert where it exists, else ampfuse.fp8.Linear.from_linear
-    (delayed scaling only), or torchao's conversion. Returns the module to call."""
+    optimizer): ampfuse.fp8.convert, or torchao's conversion. Returns the module to call."""
     if setup in TORCHAO:
-        float8 = torchao_float8()
-        if float8 is None:
-            raise NotAvailable("torchao does not import here")
-        config = float8.Float8LinearConfig.from_recipe_name(TORCHAO[setup])
-        float8.convert_to_float8_training(module, config=config)
+        torchao_convert(module, setup)
         return torch.compile(module)
     recipe = fp8_recipe(setup)
     recipe = None if recipe is True else recipe
-    convert = getattr(ampfuse_fp8, "convert", None)
-    if convert is not None:
-        convert(module, recipe, min_features=0)  # every eligible Linear, whatever its size
-        return module
-    if recipe is not None and not isinstance(recipe, ampfuse_fp8.DelayedScaling):
-        raise NotAvailable("ampfuse.fp8.convert is not in this ampfuse")
-    for sub in list(module.modules()):
-        if type(sub) is torch.nn.Linear:
-            ampfuse_fp8.Linear.from_linear(sub, recipe)
+    ampfuse_fp8.convert(module, recipe, min_features=0)  # every eligible Linear, whatever its size
     return module
 
 
