@@ -137,9 +137,9 @@ def digits_bf16_run(state_dtype: str, steps: int, master_weights) -> tuple[float
         optimizer.step()
         held = []
         for p, state in optimizer.state.items():
-            coded = convert_moments(state, state_dtype, p.shape)
+            coded = convert_moments(state, state_dtype)
             held.append(coded)
-            state.update(convert_moments(coded, "fp32", p.shape))
+            state.update(convert_moments(coded, "fp32"))
     model.eval()
     with torch.no_grad():
         logits = model(x_test.to(torch.bfloat16)).float()

@@ -39,8 +39,12 @@ def test_fused_optimizer_is_public_and_the_base_of_every_fused_optimizer():
 
     assert "FusedOptimizer" in optimizers.__all__
     assert optimizers.FusedOptimizer is _base.FusedOptimizer
+    functions = {"decode_moments"}  # the one checkpoint tool beside the optimizer classes
     for name in optimizers.__all__:
         cls = getattr(optimizers, name)
+        if name in functions:
+            assert callable(cls) and not isinstance(cls, type), name
+            continue
         assert issubclass(cls, FusedOptimizer) and issubclass(cls, torch.optim.Optimizer), name
     for method in ("master_params", "masters_for", "masters", "set_masters",
                    "set_master_weights", "mark_masters", "follow_masters"):

@@ -165,34 +165,80 @@ def _adam_state(shape: tuple[int, ...], seed: int) -> dict:
 def test_state_converts_fp32_to_codes_and_back(kind: str) -> None:
     shape = (3, 200)
     state = _adam_state(shape, seed=9)
-    coded = codes_mod.convert_moments(state, kind, torch.Size(shape))
+    coded = codes_mod.convert_moments(state, kind)
     assert codes_mod.codes_kind(coded) == kind and codes_mod.codes_kind(state) == "fp32"
     assert coded["step"] is state["step"]
     assert set(coded) == {"step"} | {f"{k}_{s}" for k in codes_mod.MOMENT_KEYS
                                      for s in ("codes", "scales")}
-    back = codes_mod.convert_moments(coded, "fp32", torch.Size(shape))
+    for key in codes_mod.MOMENT_KEYS:
+        assert coded[f"{key}_codes"].shape == shape  # laid out like the param
+    back = codes_mod.convert_moments(coded, "fp32")
     assert set(back) == set(state)
     for key, second in codes_mod.MOMENT_KEYS.items():
         assert back[key].shape == shape and back[key].dtype == torch.float32
         c, s = quantize_moment(state[key], kind, second)
         assert torch.equal(back[key].reshape(-1), dequantize_moment(c, s, kind, second))
     # Coded -> fp32 -> coded keeps every bit; coded -> the other kind goes through fp32.
-    again = codes_mod.convert_moments(back, kind, torch.Size(shape))
+    again = codes_mod.convert_moments(back, kind)
     for key in codes_mod.MOMENT_KEYS:
         assert torch.equal(again[f"{key}_codes"].view(torch.uint8),
                            coded[f"{key}_codes"].view(torch.uint8))
         assert torch.equal(again[f"{key}_scales"], coded[f"{key}_scales"])
     other = "fp8" if kind == "int8" else "int8"
-    assert codes_mod.codes_kind(codes_mod.convert_moments(coded, other, torch.Size(shape))) == other
+    assert codes_mod.codes_kind(codes_mod.convert_moments(coded, other)) == other
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_of_a_channels_last_moment_follow_memory_order(kind: str) -> None:
+    # The kernels walk a param and its state in memory order, so blocks are cut in that order:
+    # a channels_last moment codes as its memory-order flat view would.
+    state = _adam_state((4, 16, 3, 3), seed=5)
+    moments = {k: v.to(memory_format=torch.channels_last) for k, v in state.items() if k != "step"}
+    coded = codes_mod.convert_moments(dict(state, **moments), kind)
+    for key, second in codes_mod.MOMENT_KEYS.items():
+        codes = coded[f"{key}_codes"]
+        assert codes.stride() == moments[key].stride()
+        flat = moments[key].permute(0, 2, 3, 1).reshape(-1)  # memory order of channels_last
+        c, s = quantize_moment(flat, kind, second)
+        assert torch.equal(codes.permute(0, 2, 3, 1).reshape(-1).view(torch.uint8),
+                           c.view(torch.uint8))
+        assert torch.equal(coded[f"{key}_scales"], s)
+    back = codes_mod.convert_moments(coded, "fp32")
+    assert back["exp_avg"].stride() == moments["exp_avg"].stride()
+
+
+def test_prepare_moments_converts_and_makes_missing_ones() -> None:
+    p = torch.zeros(3, 200)
+    state = _adam_state((3, 200), seed=3)
+    step = state["step"]
+    held = dict(state)
+    codes_mod.prepare_moments(p, held, "int8", ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+    assert codes_mod.codes_kind(held) == "int8" and "exp_avg" not in held
+    assert held["step"] is step
+    expected = codes_mod.convert_moments(state, "int8")
+    assert all(torch.equal(held[k].view(torch.uint8) if held[k].dtype != torch.float32
+                           else held[k], expected[k].view(torch.uint8)
+                           if expected[k].dtype != torch.float32 else expected[k])
+               for k in expected)
+    codes_mod.prepare_moments(p, held, "fp32", ("exp_avg", "exp_avg_sq"))
+    assert codes_mod.codes_kind(held) == "fp32" and "exp_avg_codes" not in held
+    fresh: dict = {}
+    codes_mod.prepare_moments(p, fresh, "fp8", ("exp_avg", "exp_avg_sq"))
+    assert set(fresh) == {"exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes",
+                          "exp_avg_sq_scales"}
+    assert fresh["exp_avg_scales"].shape == (3,) and not fresh["exp_avg_scales"].any()
+    assert torch.equal(codes_mod.dequantize_moment(codes_mod.memory_flat(fresh["exp_avg_codes"]),
+                                                   fresh["exp_avg_scales"], "fp8", False),
+                       torch.zeros(600))
 
 
 def test_state_of_a_small_tensor_stays_fp32() -> None:
     state = _adam_state((BLOCK - 1,), seed=2)
-    coded = codes_mod.convert_moments(state, "int8", torch.Size((BLOCK - 1,)))
+    coded = codes_mod.convert_moments(state, "int8")
     assert codes_mod.codes_kind(coded) == "fp32"
     assert all(coded[k] is state[k] for k in state)
     with pytest.raises(ValueError, match="state_dtype='bf16'"):
-        codes_mod.convert_moments(state, "bf16", torch.Size((BLOCK - 1,)))
+        codes_mod.convert_moments(state, "bf16")
 
 
 def test_quality_script_runs_and_its_fp32_reference_is_torchs_adamw() -> None:

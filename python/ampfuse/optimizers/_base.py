@@ -63,6 +63,8 @@ from ampfuse.optimizers._skip import (
 )
 from ampfuse.optimizers._sparse import SparseCall, add_sparse
 from ampfuse.optimizers._state import OptimizerStateMixin, fp32_like
+from ampfuse.optimizers._state_codes import BLOCK as CODE_BLOCK
+from ampfuse.optimizers._state_codes import FIRST_MOMENT_CODES
 
 
 class FusedOptimizer(
@@ -276,8 +278,8 @@ class FusedOptimizer(
         traces step() whole."""
         calls: list[Any] = []  # OpCalls, then SparseCalls
         idle_steps: list[torch.Tensor] = []  # step tensors of params that have no grad this time
-        # (device, mode) -> the step tensor of params starting now
-        new_steps: dict[tuple[torch.device, str, float], torch.Tensor] = {}
+        # (device, mode, count, coded kind) -> the step tensor of params starting now
+        new_steps: dict[tuple[torch.device, str, float, str | None], torch.Tensor] = {}
         all_state = self.state
         master_weights = group["master_weights"]
         # Modes per param, decided here once per group: the loop below runs for every param
@@ -291,8 +293,12 @@ class FusedOptimizer(
         # skip it.
         records = self._param_records
         state_keys = self._state_keys(group)
+        # Block-coded moments (state_dtype, FusedAdam): the kind and the state keys of a coded
+        # param; params under one block keep state_keys (see _state_codes).
+        coded_kind, coded_keys = self._coded_layout(group)
+        coded_dtype = FIRST_MOMENT_CODES.get(coded_kind)
         call = None
-        key: Any  # a state key, then a (device, mode, count) triple
+        key: Any  # a state key, then a (device, mode, count, coded kind) tuple
         # device -> SparseCall: params with sparse grads (FusedSGD, Adagrad)
         sparse_calls: dict[torch.device, SparseCall] = {}
         for i, p in enumerate(group["params"]):
@@ -323,15 +329,22 @@ class FusedOptimizer(
             record = records.get(p)  # self._record(p), inline: no call per param
             if record is None:
                 record = records[p] = ParamRecord()
+            keys = state_keys
+            coded = None
+            if coded_keys is not None and not complex_param and p.numel() >= CODE_BLOCK:
+                keys = coded_keys
+                coded = coded_kind
             prepared = True  # a loop, not all(): no Python call per param in the steady state
-            for key in state_keys:
+            for key in keys:
                 if key not in state:
                     prepared = False
                     break
+            if coded is not None and prepared and state[keys[0]].dtype != coded_dtype:
+                prepared = False  # codes of the other kind: state_dtype changed since
             if "step" not in state or (not prepared and self._starts_over(group, state)):
                 self._check_not_capturing(index, i)
                 count = self._implied_step_count(state)
-                key = (p.device, mode, count)
+                key = (p.device, mode, count, coded)
                 if key not in new_steps:
                     new_steps[key] = torch.full((), count, dtype=torch.float32,
                                                 device=p.device)
@@ -365,14 +378,15 @@ class FusedOptimizer(
             if record.strides != p.stride():
                 self._match_layout(index, i, p, state, record)
             step = state["step"]
-            if call is None or call.step is not step or call.mode != mode:
+            if call is None or call.step is not step or call.mode != mode or call.coded != coded:
                 call = None
                 for candidate in calls:
-                    if candidate.step is step and candidate.mode == mode:
+                    if (candidate.step is step and candidate.mode == mode
+                            and candidate.coded == coded):
                         call = candidate
                         break
                 if call is None:
-                    call = OpCall(step, mode)
+                    call = OpCall(step, mode, coded)
                     calls.append(call)
             if complex_param:
                 call.has_complex = True
@@ -412,6 +426,12 @@ class FusedOptimizer(
         for key in self._state_keys(group):
             if key not in state:
                 state[key] = fp32_like(p)
+
+    def _coded_layout(self, group: dict[str, Any]) -> tuple[str, tuple[str, ...] | None]:
+        """(state_dtype, the state keys of a param whose moments are block-coded) for `group`,
+        or ("fp32", None) when no param of it codes its moments (every optimizer but FusedAdam;
+        see _state_codes)."""
+        return "fp32", None
 
     def _starts_over(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         """True when a param's existing state must count steps from zero again."""

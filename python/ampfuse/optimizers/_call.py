@@ -18,12 +18,24 @@ class OpCall:
     parts side by side, as torch.optim steps complex params: its grad is that view already, and
     op_params() and state_list() view it and its (complex) state so."""
 
-    __slots__ = ("step", "mode", "entries", "params", "grads", "states", "records", "param_ids",
-                 "has_complex")
+    __slots__ = (
+        "coded",
+        "entries",
+        "grads",
+        "has_complex",
+        "mode",
+        "param_ids",
+        "params",
+        "records",
+        "states",
+        "step",
+    )
 
-    def __init__(self, step: torch.Tensor, mode: str) -> None:
+    def __init__(self, step: torch.Tensor, mode: str, coded: str | None = None) -> None:
         self.step = step
         self.mode = mode
+        # "int8"/"fp8": the params' moments are block-coded (state_dtype); None: fp32 moments.
+        self.coded = coded
         self.has_complex = False
         # (param, grad, state, ParamRecord) per param while _calls sorts them: one append per
         # param instead of four; seal() turns them into the lists the op takes.

@@ -43,15 +43,16 @@ from ampfuse.optimizers._precision import EXTRA_KEYS, LEGACY_LOW_BITS
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _mode_keys(mode: str, state_keys: Iterable[str]
+def _mode_keys(mode: str, state_keys: Iterable[str], other_keys: Iterable[str] = ()
                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the state entries a param stepped in `mode` must hold, those it must not hold): its own
-    extra tensor (a master, a compensation, a low half) besides the optimizer's state keys, and
-    none of another mode's, which the full sort would convert first."""
+    extra tensor (a master, a compensation, a low half) besides its state keys, and none of
+    another mode's, nor `other_keys` (the moments in their other form, fp32 or coded), which
+    the full sort would convert first."""
     own = EXTRA_KEYS.get(mode)
     required = tuple(state_keys) + ((own,) if own is not None else ())
     absent = tuple(key for key in (*EXTRA_KEYS.values(), LEGACY_LOW_BITS) if key != own)
-    return required, absent
+    return required, absent + tuple(other_keys)
 
 
 def first_param_id(optimizer: torch.optim.Optimizer, index: int) -> int:
@@ -64,14 +65,25 @@ def first_param_id(optimizer: torch.optim.Optimizer, index: int) -> int:
 class StepPlan:
     """What one group's last full sort found (see the module docstring)."""
 
-    __slots__ = ("group", "params", "state_map", "master_weights", "state_keys", "entries",
-                 "calls", "picks", "first_id")
+    __slots__ = (
+        "calls",
+        "coded_layout",
+        "entries",
+        "first_id",
+        "group",
+        "master_weights",
+        "params",
+        "picks",
+        "state_keys",
+        "state_map",
+    )
 
     group: dict[str, Any]
     params: list[torch.Tensor]
     state_map: Any  # the optimizer's state
     master_weights: bool | str
     state_keys: tuple[str, ...]
+    coded_layout: tuple[str, tuple[str, ...] | None]
     entries: tuple[tuple[Any, ...], ...]
     calls: list[OpCall]
     picks: list[list[int]] | None
@@ -97,6 +109,7 @@ class StepPlan:
         plan.state_map = optimizer.state
         plan.master_weights = group["master_weights"]
         plan.state_keys = state_keys
+        plan.coded_layout = optimizer._coded_layout(group)
         plan.calls = calls
         # Stochastic rounding's param ids count the params of the groups before this one.
         stochastic = any(call.mode == "stochastic" for call in calls)
@@ -106,7 +119,10 @@ class StepPlan:
         for call in calls:
             for p, state in zip(call.params, call.states):
                 stepping[id(p)] = (call, state)
-        keys = {call.mode: _mode_keys(call.mode, state_keys) for call in calls}
+        coded_keys = plan.coded_layout[1] or ()
+        keys = {(call.mode, call.coded): _mode_keys(call.mode, coded_keys, state_keys)
+                if call.coded else _mode_keys(call.mode, state_keys, coded_keys)
+                for call in calls}
         records = optimizer._param_records
         entries: list[tuple[Any, ...]] = []
         order: dict[int, list[int]] = {id(call): [] for call in calls}
@@ -122,7 +138,8 @@ class StepPlan:
             # A param with an extra tensor (master, compensation, low half) must not have been
             # written since its step: the extra tensor then no longer belongs to its value.
             follows = call.mode in EXTRA_KEYS
-            entries.append((p, state, call.step, records[p], p.dtype, follows, *keys[call.mode]))
+            entries.append((p, state, call.step, records[p], p.dtype, follows,
+                            *keys[call.mode, call.coded]))
         plan.entries = tuple(entries)
         # The grads scan_step returns are those of the stepping params in group order; each call
         # takes its own positions (all of them, in order, for the usual single call).
@@ -136,7 +153,8 @@ class StepPlan:
         if (group is not self.group or group["params"] is not self.params
                 or optimizer.state is not self.state_map
                 or group["master_weights"] != self.master_weights
-                or optimizer._state_keys(group) != self.state_keys):
+                or optimizer._state_keys(group) != self.state_keys
+                or optimizer._coded_layout(group) != self.coded_layout):
             return None
         if self.first_id is not None and first_param_id(optimizer, index) != self.first_id:
             return None

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from ampfuse.optimizers._host import OptimizerHost
-from ampfuse.overflow import param_name
 from ampfuse.optimizers._precision import (
     LEGACY_LOW_BITS,
     export_extra,
@@ -33,6 +32,14 @@ from ampfuse.optimizers._precision import (
     param_mode,
 )
 from ampfuse.optimizers._skip import SkipRecord
+from ampfuse.optimizers._state_codes import (
+    MOMENT_KEYS,
+    codes_kind,
+    convert_moments,
+    is_dense,
+    loaded_codes,
+)
+from ampfuse.overflow import param_name
 
 
 def state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -55,19 +62,6 @@ def same_layout(t: torch.Tensor, p: torch.Tensor) -> bool:
     if t.numel() <= 1 or t.stride() == p.stride():
         return True
     return t.is_contiguous() and not is_dense(p)
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether `t`'s elements fill one block of memory in some dimension order (contiguous,
-    channels_last, a transpose): at::Tensor::is_non_overlapping_and_dense, which Python lacks.
-    Walking the dimensions from the smallest stride up, each stride must be the product of the
-    sizes before it."""
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def fp32_copy(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -106,23 +100,39 @@ class OptimizerStateMixin(OptimizerHost):
                 "memory location (e.g. an expand()); an optimizer cannot write it. Give the "
                 "parameter memory of its own (.clone())."
             )
+        kind = codes_kind(state)
+        if kind != "fp32" and not all(same_layout(state[f"{key}_codes"], p)
+                                      for key in MOMENT_KEYS if f"{key}_codes" in state):
+            # Block-coded moments: blocks follow memory order, so the codes are decoded in the
+            # old order and coded again in the new one (not copied element by element).
+            self._check_relayout_outside_capture(group_index, param_index)
+            decoded = convert_moments(state, "fp32")
+            for key in MOMENT_KEYS:
+                if key in decoded:
+                    decoded[key] = torch.empty_like(p, dtype=torch.float32).copy_(decoded[key])
+            recoded = convert_moments(decoded, kind)
+            state.clear()  # the same dict: a step plan holds on to it
+            state.update(recoded)
         for value in state.values():
             if (
                 isinstance(value, torch.Tensor)
                 and value.shape == p.shape
                 and not same_layout(value, p)
             ):
-                if self._capturing():
-                    raise RuntimeError(
-                        f"{type(self).__name__}: {param_name(group_index, param_index)} changed "
-                        "its memory layout (e.g. model.to(memory_format=...)) since its optimizer "
-                        "state was made, and the state cannot be re-laid out during CUDA graph "
-                        "capture; run one step eagerly after changing the layout, then capture."
-                    )
+                self._check_relayout_outside_capture(group_index, param_index)
                 # torch's stubs list set_(storage) only; set_(tensor) is as old and documented.
                 relaid = torch.empty_like(p, dtype=value.dtype).copy_(value)
                 value.set_(relaid)  # type: ignore[call-overload]
         record.strides = strides
+
+    def _check_relayout_outside_capture(self, group_index: int, param_index: int) -> None:
+        if self._capturing():
+            raise RuntimeError(
+                f"{type(self).__name__}: {param_name(group_index, param_index)} changed "
+                "its memory layout (e.g. model.to(memory_format=...)) since its optimizer "
+                "state was made, and the state cannot be re-laid out during CUDA graph "
+                "capture; run one step eagerly after changing the layout, then capture."
+            )
 
     # ---- state_dict in torch.optim's layout ---------------------------------------------------
 
@@ -301,11 +311,12 @@ class OptimizerStateMixin(OptimizerHost):
             # Only a master made by master_params() before any step: torch.optim.Adam would read
             # a state without 'step' as corrupt, and the next step remakes the same master.
             return {}
-        out: dict[str, Any] = {"step": step_value, "exp_avg": state["exp_avg"],
-                               "exp_avg_sq": state["exp_avg_sq"]}
-        for key in optional:
-            if key in state:
-                out[key] = state[key]
+        out: dict[str, Any] = {"step": step_value}
+        for key in ("exp_avg", "exp_avg_sq", *optional):
+            # fp32 moments, or block-coded ones (state_dtype): each as the state holds it.
+            for held in (key, f"{key}_codes", f"{key}_scales"):
+                if held in state:
+                    out[held] = state[held]
         export_extra(state, out)
         return out
 
@@ -316,7 +327,10 @@ class OptimizerStateMixin(OptimizerHost):
         'exp_avg' or 'exp_avg_sq' is refused with."""
         if not saved:
             return {}, None
-        if "step" not in saved or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+        def held(key: str) -> bool:  # fp32, or block-coded (state_dtype)
+            return key in saved or f"{key}_codes" in saved
+
+        if "step" not in saved or not held("exp_avg") or not held("exp_avg_sq"):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: state of {where} has keys "
                 f"{sorted(saved)}; {needs}"
@@ -326,6 +340,8 @@ class OptimizerStateMixin(OptimizerHost):
             if saved.get(key) is not None:
                 self._check_saved_shape(where, key, saved[key], p)
                 imported[key] = fp32_copy(saved[key], p)
+            elif saved.get(f"{key}_codes") is not None:
+                imported.update(loaded_codes(saved, key, p, where, type(self).__name__))
         self._import_master(group, p, saved, imported, where)
         step = saved["step"]
         return imported, float(step.item() if isinstance(step, torch.Tensor) else step)

@@ -174,22 +174,145 @@ def codes_kind(state: dict) -> str:
     return "fp32"
 
 
-def convert_moments(state: dict, state_dtype: str, shape: torch.Size) -> dict:
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill one block of memory in some dimension order (contiguous,
+    channels_last, a transpose): at::Tensor::is_non_overlapping_and_dense, which Python lacks.
+    Walking the dimensions from the smallest stride up, each stride must be the product of the
+    sizes before it."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def memory_flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in memory order: the order the fused kernels
+    walk a param and its state in, and so the order quantization blocks are cut in (a
+    channels_last weight's blocks run along its channels)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def convert_moments(state: dict, state_dtype: str) -> dict:
     """A copy of one param's state with its moments held as ``state_dtype``: fp32 moments are
-    coded ("<key>_codes" flat, "<key>_scales" one fp32 per block) and codes are decoded to fp32
-    tensors of ``shape`` (the param's). Coded -> fp32 -> the same kind gives the same bits; a
-    tensor under one block keeps fp32 moments; other entries are kept as they are."""
+    coded ("<key>_codes" shaped and laid out like the param, "<key>_scales" one fp32 per block
+    of its memory order) and codes are decoded to fp32 tensors laid out like the codes.
+    Coded -> fp32 -> the same kind
+    gives the same bits; a tensor under one block keeps fp32 moments; other entries are kept
+    as they are."""
     check_state_dtype("ampfuse", state_dtype)
     held = codes_kind(state)
     out = dict(state)
     for key, second in MOMENT_KEYS.items():
         if held != "fp32" and f"{key}_codes" in out:
             codes, scales = out.pop(f"{key}_codes"), out.pop(f"{key}_scales")
-            out[key] = dequantize_moment(codes, scales, held, second).view(shape)
+            values = dequantize_moment(memory_flat(codes), scales, held, second)
+            moment = torch.empty_like(codes, dtype=torch.float32)
+            memory_flat(moment).copy_(values)
+            out[key] = moment
         value = out.get(key)
         if (state_dtype != "fp32" and isinstance(value, torch.Tensor)
                 and not keeps_fp32_moments(value.numel())):
             del out[key]
-            out[f"{key}_codes"], out[f"{key}_scales"] = quantize_moment(value, state_dtype,
-                                                                        second)
+            flat_codes, scales = quantize_moment(memory_flat(value), state_dtype, second)
+            codes = torch.empty_like(value, dtype=flat_codes.dtype)
+            memory_flat(codes).copy_(flat_codes)
+            out[f"{key}_codes"], out[f"{key}_scales"] = codes, scales
+    return out
+
+
+_CODE_DTYPES = {("int8", False): torch.int8, ("int8", True): torch.uint8,
+                ("fp8", False): torch.float8_e4m3fn, ("fp8", True): torch.float8_e4m3fn}
+# The dtype of a kind's first-moment codes ("exp_avg_codes"): a coded state's kind at a glance.
+FIRST_MOMENT_CODES = {kind: _CODE_DTYPES[kind, False] for kind in ("int8", "fp8")}
+
+
+def zero_codes(p: torch.Tensor, state_dtype: str, second: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of an all-zero moment of param p: zero codes laid out like p, and
+    zero scales (a zero block's scale is stored as 0)."""
+    codes = torch.zeros_like(p, dtype=_CODE_DTYPES[state_dtype, second], memory_format=torch.preserve_format)
+    blocks = -(-p.numel() // BLOCK)
+    return codes, torch.zeros(blocks, dtype=torch.float32, device=p.device)
+
+
+def coded_keys(moment_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The state keys of coded moments standing for fp32 ``moment_keys``."""
+    return tuple(f"{key}_{part}" for key in moment_keys for part in ("codes", "scales"))
+
+
+def prepare_moments(p: torch.Tensor, state: dict, state_dtype: str,
+                    moment_keys: tuple[str, ...]) -> None:
+    """Makes ``state`` hold p's moments ``moment_keys`` as ``state_dtype`` (which the caller
+    has already reduced to "fp32" for a param under one block): moments held in another
+    form (a checkpoint, a changed state_dtype) are converted, missing ones made zero."""
+    if codes_kind(state) != state_dtype:
+        converted = convert_moments(state, state_dtype)
+        state.clear()  # the same dict: a step plan holds on to it
+        state.update(converted)
+    for key in moment_keys:
+        if state_dtype == "fp32":
+            if key not in state:
+                state[key] = torch.zeros_like(p, dtype=torch.float32,
+                                              memory_format=torch.preserve_format)
+        elif f"{key}_codes" not in state:
+            state[f"{key}_codes"], state[f"{key}_scales"] = zero_codes(p, state_dtype,
+                                                                       MOMENT_KEYS[key])
+
+
+
+
+def loaded_codes(saved: dict, key: str, p: torch.Tensor, where: str, owner: str) -> dict:
+    """The state entries of coded moment ``key`` of a loaded checkpoint's param state, checked
+    against param ``p`` and placed on its device: the codes and scales as they are when laid
+    out like p, else (a checkpoint of a model in another memory format) the fp32 moment they
+    decode to, laid out like p, which p's next step codes in its own block order."""
+    codes, scales = saved.get(f"{key}_codes"), saved.get(f"{key}_scales")
+    second = MOMENT_KEYS[key]
+    kind = _KIND_OF_CODES.get(codes.dtype) if isinstance(codes, torch.Tensor) else None
+    if (kind is None or not isinstance(codes, torch.Tensor)
+            or not isinstance(scales, torch.Tensor)
+            or codes.dtype != _CODE_DTYPES[kind, second]):
+        raise ValueError(
+            f"{owner}.load_state_dict: state of {where} has {key}_codes of dtype "
+            f"{getattr(codes, 'dtype', type(codes).__name__)} and {key}_scales "
+            f"{type(scales).__name__}; coded moments are int8 (first) / uint8 (second) or "
+            "float8_e4m3fn codes with an fp32 tensor of block scales. The state dict is damaged "
+            "or was not written by ampfuse.")
+    blocks = -(-p.numel() // BLOCK)
+    if tuple(codes.shape) != tuple(p.shape) or tuple(scales.shape) != (blocks,):
+        raise ValueError(
+            f"{owner}.load_state_dict: state of {where} has {key}_codes of shape "
+            f"{tuple(codes.shape)} with {tuple(scales.shape)} scales but the param has shape "
+            f"{tuple(p.shape)} ({blocks} blocks of {BLOCK}); the state dict belongs to another "
+            "model.")
+    codes = codes.to(p.device)
+    scales = scales.to(device=p.device, dtype=torch.float32)
+    if codes.numel() <= 1 or codes.stride() == p.stride():
+        return {f"{key}_codes": codes, f"{key}_scales": scales}
+    if not is_dense(codes):
+        raise ValueError(
+            f"{owner}.load_state_dict: state of {where} has {key}_codes with strides "
+            f"{codes.stride()}, which leave gaps or overlap; its blocks follow the memory order "
+            "it was saved in. Load the codes as state_dict() saved them.")
+    values = dequantize_moment(memory_flat(codes), scales, kind, second)
+    moment = torch.empty_like(codes, dtype=torch.float32)
+    memory_flat(moment).copy_(values)
+    relaid = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    return {key: relaid.copy_(moment)}
+
+
+def decode_moments(state_dict: dict) -> dict:
+    """A copy of an optimizer state_dict whose block-coded moments (state_dtype "int8"/"fp8")
+    are decoded to the fp32 tensors torch.optim.Adam/AdamW keep, so that torch's optimizers
+    (or any tool expecting fp32 moments) load it. The argument is left as it is; ampfuse's own
+    optimizers load either form and need no conversion."""
+    out = dict(state_dict)
+    out["state"] = {
+        key: convert_moments(state, "fp32") if isinstance(state, dict) else state
+        for key, state in state_dict["state"].items()
+    }
     return out

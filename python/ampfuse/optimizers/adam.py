@@ -12,6 +12,12 @@ from ampfuse import ops
 from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._call import OpCall
 from ampfuse.optimizers._groups import check_flag, float_betas
+from ampfuse.optimizers._state_codes import (
+    check_state_dtype,
+    coded_keys,
+    keeps_fp32_moments,
+    prepare_moments,
+)
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
@@ -39,8 +45,8 @@ class FusedAdam(FusedOptimizer):
 
     The math and its order are torch.optim.Adam's (adam_w_mode=False: L2 weight decay added to
     the grad) and torch.optim.AdamW's (adam_w_mode=True: decoupled decay, the default here, as in
-    apex). Moments are kept in fp32 whatever the params' dtype, and params of several dtypes and
-    devices may share a group.
+    apex). Moments are kept in fp32 whatever the params' dtype (or block-coded in 8 bits, see
+    state_dtype), and params of several dtypes and devices may share a group.
 
     Args:
         params: params or param groups, as for any torch.optim optimizer.
@@ -68,6 +74,17 @@ class FusedAdam(FusedOptimizer):
             whatever the value; fp16 params are refused by the bf16 modes. Extra state is made
             at a param's first step, and state of another mode (a checkpoint) is converted
             then (docs/optimizers.md, "Master-free bf16 modes").
+        state_dtype: how the moments are stored. "fp32" (default): fp32 tensors, as torch keeps
+            them (8 bytes per param). "int8": 8-bit codes in blocks of 256 elements with one
+            fp32 scale per block (about 2.03 bytes per param): the first moment linear, the
+            second as sqrt(v) in an 8-bit float code that keeps its small values. "fp8": both
+            as e4m3 codes of blocks of 256 with a scale per block. The codes are decoded,
+            updated and coded again inside the fused step (CPU and CUDA give the same bits),
+            with every master_weights mode. A param with fewer than 256 elements (a bias, a
+            norm) or a complex one keeps fp32 moments. state_dict() holds the codes
+            ('exp_avg_codes', 'exp_avg_scales', ...); a checkpoint with fp32 moments loads into
+            a coded optimizer and the other way round, converted at each param's next step
+            (docs/optimizers.md, "8-bit moments"). A param-group option.
         rounding_seed: the seed of master_weights="stochastic"'s random bits, which depend only
             on (seed, step, param index, element), so runs are reproducible and resume bit for
             bit. A param-group option, saved in state_dict().
@@ -134,6 +151,7 @@ class FusedAdam(FusedOptimizer):
         write_unscaled_grads: bool = True,
         skip_nonfinite: bool | None = False,
         rounding_seed: int = 0,
+        state_dtype: str = "fp32",
         decoupled_weight_decay: bool | None = None,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -159,6 +177,7 @@ class FusedAdam(FusedOptimizer):
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
             "rounding_seed": rounding_seed,
+            "state_dtype": check_state_dtype(type(self).__name__, state_dtype),
         }
         super().__init__(params, defaults, set_grad_none)
 
@@ -171,16 +190,33 @@ class FusedAdam(FusedOptimizer):
         self._check_betas(index, group)
         self._check_nonnegative(index, group, "eps")
         self._check_nonnegative(index, group, "weight_decay")
+        check_state_dtype(f"{type(self).__name__}: param_groups[{index}]",
+                          group.get("state_dtype", "fp32"))
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         if group["amsgrad"]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
+    def _coded_layout(self, group: dict[str, Any]) -> tuple[str, tuple[str, ...] | None]:
+        kind = group.get("state_dtype", "fp32")
+        return (kind, None) if kind == "fp32" else (kind, coded_keys(self._state_keys(group)))
+
+    def _prepare_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        kind = group.get("state_dtype", "fp32")
+        if kind == "fp32" or p.is_complex() or keeps_fp32_moments(p.numel()):
+            prepare_moments(p, state, "fp32", ())  # decodes a coded checkpoint's moments
+            super()._prepare_state(group, p, state)
+        else:
+            prepare_moments(p, state, kind, self._state_keys(group))
+
     def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
                 grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
+        if call.coded is not None:
+            self._launch_coded(group, call, lr, grad_scale, found_inf)
+            return
         ops.fused_adam_(
             call.op_params(),
             call.grads,
@@ -204,6 +240,39 @@ class FusedAdam(FusedOptimizer):
             **call.master_args(group),
         )
 
+    def _launch_coded(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                      grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """The step of params whose moments are block-coded (call.coded, see state_dtype)."""
+        beta1, beta2 = group["betas"]
+        amsgrad = bool(group["amsgrad"])
+        maxes = ("max_exp_avg_sq_codes", "max_exp_avg_sq_scales") if amsgrad else None
+        ops.fused_adam_coded_(
+            call.params,
+            call.grads,
+            call.state_list("exp_avg_codes"),
+            call.state_list("exp_avg_scales"),
+            call.state_list("exp_avg_sq_codes"),
+            call.state_list("exp_avg_sq_scales"),
+            call.state_list(maxes[0]) if maxes else [],
+            call.state_list(maxes[1]) if maxes else [],
+            call.masters(),
+            call.step,
+            lr,
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["adam_w_mode"]),
+            bool(group["bias_correction"]),
+            amsgrad,
+            bool(group["maximize"]),
+            grad_scale,
+            found_inf,
+            write_unscaled_grads=bool(group["write_unscaled_grads"]),
+            state_dtype=call.coded,
+            **call.master_args(group),
+        )
+
     def _export_state(self, group: dict[str, Any], state: dict[str, Any],
                       step_value: torch.Tensor | None) -> dict[str, Any]:
         return self._export_moments(state, step_value, optional=("max_exp_avg_sq",))
@@ -220,6 +289,9 @@ class FusedAdam(FusedOptimizer):
         # A torch.optim checkpoint says Adam or AdamW through decoupled_weight_decay.
         if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
             new["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
+        # state_dtype is this run's storage choice, like master_weights: a checkpoint's moments
+        # are converted to it at each param's next step, not the other way round.
+        new["state_dtype"] = current.get("state_dtype", "fp32")
         super()._import_group(saved, current, new)
 
 
@@ -244,6 +316,7 @@ class FusedAdamW(FusedAdam):
         write_unscaled_grads: bool = True,
         skip_nonfinite: bool | None = False,
         rounding_seed: int = 0,
+        state_dtype: str = "fp32",
         foreach: bool | None = None,
         fused: bool | None = None,
         differentiable: bool = False,
@@ -264,6 +337,7 @@ class FusedAdamW(FusedAdam):
             write_unscaled_grads=write_unscaled_grads,
             skip_nonfinite=skip_nonfinite,
             rounding_seed=rounding_seed,
+            state_dtype=state_dtype,
             foreach=foreach,
             fused=fused,
             differentiable=differentiable,
