@@ -179,3 +179,20 @@ def test_profile_split_runs_tiny_on_the_cpu():
         assert host > 0 and "ampfuse::fused_adam_ host us/call" in row, row
     assert any(line.startswith("split over True: host") for line in lines), result.stdout
     assert not any("aten::view" in line for line in lines), result.stdout
+
+
+def test_bench_state_dtype_runs_tiny_on_the_cpu(tmp_path):
+    """benchmarks/bench_state_dtype.py: 8-bit moments against fp32 moments for both master
+    modes, each row timed (torchao's row only where it imports)."""
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_state_dtype.py"), "--total-elements",
+         "2e4", "--repeats", "2", "--json", str(tmp_path / "state.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "state.json").read_text())["results"]
+    ours = [r for r in rows if r["master_weights"] != "-"]
+    assert [(r["master_weights"], r["state_dtype"]) for r in ours] == [
+        ("True", "int8"), ("True", "fp8"), ("stochastic", "int8"), ("stochastic", "fp8")]
+    assert all(r["coded_min_ms"] > 0 and r["fp32_min_ms"] > 0 for r in ours), rows

@@ -49,12 +49,17 @@ def test_demo_runs_end_to_end(tmp_path):
     rows = _table_rows(proc.stdout)
     assert list(rows) == ["fp32", "O1 bf16", "O2 bf16", "O2 master=True", "O2 master=False",
                           "O2 master=stochastic", "O2 master=kahan", "O2 master=split",
+                          "O2 master=True int8", "O2 master=True fp8",
+                          "O2 master=stochastic int8", "O2 master=stochastic fp8",
                           "O2 fp16"], proc.stdout
     for name, cells in rows.items():
         steps, accuracy, loss, ms, speed, memory, bytes_per_param, skipped, scale = cells
         # --steps 30: the fp32, O1 and O2 runs; the master_weights and fp16 runs a quarter.
         assert int(steps) == (30 if name in ("fp32", "O1 bf16", "O2 bf16") else 7), name
-        assert 12.0 < float(bytes_per_param) <= 16.1
+        if name.endswith(("int8", "fp8")):  # 8-bit moments: 6 bytes per param fewer
+            assert 6.0 < float(bytes_per_param) <= 10.2, name
+        else:
+            assert 12.0 < float(bytes_per_param) <= 16.1, name
         assert 0.0 <= float(accuracy) <= 100.0
         assert math.isfinite(float(loss)) and float(ms) > 0.0 and float(memory) > 0.0
         assert speed.endswith("x") and float(speed[:-1]) > 0.0
@@ -253,7 +258,9 @@ def test_master_free_runs_show_their_bytes_per_param(tmp_path, capsys):
                             fp16_run=False)
     names = [r["name"] for r in results]
     assert names == ["fp32", "O2 bf16", "O2 master=True", "O2 master=False",
-                     "O2 master=stochastic", "O2 master=kahan", "O2 master=split"]
+                     "O2 master=stochastic", "O2 master=kahan", "O2 master=split",
+                     "O2 master=True int8", "O2 master=True fp8", "O2 master=stochastic int8",
+                     "O2 master=stochastic fp8"]
     assert demo.failures(results, inject_overflow=6) == []
     by_name = {r["name"]: r for r in results}
     assert all(by_name[n]["steps"] == 8 * demo.SHORT_RUNS and by_name[n]["skipped"] == 1
@@ -268,8 +275,15 @@ def test_master_free_runs_show_their_bytes_per_param(tmp_path, capsys):
     assert per_param["O2 master=kahan"] == per_param["O2 master=split"]
     assert 12 < per_param["O2 master=False"] < 12.1
     assert 1.95 < per_param["O2 master=kahan"] - per_param["O2 master=False"] < 2.0
+    # 8-bit moments: 2 bytes and a scale per 256 instead of 8 bytes, except in tensors under
+    # one block (the CNN's biases and norms keep fp32 moments): close to 6 bytes fewer.
+    for mode in ("True", "stochastic"):
+        assert per_param[f"O2 master={mode} int8"] == per_param[f"O2 master={mode} fp8"]
+        saved = per_param[f"O2 master={mode}"] - per_param[f"O2 master={mode} int8"]
+        assert 5.8 < saved < 5.98, (mode, saved)
     out = capsys.readouterr().out
     assert "B/param" in out and "O2 master=...: bf16 weights and FusedAdamW's master_weights" in out
+    assert "O2 master=... int8/fp8: the same with FusedAdamW(state_dtype=...)" in out
 
 
 # ---- the hardware report (torch's queries mocked) and what it changes in the demo ----

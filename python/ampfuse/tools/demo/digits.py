@@ -68,6 +68,8 @@ EMULATED_STEPS = 120
 # stays short. True first: fp32 masters, the master-free modes' baseline.
 SHORT_RUNS = 0.25
 MASTER_MODES = (True, False, "stochastic", "kahan", "split")
+# Then FusedAdamW's 8-bit moments (state_dtype), with fp32 masters and with the cheapest mode.
+STATE_MODES = ((True, "int8"), (True, "fp8"), ("stochastic", "int8"), ("stochastic", "fp8"))
 # The CPU's fp16 run: its dynamic scale may double this many times in the run (amp's growth
 # interval is 2000 steps, longer than the run).
 FP16_GROWTHS = 8
@@ -92,20 +94,25 @@ class Run:
     inject_overflow: int | None
     master_weights: object = None
     growth_interval: int | None = None
+    state_dtype: str = "fp32"
 
     def options(self) -> dict:
         return {"steps": self.steps, "dtype": self.dtype, "inject_overflow": self.inject_overflow,
-                "master_weights": self.master_weights, "growth_interval": self.growth_interval}
+                "master_weights": self.master_weights, "growth_interval": self.growth_interval,
+                "state_dtype": self.state_dtype}
 
 
 def default_steps(hardware: hw.Hardware, dtype: torch.dtype) -> int:
     return DEFAULT_STEPS if hardware.is_native(dtype) else EMULATED_STEPS
 
 
-def plan_runs(hardware, low, steps, opt_levels, inject, master_modes, fp16_run):
+def plan_runs(hardware, low, steps, opt_levels, inject, master_modes, fp16_run,
+              state_modes=()):
     """The runs, in table order, and the notes printed under the table about some of them.
     steps: None (default_steps for `low` on this hardware) or the user's. inject: None, or
-    the step of the main runs the inf goes in; shorter runs get it at the same fraction."""
+    the step of the main runs the inf goes in; shorter runs get it at the same fraction.
+    state_modes: (master_weights, state_dtype) pairs of bf16 O2 runs with 8-bit moments, made
+    with the master_weights runs."""
     main = steps or default_steps(hardware, low)
     if inject is not None and inject >= main:
         raise DemoUsageError(f"--inject-overflow {inject} is past the last step ({main - 1}) "
@@ -124,6 +131,12 @@ def plan_runs(hardware, low, steps, opt_levels, inject, master_modes, fp16_run):
                  for mode in master_modes]
         notes.append(f"O2 master=...: bf16 weights and FusedAdamW's master_weights, {short} "
                      "steps each: True keeps fp32 masters (the baseline), the others none.")
+        if state_modes:
+            runs += [Run(f"O2 master={mode} {kind}", "O2", low, short, at(short),
+                         master_weights=mode, state_dtype=kind) for mode, kind in state_modes]
+            notes.append("O2 master=... int8/fp8: the same with FusedAdamW(state_dtype=...), "
+                         "Adam's moments in 8-bit codes per block of 256 (tensors under 256 "
+                         "elements keep fp32 moments).")
     elif master_modes:
         notes.append("The master_weights runs are bf16 only (the master-free modes need it): "
                      "not run for this dtype.")
@@ -153,7 +166,7 @@ def run_demo(steps: int | None = None, device: str | None = None, dtype: str | N
              opt_levels=("O1", "O2"), out: str | Path = "demo_out", seed: int = 0,
              inject_overflow: int | str | None = "middle", progress: bool = True,
              ranks: int = 1, watch: bool = False, master_modes=MASTER_MODES,
-             fp16_run: bool = True) -> list[dict]:
+             fp16_run: bool = True, state_modes=STATE_MODES) -> list[dict]:
     """Reports the hardware, runs the fp32 baseline and each opt level, prints the table, saves
     the plot under `out` and returns one result dict per run (see training.train_run).
     steps: of the fp32, O1 and O2 runs (None: DEFAULT_STEPS, or EMULATED_STEPS where the low
@@ -161,8 +174,9 @@ def run_demo(steps: int | None = None, device: str | None = None, dtype: str | N
     runs get it at the same fraction), or None. ranks > 1: FSDP2 on that many CPU processes
     (sharded.py). watch: then prints numerics.watch's table of a short O1 run (in this process,
     unsharded). master_modes: the bf16 O2 runs with FusedAdamW master_weights (MASTER_MODES),
-    made when the low precision is bf16 and the run is unsharded. fp16_run: on the CPU with
-    bf16, also an fp16 O2 run whose dynamic loss scale moves."""
+    made when the low precision is bf16 and the run is unsharded; state_modes: more of them
+    with FusedAdamW's 8-bit moments, (master_weights, state_dtype) pairs (STATE_MODES).
+    fp16_run: on the CPU with bf16, also an fp16 O2 run whose dynamic loss scale moves."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if ranks > 1 and device.type != "cpu":
         raise ValueError("the sharded demo (ranks > 1) runs on CPU processes (gloo); "
@@ -173,7 +187,8 @@ def run_demo(steps: int | None = None, device: str | None = None, dtype: str | N
         inject_overflow = (steps or default_steps(hardware, low)) // 2
     sharded = ranks > 1
     runs, notes = plan_runs(hardware, low, steps, opt_levels, inject_overflow,
-                            () if sharded else master_modes, fp16_run and not sharded)
+                            () if sharded else master_modes, fp16_run and not sharded,
+                            () if sharded or not master_modes else state_modes)
     data = load_digits(device)
     print(f"ampfuse demo: digits ({len(data[0])} train / {len(data[2])} test images), batches "
           f"of {BATCH_SIZE}, FusedAdamW lr {LR:g} cosine, seed {seed}, on {device} "

@@ -101,7 +101,8 @@ def _sync(device) -> None:
 
 def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device, dtype,
               inject_overflow: int | None = None, progress: bool = True,
-              sharding=None, master_weights=None, growth_interval: int | None = None) -> dict:
+              sharding=None, master_weights=None, growth_interval: int | None = None,
+              state_dtype: str = "fp32") -> dict:
     """Trains one model at `opt_level` ("O0" is the fp32 baseline) and returns its results:
     name, opt_level, test accuracy (%) and loss, final loss (the mean training loss of the
     last FINAL_LOSS_STEPS steps), per-step losses and loss scales, ms per step after warm-up,
@@ -112,7 +113,7 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
     shards the model, gives this process its rows of each batch and averages the losses.
     master_weights: None (amp's choice), or FusedAdamW's master_weights for an O2 run in which
     amp makes no fp32 masters (True: the optimizer's own fp32 masters; the other values are the
-    master-free bf16 modes).
+    master-free bf16 modes). state_dtype: FusedAdamW's, how Adam's moments are stored.
     growth_interval: None (amp's, 2000 steps as in apex), or the clean steps after which a
     dynamic loss scale doubles: the fp16 run on the CPU shortens it so that its few steps show
     the scale growing as well as backing off."""
@@ -127,7 +128,8 @@ def train_run(name: str, opt_level: str, data, *, steps: int, seed: int, device,
     if master_weights is not None:
         amp_options["master_weights"] = False  # the optimizer's own mode, not amp's masters
     optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                           master_weights=False if master_weights is None else master_weights)
+                           master_weights=False if master_weights is None else master_weights,
+                           state_dtype=state_dtype)
     if growth_interval is not None:
         amp_options["growth_interval"] = growth_interval
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype,
