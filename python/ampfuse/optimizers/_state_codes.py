@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from ampfuse.optimizers import _state_codes_sharded as sharded
+
 BLOCK = 256
 STATE_DTYPES = ("fp32", "int8", "fp8")
 _E4M3_MAX = 448.0
@@ -209,18 +211,22 @@ def convert_moments(state: dict, state_dtype: str) -> dict:
     for key, second in MOMENT_KEYS.items():
         if held != "fp32" and f"{key}_codes" in out:
             codes, scales = out.pop(f"{key}_codes"), out.pop(f"{key}_scales")
-            values = dequantize_moment(memory_flat(codes), scales, held, second)
-            moment = torch.empty_like(codes, dtype=torch.float32)
+            codes_here = sharded.local(codes)  # a DTensor's shard: its blocks are its own
+            values = dequantize_moment(memory_flat(codes_here),
+                                       sharded.local_scales(scales, codes), held, second)
+            moment = torch.empty_like(codes_here, dtype=torch.float32)
             memory_flat(moment).copy_(values)
-            out[key] = moment
+            out[key] = sharded.wrap_codes(moment, codes)
         value = out.get(key)
         if (state_dtype != "fp32" and isinstance(value, torch.Tensor)
                 and not keeps_fp32_moments(value.numel())):
             del out[key]
-            flat_codes, scales = quantize_moment(memory_flat(value), state_dtype, second)
-            codes = torch.empty_like(value, dtype=flat_codes.dtype)
+            value_here = sharded.local(value)
+            flat_codes, scales = quantize_moment(memory_flat(value_here), state_dtype, second)
+            codes = torch.empty_like(value_here, dtype=flat_codes.dtype)
             memory_flat(codes).copy_(flat_codes)
-            out[f"{key}_codes"], out[f"{key}_scales"] = codes, scales
+            out[f"{key}_codes"] = sharded.wrap_codes(codes, value)
+            out[f"{key}_scales"] = sharded.wrap_scales(scales, value)
     return out
 
 
@@ -234,9 +240,11 @@ def zero_codes(p: torch.Tensor, state_dtype: str, second: bool
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of an all-zero moment of param p: zero codes laid out like p, and
     zero scales (a zero block's scale is stored as 0)."""
-    codes = torch.zeros_like(p, dtype=_CODE_DTYPES[state_dtype, second], memory_format=torch.preserve_format)
-    blocks = -(-p.numel() // BLOCK)
-    return codes, torch.zeros(blocks, dtype=torch.float32, device=p.device)
+    codes = torch.zeros_like(p, dtype=_CODE_DTYPES[state_dtype, second],
+                             memory_format=torch.preserve_format)
+    blocks = sharded.local_blocks(sharded.local(p).numel())
+    return codes, sharded.wrap_scales(torch.zeros(blocks, dtype=torch.float32,
+                                                  device=p.device), p)
 
 
 def coded_keys(moment_keys: tuple[str, ...]) -> tuple[str, ...]:
@@ -282,13 +290,14 @@ def loaded_codes(saved: dict, key: str, p: torch.Tensor, where: str, owner: str)
             f"{type(scales).__name__}; coded moments are int8 (first) / uint8 (second) or "
             "float8_e4m3fn codes with an fp32 tensor of block scales. The state dict is damaged "
             "or was not written by ampfuse.")
-    blocks = -(-p.numel() // BLOCK)
-    if tuple(codes.shape) != tuple(p.shape) or tuple(scales.shape) != (blocks,):
+    expected = sharded.scales_shape(p)
+    if tuple(codes.shape) != tuple(p.shape) or tuple(scales.shape) != expected:
         raise ValueError(
             f"{owner}.load_state_dict: state of {where} has {key}_codes of shape "
             f"{tuple(codes.shape)} with {tuple(scales.shape)} scales but the param has shape "
-            f"{tuple(p.shape)} ({blocks} blocks of {BLOCK}); the state dict belongs to another "
-            "model.")
+            f"{tuple(p.shape)} and takes {expected} scales (blocks of {BLOCK}, per shard when "
+            "sharded); the state dict belongs to another model, or to this one sharded "
+            "another way (coded moments load into the sharding they were saved from).")
     codes = codes.to(p.device)
     scales = scales.to(device=p.device, dtype=torch.float32)
     if codes.numel() <= 1 or codes.stride() == p.stride():

@@ -18,6 +18,7 @@ from ampfuse.optimizers._state_codes import (
     keeps_fp32_moments,
     prepare_moments,
 )
+from ampfuse.optimizers._state_codes_sharded import is_dtensor, local, local_scales
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
@@ -245,17 +246,31 @@ class FusedAdam(FusedOptimizer):
         """The step of params whose moments are block-coded (call.coded, see state_dtype)."""
         beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
-        maxes = ("max_exp_avg_sq_codes", "max_exp_avg_sq_scales") if amsgrad else None
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg",
+                                                                             "exp_avg_sq")
+        codes = [call.state_list(f"{key}_codes") for key in keys]
+        scales = [call.state_list(f"{key}_scales") for key in keys]
+        params, grads, masters = call.params, call.grads, call.masters()
+        if params and is_dtensor(params[0]):
+            # FSDP2: every rank steps its own shards, whose blocks and scales are its own
+            # (_state_codes_sharded); the op takes them as plain tensors.
+            params, grads, masters = ([local(t) for t in ts] for ts in (params, grads, masters))
+            scales = [[local_scales(s, c) for s, c in zip(ss, cs)]
+                      for ss, cs in zip(scales, codes)]
+            codes = [[local(c) for c in cs] for cs in codes]
+        if not amsgrad:
+            codes.append([])
+            scales.append([])
         ops.fused_adam_coded_(
-            call.params,
-            call.grads,
-            call.state_list("exp_avg_codes"),
-            call.state_list("exp_avg_scales"),
-            call.state_list("exp_avg_sq_codes"),
-            call.state_list("exp_avg_sq_scales"),
-            call.state_list(maxes[0]) if maxes else [],
-            call.state_list(maxes[1]) if maxes else [],
-            call.masters(),
+            params,
+            grads,
+            codes[0],
+            scales[0],
+            codes[1],
+            scales[1],
+            codes[2],
+            scales[2],
+            masters,
             call.step,
             lr,
             float(beta1),
