@@ -123,9 +123,9 @@ def format_rows(rows, env):
     where = (f"CPU x{env['cpu_threads']} threads" if device == "cpu"
              else env.get("gpu") or device)
     lines = [f"# {where}; torch {env['torch']}; {env['date']}; {env['command']}",
-             f"{'params':>11}  {'master':10} {'state':18} {'fp32 min':>8} {'median':>8} "
-             f"{'8bit min':>8} {'median':>8} {'ratio min':>9} {'median':>7} {'GB/s':>6} "
-             f"{'%copy':>5} {'fp32 %copy':>10}"]
+             (f"{'params':>11}  {'master':10} {'state':18} {'fp32 min':>8} {'median':>8} "
+              f"{'8bit min':>8} {'median':>8} {'ratio min':>9} {'median':>7} {'GB/s':>6} "
+              f"{'%copy':>5} {'fp32 %copy':>10}")]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['params']:>11,}  {r['master_weights']:10} {r['state_dtype']:18} "

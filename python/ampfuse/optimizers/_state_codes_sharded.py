@@ -81,7 +81,7 @@ def wrap_scales(local_scales: torch.Tensor, like: Any) -> Any:
     padded[: local_scales.numel()] = local_scales
     placements = [Shard(0) if pl.is_shard() else Replicate() for pl in like.placements]
     return DTensor.from_local(padded, like.device_mesh, placements, run_check=False,
-                              shape=scales_shape(like), stride=(1,))
+                              shape=torch.Size(scales_shape(like)), stride=(1,))
 
 
 def local_scales(scales: Any, codes: Any) -> torch.Tensor:
