@@ -7,12 +7,39 @@
 
 #include <algorithm>
 
+#include "storage_dispatch.h"
+
 namespace ampfuse::kernels::cpu {
 namespace {
 
 // Pointer to element `i` of a span of `dtype` elements.
 void* advance(void* data, DType dtype, std::int64_t i) {
   return static_cast<char*>(data) + i * element_size(dtype);
+}
+
+// decode_block and encode_block of state_codes.h, the same operations on each element in
+// loops the compiler vectorizes (cloned for AVX2): the block's absmax is the max of the coded
+// values' magnitudes as bits, where nan sorts above inf, so a nan anywhere makes the scale
+// nan as encode_block's compare does (which nan may differ: the codes of such a block are 0).
+template <StateCode kCode, bool kSecond>
+AMPFUSE_CPU_CLONES void decode_codes(const std::uint8_t* codes, int n, float scale,
+                                     float* moment) {
+  for (int i = 0; i < n; ++i) moment[i] = decode_moment<kCode, kSecond>(codes[i], scale);
+}
+
+template <StateCode kCode, bool kSecond>
+AMPFUSE_CPU_CLONES void encode_codes(const float* moment, int n, std::uint8_t* codes,
+                                     float* scale) {
+  std::uint32_t absmax_bits = 0;
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t a = fp8_detail::bits_of(coded_value<kSecond>(moment[i])) & 0x7fffffffu;
+    absmax_bits = a > absmax_bits ? a : absmax_bits;
+  }
+  const float absmax = fp8_detail::float_of(absmax_bits);
+  for (int i = 0; i < n; ++i) {
+    codes[i] = encode_moment<kCode, kSecond>(coded_value<kSecond>(moment[i]), absmax);
+  }
+  *scale = absmax;
 }
 
 template <StateCode kCode>
@@ -27,12 +54,12 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
   for (std::int64_t first = 0; first < n; first += kStateBlock) {
     const int len = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - first));
     const std::int64_t block = first / kStateBlock;
-    decode_block<kCode, false>(moments.exp_avg + first, len, moments.exp_avg_scales[block],
+    decode_codes<kCode, false>(moments.exp_avg + first, len, moments.exp_avg_scales[block],
                                exp_avg);
-    decode_block<kCode, true>(moments.exp_avg_sq + first, len, moments.exp_avg_sq_scales[block],
+    decode_codes<kCode, true>(moments.exp_avg_sq + first, len, moments.exp_avg_sq_scales[block],
                               exp_avg_sq);
     if (max_buffer != nullptr) {
-      decode_block<kCode, true>(moments.max_exp_avg_sq + first, len,
+      decode_codes<kCode, true>(moments.max_exp_avg_sq + first, len,
                                 moments.max_exp_avg_sq_scales[block], max_buffer);
     }
     void* block_grad = advance(grad, grad_dtype, first);
@@ -47,12 +74,12 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
                 write_grad, exp_avg, exp_avg_sq, max_buffer,
                 master != nullptr ? master + first : nullptr, len, step);
     }
-    encode_block<kCode, false>(exp_avg, len, moments.exp_avg + first,
+    encode_codes<kCode, false>(exp_avg, len, moments.exp_avg + first,
                                moments.exp_avg_scales + block);
-    encode_block<kCode, true>(exp_avg_sq, len, moments.exp_avg_sq + first,
+    encode_codes<kCode, true>(exp_avg_sq, len, moments.exp_avg_sq + first,
                               moments.exp_avg_sq_scales + block);
     if (max_buffer != nullptr) {
-      encode_block<kCode, true>(max_buffer, len, moments.max_exp_avg_sq + first,
+      encode_codes<kCode, true>(max_buffer, len, moments.max_exp_avg_sq + first,
                                 moments.max_exp_avg_sq_scales + block);
     }
   }
