@@ -45,6 +45,7 @@ OpKernels multi_tensor_nonfinite_check_kernels();   // csrc/ops/scale.cpp
 OpKernels multi_tensor_l2norm_kernels();            // csrc/ops/l2norm.cpp
 OpKernels update_scale_kernels();                   // csrc/ops/update_scale.cpp
 OpKernels fused_adam_kernels();                     // csrc/ops/adam.cpp
+OpKernels fused_adam_coded_kernels();               // csrc/ops/adam_coded.cpp
 OpKernels fused_sgd_kernels();                      // csrc/ops/sgd.cpp
 OpKernels fused_adagrad_kernels();                  // csrc/ops/adagrad.cpp
 OpKernels fused_lamb_kernels();                     // csrc/ops/lamb.cpp

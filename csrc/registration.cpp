@@ -89,6 +89,23 @@ TORCH_LIBRARY(ampfuse, m) {
       "Tensor? grad_scale, Tensor? found_inf, bool write_unscaled_grads=False, "
       "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()",
       ops::fused_adam_kernels());
+  // fused_adam_ with Adam's moments as 8-bit block codes (state_dtype "int8" or "fp8", the
+  // format of python/ampfuse/optimizers/_state_codes.py), decoded, stepped and coded again in
+  // one pass: bit for bit dequantize -> fused_adam_ -> quantize. Codes are shaped and laid out
+  // like their param (int8: exp_avg torch.int8, the second moments torch.uint8; fp8: all
+  // torch.float8_e4m3fn), scales hold one fp32 absmax per block of 256 elements in memory
+  // order; every param has at least 256 elements. The rest as fused_adam_.
+  def(m,
+      "fused_adam_coded_(Tensor(a!)[] params, Tensor(b!)[] grads, "
+      "Tensor(c!)[] exp_avg_codes, Tensor(d!)[] exp_avg_scales, "
+      "Tensor(e!)[] exp_avg_sq_codes, Tensor(f!)[] exp_avg_sq_scales, "
+      "Tensor(g!)[] max_exp_avg_sq_codes, Tensor(h!)[] max_exp_avg_sq_scales, "
+      "Tensor(i!)[] master_params, Tensor(j!) step, Tensor lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+      "bool bias_correction, bool amsgrad, bool maximize, Tensor? grad_scale, "
+      "Tensor? found_inf, *, bool write_unscaled_grads=True, str state_dtype=\"int8\", "
+      "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()",
+      ops::fused_adam_coded_kernels());
   // SGD step (momentum, dampening, nesterov, weight decay before or after the momentum,
   // maximize), same contract as Adam, master modes included.
   def(m,

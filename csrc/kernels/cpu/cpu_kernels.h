@@ -11,6 +11,7 @@
 #include "../nonfinite_kind.h"
 #include "../novograd_math.h"
 #include "../optimizer_math.h"
+#include "../state_codes.h"
 
 namespace ampfuse::kernels::cpu {
 
@@ -115,5 +116,26 @@ void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, vo
 void lamb_apply_bf16_span(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
                           const float* exp_avg_sq, std::int64_t n, const LambStep& step,
                           float ratio);
+
+// Adam's moments as 8-bit block codes (state_codes.h) over one span of a param: the span
+// starts on a block boundary, so it holds whole blocks (its last may be short), and each
+// pointer is at the span's first element (codes) or first block (scales). The max_exp_avg_sq
+// pair is null unless step.amsgrad.
+struct CodedMoments {
+  StateCode code;
+  std::uint8_t* exp_avg;
+  float* exp_avg_scales;
+  std::uint8_t* exp_avg_sq;
+  float* exp_avg_sq_scales;
+  std::uint8_t* max_exp_avg_sq;
+  float* max_exp_avg_sq_scales;
+};
+
+// adam_span (bf16 == null) or adam_bf16_span (bf16 params without masters) over a span whose
+// moments are coded: per block, decode, the fp32-state step, encode. Equal bit for bit to
+// decoding the whole moment, running adam_span on it and coding it again.
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                     bool write_grad, const CodedMoments& moments, float* master,
+                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
 
 }  // namespace ampfuse::kernels::cpu

@@ -13,7 +13,7 @@ module             ops
                    ``multi_tensor_nonfinite_check_``
 ``l2norm``         ``multi_tensor_l2norm``
 ``update_scale``   ``update_scale_``
-``adam``           ``fused_adam_``
+``adam``           ``fused_adam_``, ``fused_adam_coded_``
 ``sgd``            ``fused_sgd_``
 ``adagrad``        ``fused_adagrad_``
 ``lamb``           ``fused_lamb_``
@@ -29,7 +29,7 @@ module             ops
 from ampfuse.ops._checks import HELD_INF, HELD_NAN
 from ampfuse.ops._library import OP_NAMES, cuda_available, cuda_status
 from ampfuse.ops.adagrad import fused_adagrad_
-from ampfuse.ops.adam import fused_adam_
+from ampfuse.ops.adam import fused_adam_, fused_adam_coded_
 from ampfuse.ops.fp8 import (
     fp8_cast_amax,
     fp8_cast_transpose,
@@ -61,6 +61,7 @@ __all__ = [
     "update_scale_",
     # fused optimizer steps
     "fused_adam_",
+    "fused_adam_coded_",
     "fused_sgd_",
     "fused_adagrad_",
     "fused_lamb_",

@@ -65,3 +65,116 @@ def _adam_fake(
     check_companions(op, params, "max_exp_avg_sqs", max_exp_avg_sqs, True, not amsgrad)
     check_master_mode(op, params, master_params, master_mode, param_ids)
     check_step_scalars(op, device, step, lr, grad_scale, found_inf)
+
+
+# The codes' dtypes per state_dtype: (first moment, second moments).
+_CODE_DTYPES = {
+    "int8": (torch.int8, torch.uint8),
+    "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+}
+_STATE_BLOCK = 256  # elements per code block (csrc/kernels/state_codes.h kStateBlock)
+
+
+def fused_adam_coded_(
+    params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+    exp_avg_codes: Iterable[torch.Tensor], exp_avg_scales: Iterable[torch.Tensor],
+    exp_avg_sq_codes: Iterable[torch.Tensor], exp_avg_sq_scales: Iterable[torch.Tensor],
+    max_exp_avg_sq_codes: Iterable[torch.Tensor], max_exp_avg_sq_scales: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor], step: torch.Tensor, lr: float | torch.Tensor,
+    beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: bool = True,
+    bias_correction: bool = True, amsgrad: bool = False, maximize: bool = False,
+    grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *,
+    write_unscaled_grads: bool = True, state_dtype: str = "int8", master_mode: str = "fp32",
+    param_ids: Iterable[int] = (), seed: int = 0,
+) -> None:
+    """One Adam/AdamW step with the moments held as 8-bit block codes, decoded, stepped and
+    coded again in one pass (see the op's schema in csrc/registration.cpp).
+
+    state_dtype "int8" or "fp8" is the format of ampfuse.optimizers._state_codes: codes shaped
+    and laid out like their param (int8: exp_avg torch.int8, the second moments torch.uint8;
+    fp8: all torch.float8_e4m3fn) and one fp32 scale per block of 256 elements in memory order.
+    Every param needs at least 256 elements (smaller ones keep fp32 moments: fused_adam_). The
+    result is bit for bit that of dequantize_moment -> fused_adam_ -> quantize_moment; all
+    other arguments as for fused_adam_."""
+    lr = lr_tensor(lr, step)
+    register_dtensor_rules()
+    torch.ops.ampfuse.fused_adam_coded_(
+        list(params), list(grads), list(exp_avg_codes), list(exp_avg_scales),
+        list(exp_avg_sq_codes), list(exp_avg_sq_scales), list(max_exp_avg_sq_codes),
+        list(max_exp_avg_sq_scales), list(master_params), step, lr, beta1, beta2, eps,
+        weight_decay, adam_w_mode, bias_correction, amsgrad, maximize, grad_scale, found_inf,
+        write_unscaled_grads=write_unscaled_grads, state_dtype=state_dtype,
+        master_mode=master_mode, param_ids=list(param_ids), seed=seed,
+    )
+
+
+def _check_coded(op: str, params: Sequence[torch.Tensor], codes_name: str,
+                 codes: Sequence[torch.Tensor], scales_name: str, scales: Sequence[torch.Tensor],
+                 dtype: torch.dtype, optional: bool) -> None:
+    """One coded moment of every param, as csrc/ops/adam_coded.cpp checks it."""
+    if optional and len(codes) == 0 and len(scales) == 0:
+        return
+    for name, tensors in ((codes_name, codes), (scales_name, scales)):
+        if len(tensors) != len(params):
+            raise RuntimeError(
+                f"ampfuse.{op}: {name} has {len(tensors)} tensors but params has {len(params)}; "
+                "pass one per param."
+            )
+    for i, (c, s, p) in enumerate(zip(codes, scales, params)):
+        if c.dtype != dtype:
+            raise RuntimeError(f"ampfuse.{op}: {codes_name}[{i}] must be {dtype}, got {c.dtype}.")
+        if c.shape != p.shape or c.device != p.device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] has shape {tuple(c.shape)} on {c.device} but "
+                f"params[{i}] has shape {tuple(p.shape)} on {p.device}."
+            )
+        blocks = -(-p.numel() // _STATE_BLOCK)
+        if s.dtype != torch.float32 or s.dim() != 1 or s.numel() != blocks or s.device != p.device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {scales_name}[{i}] must be a 1-D torch.float32 tensor of {blocks} "
+                f"elements on {p.device}, got shape {tuple(s.shape)}, {s.dtype} on {s.device}."
+            )
+
+
+@torch.library.register_fake("ampfuse::fused_adam_coded_")
+def _adam_coded_fake(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    exp_avg_codes: Sequence[torch.Tensor], exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_codes: Sequence[torch.Tensor], exp_avg_sq_scales: Sequence[torch.Tensor],
+    max_exp_avg_sq_codes: Sequence[torch.Tensor], max_exp_avg_sq_scales: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
+    beta2: float, eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+    amsgrad: bool, maximize: bool, grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None, *, write_unscaled_grads: bool = True,
+    state_dtype: str = "int8", master_mode: str = "fp32", param_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> None:
+    op = "fused_adam_coded_"
+    if state_dtype not in _CODE_DTYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: state_dtype={state_dtype!r} is not one of 'int8', 'fp8' (fp32 "
+            "moments are stepped by fused_adam_)."
+        )
+    if not amsgrad and (len(max_exp_avg_sq_codes) or len(max_exp_avg_sq_scales)):
+        raise RuntimeError(
+            f"ampfuse.{op}: max_exp_avg_sq_codes and max_exp_avg_sq_scales must be empty when "
+            "amsgrad is False."
+        )
+    for i, p in enumerate(params):
+        if p.numel() < _STATE_BLOCK:
+            raise RuntimeError(
+                f"ampfuse.{op}: params[{i}] has {p.numel()} elements; coded moments need at "
+                f"least one block of {_STATE_BLOCK}. Step a smaller param with fp32 moments "
+                "through fused_adam_."
+            )
+    device = check_list(op, "params", params)
+    check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
+    first, second = _CODE_DTYPES[state_dtype]
+    _check_coded(op, params, "exp_avg_codes", exp_avg_codes, "exp_avg_scales", exp_avg_scales,
+                 first, False)
+    _check_coded(op, params, "exp_avg_sq_codes", exp_avg_sq_codes, "exp_avg_sq_scales",
+                 exp_avg_sq_scales, second, False)
+    _check_coded(op, params, "max_exp_avg_sq_codes", max_exp_avg_sq_codes,
+                 "max_exp_avg_sq_scales", max_exp_avg_sq_scales, second, not amsgrad)
+    check_master_mode(op, params, master_params, master_mode, param_ids)
+    check_step_scalars(op, device, step, lr, grad_scale, found_inf)

@@ -39,7 +39,14 @@ from ampfuse.ops._checks import HELD_INF, HELD_NAN
 
 # The element-wise ops; each mutates some of its lists in place and returns nothing.
 POINTWISE_OPS = ("multi_tensor_unscale_", "multi_tensor_scale_", "multi_tensor_nonfinite_check_",
-                 "fused_adam_", "fused_sgd_", "fused_adagrad_")
+                 "fused_adam_", "fused_adam_coded_", "fused_sgd_", "fused_adagrad_")
+
+# Lists with one tensor per param that are not sharded like it: fused_adam_coded_'s scales
+# hold one absmax per block of 256 elements of the rank's local shard (each rank codes its own
+# shard; the codes themselves are sharded like the param). They are plain tensors, or DTensors
+# whose local tensor is the rank's own scales, and are passed on as those local tensors.
+PER_RANK_LISTS = {"fused_adam_coded_": ("exp_avg_scales", "exp_avg_sq_scales",
+                                        "max_exp_avg_sq_scales")}
 
 # The ops that raise an overflow flag from what they read, and the list they read it from. A
 # rank sees only its shards, so the flag is MAX-reduced over the mesh afterwards: every rank then
@@ -120,6 +127,14 @@ def _local_lists(op: str, names: Sequence[str],
     return out
 
 
+def _own_local(op: str, what: str, t: torch.Tensor) -> torch.Tensor:
+    """A per-rank tensor (see PER_RANK_LISTS): its local tensor as it is."""
+    if not isinstance(t, DTensor):
+        return t
+    _refuse_partial(op, what, t)
+    return t.to_local()
+
+
 def _reduced_over_shards(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                          reduce_op: str) -> torch.Tensor:
     """`local` reduced with `reduce_op` ("sum", "max") over the ranks that hold different shards
@@ -160,13 +175,18 @@ def _pointwise_rule(op: str) -> _Rule:
     overload = getattr(torch.ops.ampfuse, op).default
     arg_names = [a.name for a in overload._schema.arguments]
     flag_source = FOUND_INF_READS.get(op)
+    per_rank = PER_RANK_LISTS.get(op, ())
 
     def rule(cls: type, func: Callable[..., Any], types: tuple[type, ...],
              args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         bound = dict(zip(arg_names, args))
         bound.update(kwargs or {})
         flag_tensors = bound.get(flag_source, ()) if flag_source else ()  # still DTensors
-        list_names = [n for n in arg_names if _is_tensor_list(bound.get(n))]
+        list_names = [n for n in arg_names
+                      if n not in per_rank and _is_tensor_list(bound.get(n))]
+        for name in per_rank:
+            bound[name] = [_own_local(op, f"{name}[{i}]", t)
+                           for i, t in enumerate(bound.get(name, ()))]
         if list_names:
             local = _local_lists(op, list_names, [bound[n] for n in list_names])
             bound.update(zip(list_names, local))

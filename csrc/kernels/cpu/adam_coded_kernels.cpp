@@ -1,0 +1,102 @@
+// CPU Adam/AdamW with 8-bit block-coded moments (state_dtype "int8" / "fp8"): each block of
+// kStateBlock elements is decoded into fp32 buffers on the stack, stepped by the very span
+// kernels that step fp32 moments (adam_span, adam_bf16_span), and coded again. Running the
+// fp32-state kernels on the decoded block is what makes the result equal, bit for bit, to
+// dequantize -> fused_adam_ -> quantize (python/ampfuse/optimizers/_state_codes.py).
+#include "cpu_kernels.h"
+
+#include <algorithm>
+
+#include "storage_dispatch.h"
+
+namespace ampfuse::kernels::cpu {
+namespace {
+
+// Pointer to element `i` of a span of `dtype` elements.
+void* advance(void* data, DType dtype, std::int64_t i) {
+  return static_cast<char*>(data) + i * element_size(dtype);
+}
+
+// decode_block and encode_block of state_codes.h, the same operations on each element in
+// loops the compiler vectorizes (cloned for AVX2): the block's absmax is the max of the coded
+// values' magnitudes as bits, where nan sorts above inf, so a nan anywhere makes the scale
+// nan as encode_block's compare does (which nan may differ: the codes of such a block are 0).
+template <StateCode kCode, bool kSecond>
+AMPFUSE_CPU_CLONES void decode_codes(const std::uint8_t* codes, int n, float scale,
+                                     float* moment) {
+  for (int i = 0; i < n; ++i) moment[i] = decode_moment<kCode, kSecond>(codes[i], scale);
+}
+
+template <StateCode kCode, bool kSecond>
+AMPFUSE_CPU_CLONES void encode_codes(const float* moment, int n, std::uint8_t* codes,
+                                     float* scale) {
+  std::uint32_t absmax_bits = 0;
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t a = fp8_detail::bits_of(coded_value<kSecond>(moment[i])) & 0x7fffffffu;
+    absmax_bits = a > absmax_bits ? a : absmax_bits;
+  }
+  const float absmax = fp8_detail::float_of(absmax_bits);
+  for (int i = 0; i < n; ++i) {
+    codes[i] = encode_moment<kCode, kSecond>(coded_value<kSecond>(moment[i]), absmax);
+  }
+  *scale = absmax;
+}
+
+template <StateCode kCode>
+void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                       bool write_grad, const CodedMoments& moments, float* master,
+                       const Bf16Span* bf16, std::int64_t n, const AdamStep& step) {
+  // One block's decoded moments; a few KB of stack, reused by every block of the span.
+  alignas(64) float exp_avg[kStateBlock];
+  alignas(64) float exp_avg_sq[kStateBlock];
+  alignas(64) float max_exp_avg_sq[kStateBlock];
+  float* max_buffer = moments.max_exp_avg_sq != nullptr ? max_exp_avg_sq : nullptr;
+  for (std::int64_t first = 0; first < n; first += kStateBlock) {
+    const int len = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - first));
+    const std::int64_t block = first / kStateBlock;
+    decode_codes<kCode, false>(moments.exp_avg + first, len, moments.exp_avg_scales[block],
+                               exp_avg);
+    decode_codes<kCode, true>(moments.exp_avg_sq + first, len, moments.exp_avg_sq_scales[block],
+                              exp_avg_sq);
+    if (max_buffer != nullptr) {
+      decode_codes<kCode, true>(moments.max_exp_avg_sq + first, len,
+                                moments.max_exp_avg_sq_scales[block], max_buffer);
+    }
+    void* block_grad = advance(grad, grad_dtype, first);
+    if (bf16 != nullptr) {
+      // The block's elements keep their true indices: stochastic rounding is keyed by them.
+      const Bf16Span block_bf16{bf16->mode, bf16->extra != nullptr ? bf16->extra + first : nullptr,
+                                bf16->key, bf16->first_index + first};
+      adam_bf16_span(static_cast<std::uint16_t*>(param) + first, block_bf16, block_grad,
+                     grad_dtype, write_grad, exp_avg, exp_avg_sq, max_buffer, len, step);
+    } else {
+      adam_span(advance(param, param_dtype, first), param_dtype, block_grad, grad_dtype,
+                write_grad, exp_avg, exp_avg_sq, max_buffer,
+                master != nullptr ? master + first : nullptr, len, step);
+    }
+    encode_codes<kCode, false>(exp_avg, len, moments.exp_avg + first,
+                               moments.exp_avg_scales + block);
+    encode_codes<kCode, true>(exp_avg_sq, len, moments.exp_avg_sq + first,
+                              moments.exp_avg_sq_scales + block);
+    if (max_buffer != nullptr) {
+      encode_codes<kCode, true>(max_buffer, len, moments.max_exp_avg_sq + first,
+                                moments.max_exp_avg_sq_scales + block);
+    }
+  }
+}
+
+}  // namespace
+
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                     bool write_grad, const CodedMoments& moments, float* master,
+                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step) {
+  if (moments.code == StateCode::kFp8) {
+    adam_coded_blocks<StateCode::kFp8>(param, param_dtype, grad, grad_dtype, write_grad, moments,
+                                       master, bf16, n, step);
+  } else {
+    adam_coded_blocks<StateCode::kInt8>(param, param_dtype, grad, grad_dtype, write_grad, moments,
+                                        master, bf16, n, step);
+  }
+}
+
+}  // namespace ampfuse::kernels::cpu
