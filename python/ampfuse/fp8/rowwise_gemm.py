@@ -20,6 +20,7 @@ answers describe the machine and its libraries, not a model, so they are kept fo
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -29,6 +30,9 @@ from ampfuse.ops import fp8 as fp8_ops
 GEMM_BACKENDS = ("auto", "ampfuse", "torch")
 _E4M3 = torch.float8_e4m3fn
 _NAME = "ampfuse.fp8.RowwiseScaling"
+# (a, b, a_scale_inv, b_scale_inv, bias, out_dtype, fast_accum) -> out: ampfuse_gemm, torch_gemm
+GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                   torch.dtype, bool], torch.Tensor]
 
 
 class GemmKind(NamedTuple):
@@ -111,13 +115,13 @@ def _device_words(device: torch.device) -> str:
             f"{major}.{minor})")
 
 
-def _probe(run: object, kind: GemmKind) -> None:
+def _probe(run: GemmFn, kind: GemmKind) -> None:
     """One 16 x 16 x 16 GEMM of `kind` through `run` (ampfuse_gemm or torch_gemm): raises what
     that library raises for the kind. Enqueues a tiny GEMM; never waits for the device."""
     codes = torch.zeros(16, 16, device=kind.device).to(_E4M3)
     ones = torch.ones(16, device=kind.device)
     bias = torch.zeros(16, dtype=kind.out_dtype, device=kind.device) if kind.bias else None
-    run(codes, codes, ones, ones, bias, kind.out_dtype, kind.fast_accum)  # type: ignore[operator]
+    run(codes, codes, ones, ones, bias, kind.out_dtype, kind.fast_accum)
 
 
 class BackendChoices:
@@ -162,8 +166,8 @@ class BackendChoices:
                 f"{_NAME}: neither ampfuse's fp8_gemm nor torch._scaled_mm runs a rowwise-"
                 f"scaled FP8 GEMM ({kind.describe()}) on {where}. ampfuse: "
                 f"{_reason(ampfuse_refusal)}. torch: {_reason(torch_refusal)}. Use "
-                "ampfuse.fp8.CurrentScaling() (one scale per "
-                "tensor, no rowwise kernel needed) or train without fp8.") from torch_refusal
+                "ampfuse.fp8.CurrentScaling() (one scale per tensor, no rowwise kernel needed) "
+                "or train without fp8.") from torch_refusal
         if kind.device not in self._warned:
             self._warned.add(kind.device)
             warnings.warn(
