@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "dtype.h"
@@ -73,7 +74,21 @@ struct Fp8GemmContext {
 // a problem (its heuristic finds none, or it refuses the first launch; possible for rowwise
 // scaling, whose kernels are newer), the plan runs without it from then on and returns false,
 // and the caller adds the bias.
+//
+// Throws Fp8GemmUnsupported (below) when this cuBLASLt cannot run the problem on this device,
+// and std::runtime_error for any other failure.
 bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream);
+
+// "This cuBLASLt has no kernel for this problem on this device", as opposed to a failure: the
+// heuristic found no algorithm, cuBLASLt refused the scale mode or the plan's first launch
+// (CUBLAS_STATUS_NOT_SUPPORTED; for rowwise scales, whose outer-vector kernels are newer and
+// have never been seen to work here, any refusal before a first successful launch). The op
+// layer turns it into torch's NotImplementedError, which ampfuse.fp8's rowwise path reads as
+// "use torch._scaled_mm instead".
+class Fp8GemmUnsupported : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // Counters of fp8_gemm's plan cache over the process (all threads): plans built (one
 // heuristic query each) and calls that found their plan cached. Tests read them through the

@@ -115,6 +115,20 @@ constexpr const char* kRequirements =
     "FP8 GEMMs need an sm_89 or newer GPU (rowwise scales sm_90 or newer) and a CUDA 12.9 or "
     "newer cuBLAS. Try tensorwise scales or another out_dtype.";
 
+// The cuBLASLt loaded at run time (it may be older than the headers built against), for the
+// refusals: "cuBLASLt 12.8.4".
+std::string library_version() {
+  const std::size_t v = cublasLtGetVersion();
+  return "cuBLASLt " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100);
+}
+
+[[noreturn]] void unsupported(const PlanKey& key, const std::string& why) {
+  throw Fp8GemmUnsupported("ampfuse.fp8_gemm: " + library_version() + " cannot run " +
+                           problem(key) + " on CUDA device " + std::to_string(key.device) +
+                           ": " + why + ". " + kRequirements);
+}
+
 template <typename T>
 void set_attribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
                    const T& value, const char* what) {
@@ -163,9 +177,18 @@ void describe(Plan& plan, const PlanKey& key, bool with_bias) {
   const std::int8_t fast_accum = key.fast_accum ? 1 : 0;
   set_attribute(plan.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum, "setting FAST_ACCUM");
   if (key.scale_mode == Fp8ScaleMode::kRowwise) {
+    // A cuBLASLt older than 12.9 does not know the attribute or the mode: it cannot do
+    // rowwise scales at all, which is a refusal, not a failure.
     const std::int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, outer, "setting A's scale mode");
-    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, outer, "setting B's scale mode");
+    for (const auto attribute : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                 CUBLASLT_MATMUL_DESC_B_SCALE_MODE}) {
+      const cublasStatus_t status =
+          cublasLtMatmulDescSetAttribute(plan.op, attribute, &outer, sizeof(outer));
+      if (status != CUBLAS_STATUS_SUCCESS) {
+        unsupported(key, std::string("setting the outer-vector scale mode gave ") +
+                             cublasLtGetStatusString(status));
+      }
+    }
   }
   if (with_bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
@@ -224,8 +247,23 @@ std::unique_ptr<Plan> build_plan(const PlanKey& key, cublasLtHandle_t handle) {
     plan->fused_bias = false;
     if (pick_algorithm(*plan, key, handle)) return plan;
   }
-  throw std::runtime_error("ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for " + problem(key) +
-                           "; " + kRequirements);
+  unsupported(key, "its heuristic has no algorithm for it");
+}
+
+// Runs `body`; for rowwise scales turns any cuBLASLt refusal it throws into
+// Fp8GemmUnsupported. Rowwise (outer-vector) scaling is new in cuBLASLt and is only ever
+// described or launched here by a plan that has not yet run on this device, so whatever
+// cuBLASLt refuses then means it cannot run the problem here.
+template <typename Body>
+void refusals_of_rowwise(const PlanKey& key, Body&& body) {
+  try {
+    body();
+  } catch (const Fp8GemmUnsupported&) {
+    throw;
+  } catch (const std::runtime_error& error) {
+    if (key.scale_mode != Fp8ScaleMode::kRowwise) throw;
+    unsupported(key, error.what());
+  }
 }
 
 std::atomic<std::int64_t> plans_built{0};
@@ -238,7 +276,8 @@ Plan& plan_for(const PlanKey& key, cublasLtHandle_t handle) {
     plans_reused.fetch_add(1, std::memory_order_relaxed);
     return *found->second;
   }
-  std::unique_ptr<Plan> plan = build_plan(key, handle);
+  std::unique_ptr<Plan> plan;
+  refusals_of_rowwise(key, [&] { plan = build_plan(key, handle); });
   plans_built.fetch_add(1, std::memory_order_relaxed);
   return *plans.emplace(key, std::move(plan)).first->second;
 }
@@ -278,13 +317,21 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
     // cuBLASLt checks some combinations (scale modes with epilogues) only at the launch, and
     // refuses them there before enqueuing anything: run this problem without the bias
     // epilogue from now on; the caller adds the bias.
-    describe(plan, key, false);
-    plan.fused_bias = false;
-    if (!pick_algorithm(plan, key, handle)) {
-      throw std::runtime_error("ampfuse.fp8_gemm: cuBLASLt has no FP8 kernel for " +
-                               problem(key) + "; " + kRequirements);
-    }
-    status = launch(plan, args, context, handle, stream);
+    refusals_of_rowwise(key, [&] {
+      describe(plan, key, false);
+      plan.fused_bias = false;
+      if (!pick_algorithm(plan, key, handle)) {
+        unsupported(key, "its heuristic has no algorithm for it without the bias epilogue");
+      }
+      status = launch(plan, args, context, handle, stream);
+    });
+  }
+  if (status != CUBLAS_STATUS_SUCCESS && !plan.launched &&
+      (status == CUBLAS_STATUS_NOT_SUPPORTED || key.scale_mode == Fp8ScaleMode::kRowwise)) {
+    // Refused before anything was enqueued, by a plan that has never run here: cuBLASLt cannot
+    // do this problem (for rowwise scales any status, as in refusals_of_rowwise).
+    unsupported(key, std::string("cublasLtMatmul refused the first launch with ") +
+                         cublasLtGetStatusString(status));
   }
   if (status != CUBLAS_STATUS_SUCCESS) {
     throw std::runtime_error(std::string("ampfuse.fp8_gemm: cublasLtMatmul failed (") +

@@ -5,6 +5,13 @@
 // accumulation order. Both devices accept the same arguments, so a model that runs on the CPU
 // runs on a GPU. This op runs three times per FP8 Linear per step: the checks below read only
 // tensor metadata (no device sync, no allocation).
+//
+// Errors: a problem this GPU or its cuBLASLt cannot run (compute capability below 8.9, rowwise
+// scales below 9.0, no cuBLASLt algorithm, a refused scale mode or first launch) raises
+// NotImplementedError (c10::NotImplementedError, TORCH_CHECK_NOT_IMPLEMENTED), and only such
+// a problem does: bad arguments and real failures stay RuntimeError (NotImplementedError is a
+// subclass of it, so code catching RuntimeError is unaffected). ampfuse.fp8's rowwise Linear
+// reads NotImplementedError as "run this GEMM through torch._scaled_mm instead".
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
@@ -126,15 +133,18 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 #ifdef AMPFUSE_WITH_CUDA
     const int device = a.device().index();
     const int capability = kernels::cuda::compute_capability(device);
-    TORCH_CHECK(capability >= 89, "ampfuse.", kGemm, ": CUDA device ", device, " has compute "
-                "capability ", capability / 10, ".", capability % 10, "; FP8 GEMMs need 8.9 or "
-                "newer (Ada, Hopper, Blackwell). Train this model without fp8, or on such a GPU.");
+    TORCH_CHECK_NOT_IMPLEMENTED(capability >= 89, "ampfuse.", kGemm, ": CUDA device ", device,
+                                " has compute capability ", capability / 10, ".",
+                                capability % 10, "; FP8 GEMMs need 8.9 or newer (Ada, Hopper, "
+                                "Blackwell). Train this model without fp8, or on such a GPU.");
     // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper and newer (cuBLAS 12.9+);
-    // Ada has tensorwise FP8 only.
-    TORCH_CHECK(!rowwise || capability >= 90, "ampfuse.", kGemm, ": rowwise scales need a GPU "
-                "of compute capability 9.0 or newer (cuBLASLt's outer-vector scaling); CUDA "
-                "device ", device, " has ", capability / 10, ".", capability % 10, ". Use "
-                "one-element (tensorwise) scales on this GPU.");
+    // Ada has tensorwise FP8 only (torch._scaled_mm has its own rowwise kernel there).
+    TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || capability >= 90, "ampfuse.", kGemm, ": rowwise "
+                                "scales need a GPU of compute capability 9.0 or newer "
+                                "(cuBLASLt's outer-vector scaling); CUDA device ", device,
+                                " has ", capability / 10, ".", capability % 10, ". Use "
+                                "one-element (tensorwise) scales on this GPU, or "
+                                "torch._scaled_mm's rowwise path.");
     for (const at::Tensor* t : {&a, &b}) {
       TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 == 0, "ampfuse.", kGemm,
                   ": a and b must start on a 16-byte boundary (cuBLASLt's rule); pass a fresh "
@@ -168,7 +178,12 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     const kernels::cuda::Fp8GemmContext context{at::cuda::getCurrentCUDABlasLtHandle(),
                                                 at::cuda::getCUDABlasLtWorkspace(),
                                                 at::cuda::getCUDABlasLtWorkspaceSize()};
-    const bool bias_done = kernels::cuda::fp8_gemm(args, context, stream);
+    bool bias_done = false;
+    try {
+      bias_done = kernels::cuda::fp8_gemm(args, context, stream);
+    } catch (const kernels::cuda::Fp8GemmUnsupported& refusal) {
+      TORCH_CHECK_NOT_IMPLEMENTED(false, refusal.what());
+    }
     if (bias.has_value() && !bias_done) out.add_(*bias);
     return out;
 #endif

@@ -135,16 +135,20 @@ def test_calls_from_several_threads_agree():
 
 
 def test_cuda_refuses_devices_below_sm89():
+    """A GPU that cannot run the problem raises NotImplementedError (ampfuse.fp8's rowwise
+    Linear reads it as "use torch._scaled_mm"), not a plain RuntimeError."""
     if torch.cuda.get_device_capability() >= (8, 9):
         pytest.skip("this GPU has FP8 GEMMs")
     a, b, sa, sb, _ = _on_cuda(operands(16, 16, 16))
-    with raises_naming("compute capability", "8.9"):
+    with raises_naming("compute capability", "8.9") as info:
         fp8_gemm(a, b, sa, sb)
+    assert info.type is NotImplementedError
 
 
 def test_cuda_refuses_rowwise_below_sm90():
     if not (8, 9) <= torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("only GPUs with tensorwise FP8 GEMMs but no rowwise ones (Ada) refuse")
     a, b, sa, sb, _ = _on_cuda(operands(16, 16, 16, rowwise=True))
-    with raises_naming("rowwise", "9.0", "tensorwise"):
+    with raises_naming("rowwise", "9.0", "tensorwise", "torch._scaled_mm") as info:
         fp8_gemm(a, b, sa, sb)
+    assert info.type is NotImplementedError

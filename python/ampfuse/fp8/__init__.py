@@ -6,8 +6,10 @@ Recipes: ``CurrentScaling`` (the default: each tensor's scale from its own amax,
 each; ``update_scales`` moves delayed scaling's scales once per optimizer step; ``invalidate``
 drops cached FP8 weights after a write through ``.data``.
 
-On CUDA the GEMMs run through cuBLASLt (compute capability 8.9 or newer); on the CPU the same
-quantization is emulated in fp32, so FP8 numerics are testable anywhere.
+On CUDA the GEMMs run through cuBLASLt (compute capability 8.9 or newer; rowwise scaling falls
+back to torch._scaled_mm where ampfuse's cuBLASLt path cannot run, see
+``RowwiseScaling.gemm_backend``); on the CPU the same quantization is emulated in fp32, so FP8
+numerics are testable anywhere.
 """
 
 from ampfuse.fp8.convert import AUTO_MIN_FEATURES, convert

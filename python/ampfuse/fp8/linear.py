@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ampfuse.fp8 import rowwise, tensorwise
+from ampfuse.fp8 import rowwise, rowwise_gemm, tensorwise
 from ampfuse.fp8.recipe import (
     CurrentScaling,
     DelayedScaling,
@@ -185,8 +185,11 @@ class Linear(torch.nn.Linear):
         r = self.fp8_recipe
         out: torch.Tensor
         if isinstance(r, RowwiseScaling):
-            out = rowwise.RowwiseLinear.apply(padded, self.weight, self.bias, wq,
-                                              (r.fast_accum_fwd, r.fast_accum_bwd))
+            fast_accum = (r.fast_accum_fwd, r.fast_accum_bwd)
+            backends = rowwise_gemm.backends_for(r.gemm_backend, padded, self.weight,
+                                                 self.bias is not None, fast_accum)
+            out = rowwise.RowwiseLinear.apply(padded, self.weight, self.bias, wq, fast_accum,
+                                              backends)
         else:
             delayed = self._delayed_state() if isinstance(r, DelayedScaling) else None
             fast = isinstance(r, CurrentScaling)

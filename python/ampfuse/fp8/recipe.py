@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from ampfuse.fp8.rowwise_gemm import GEMM_BACKENDS
 from ampfuse.ops.fp8 import AMAX_COMPUTE
 
 _FORMATS = {
@@ -124,15 +125,24 @@ class RowwiseScaling:
     tensor when rows differ in range, a little slower.
 
     fast_accum_fwd / fast_accum_bwd: as in CurrentScaling.
+    gemm_backend: which library runs the GEMMs (ampfuse.fp8.rowwise_gemm). "auto" (the
+    default): ampfuse's fp8_gemm (cuBLASLt's outer-vector scales; the emulation on the CPU)
+    wherever it runs, else torch._scaled_mm's rowwise path (e.g. on Ada), decided once per
+    device and kind of GEMM; a GPU where neither runs is an error that says what to use
+    instead. "ampfuse" or "torch" force one (for tests and comparisons).
     """
 
     fast_accum_fwd: bool = True
     fast_accum_bwd: bool = False
+    gemm_backend: str = "auto"
 
     def __post_init__(self) -> None:
         name = "ampfuse.fp8.RowwiseScaling"
         _check_flag(name, "fast_accum_fwd", self.fast_accum_fwd)
         _check_flag(name, "fast_accum_bwd", self.fast_accum_bwd)
+        if not isinstance(self.gemm_backend, str) or self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"{name}: gemm_backend must be \"auto\", \"ampfuse\" or "
+                             f"\"torch\", got {self.gemm_backend!r}.")
 
     @property
     def fwd_format(self) -> torch.dtype:

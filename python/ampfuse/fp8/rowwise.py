@@ -6,6 +6,8 @@ per output feature for the weight in the forward; per input feature (w transpose
 output feature (g transposed) and per input feature (x transposed) in the backward.
 ``fp8_quantize_rowwise(t, dtype, transpose=True)`` quantizes t.T row by row in one pass.
 x's transposed copy is made in the forward and saved in FP8 for the weight gradient.
+Each GEMM runs through the library ``backends`` names for it (ampfuse.fp8.rowwise_gemm: ampfuse's
+fp8_gemm or torch._scaled_mm, chosen by the layer before the call).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+
+from ampfuse.fp8.rowwise_gemm import RowwiseBackends, gemm
 
 _ops = torch.ops.ampfuse
 _E4M3 = torch.float8_e4m3fn
@@ -40,11 +44,12 @@ class RowwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                wq: RowwiseWeight, fast_accum: tuple[bool, bool]) -> torch.Tensor:
+                wq: RowwiseWeight, fast_accum: tuple[bool, bool],
+                backends: RowwiseBackends) -> torch.Tensor:
         x8, x_si = _ops.fp8_quantize_rowwise(x, _E4M3, False)
         gemm_bias = None if bias is None else bias.to(x.dtype)
-        out = _ops.fp8_gemm(x8, wq.w8, x_si, wq.scale_inv, gemm_bias, x.dtype,
-                            use_fast_accum=fast_accum[0])
+        out = gemm(backends.forward, x8, wq.w8, x_si, wq.scale_inv, gemm_bias, x.dtype,
+                   fast_accum[0])
         x8t = x_si_t = w8t = w_si_t = None
         if ctx.needs_input_grad[1]:
             x8t, x_si_t = _ops.fp8_quantize_rowwise(x, _E4M3, True)
@@ -52,6 +57,7 @@ class RowwiseLinear(torch.autograd.Function):
             w8t, w_si_t = wq.w8t, wq.scale_inv_t
         ctx.save_for_backward(x8t, x_si_t, w8t, w_si_t)
         ctx.fast_accum_bwd = fast_accum[1]
+        ctx.backends = backends
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
@@ -63,11 +69,11 @@ class RowwiseLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             g8, g_si = _ops.fp8_quantize_rowwise(grad_out, _E4M3, False)
-            grad_x = _ops.fp8_gemm(g8, w8t, g_si, w_si_t, None, x_dtype, use_fast_accum=fast)
+            grad_x = gemm(ctx.backends.dgrad, g8, w8t, g_si, w_si_t, None, x_dtype, fast)
         if ctx.needs_input_grad[1]:
             g8t, g_si_t = _ops.fp8_quantize_rowwise(grad_out, _E4M3, True)
-            grad_w = _ops.fp8_gemm(g8t, x8t, g_si_t, x_si_t, None, w_dtype, use_fast_accum=fast)
+            grad_w = gemm(ctx.backends.wgrad, g8t, x8t, g_si_t, x_si_t, None, w_dtype, fast)
         if ctx.needs_input_grad[2]:
             # Summed in fp32 without an fp32 copy of grad_out (tokens x out_features).
             grad_b = grad_out.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None

@@ -56,6 +56,10 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     is added after the GEMM: cuBLASLt's FP8 kernels take only a bf16 bias with an fp32 output).
     ``use_fast_accum``: cuBLASLt's FP8 fast accumulation on CUDA (faster, partial sums kept in
     lower precision along K); the CPU emulation, the fp32-accumulated reference, ignores it.
+
+    A problem the GPU or its cuBLASLt cannot run (compute capability below 8.9, rowwise scales
+    below 9.0, no cuBLASLt algorithm, a refused scale mode or first launch) raises
+    NotImplementedError, and only such a problem does; other errors are RuntimeError.
     """
     return torch.ops.ampfuse.fp8_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype,
                                       use_fast_accum)
