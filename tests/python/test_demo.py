@@ -30,8 +30,9 @@ def _table_rows(stdout: str) -> dict:
         cells = line.split()
         if not cells or cells[0] not in ("fp32", "O1", "O2", "O3"):
             break
-        name = "fp32" if cells[0] == "fp32" else " ".join(cells[:2])
-        rows[name] = cells[1:] if cells[0] == "fp32" else cells[2:]
+        # A name is "fp32", "<level> <what>" or "O2 master=<mode> <state_dtype>".
+        words = 1 if cells[0] == "fp32" else 3 if cells[2] in ("int8", "fp8") else 2
+        rows[" ".join(cells[:words])] = cells[words:]
     return rows
 
 
