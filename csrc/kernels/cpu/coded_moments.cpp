@@ -1,26 +1,87 @@
-// The span loops of coded_moments.h: encode_block / decode_block of state_codes.h over each
-// block of the span, the code picked once per span.
+// The span loops of coded_moments.h, cloned for AVX2 like the optimizer loops. Decoding goes
+// through a table of each code's unit value (the decoded value before the multiply by the
+// block's absmax, and the square for the second moment), which gives decode_moment's bits: the
+// table holds the same fp32 intermediate, and the multiply and square that follow are the
+// same operations. Coding gives encode_block's bits (see encode_blocks).
 #include "coded_moments.h"
 
 #include <algorithm>
-#include <type_traits>
+#include <array>
+#include <cmath>
+
+#include "storage_dispatch.h"
 
 namespace ampfuse::kernels::cpu {
 namespace {
 
-template <typename F>
-void with_code(StateCode code, bool second, F&& f) {
-  const auto pick = [&](auto code_constant) {
-    if (second) {
-      f(code_constant, std::true_type{});
-    } else {
-      f(code_constant, std::false_type{});
-    }
-  };
-  if (code == StateCode::kFp8) {
-    pick(std::integral_constant<StateCode, StateCode::kFp8>{});
+// decode_moment<kCode, kSecond>(code, absmax) is unit(code) * absmax, squared when kSecond.
+template <StateCode kCode, bool kSecond>
+float unit_value(std::uint8_t code) {
+  if constexpr (kCode == StateCode::kFp8) {
+    return decode_e4m3(code) / 448.0f;
+  } else if constexpr (kSecond) {
+    return decode_sqrt_u8_unit(code);
   } else {
-    pick(std::integral_constant<StateCode, StateCode::kInt8>{});
+    return decode_linear_int8(static_cast<std::int8_t>(code), 1.0f);  // code / 127 * 1
+  }
+}
+
+template <StateCode kCode, bool kSecond>
+const std::array<float, 256>& unit_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[c] = unit_value<kCode, kSecond>(static_cast<std::uint8_t>(c));
+    return t;
+  }();
+  return table;
+}
+
+template <bool kSecond>
+AMPFUSE_CPU_CLONES void decode_blocks(const float* table, const std::uint8_t* codes,
+                                      const float* scales, std::int64_t n, float* moment) {
+  for (std::int64_t start = 0; start < n; start += kStateBlock) {
+    const std::int64_t end = std::min<std::int64_t>(n, start + kStateBlock);
+    const float absmax = scales[start / kStateBlock];
+    for (std::int64_t i = start; i < end; ++i) {
+      const float value = table[codes[i]] * absmax;
+      moment[i] = kSecond ? value * value : value;
+    }
+  }
+}
+
+// encode_block's scale of a block whose coded values are `coded`: the largest |value|, or the
+// last nan's |nan| when the block holds one (nothing compares above a nan, and each later nan
+// replaces it). The largest is an integer max over the magnitudes' bits, which vectorizes: the
+// order of the bits is the order of the values for non-negative floats, with every nan above
+// inf, so a max beyond inf's bits says there is a nan, and only then is the block scanned for
+// the last one.
+inline float block_absmax(const float* coded, int n) {
+  std::uint32_t largest = 0;
+  for (int i = 0; i < n; ++i) {
+    largest = std::max(largest, fp8_detail::bits_of(coded[i]) & 0x7fffffffu);
+  }
+  if (largest > 0x7f800000u) {
+    for (int i = n - 1; i >= 0; --i) {
+      if (coded[i] != coded[i]) return std::fabs(coded[i]);
+    }
+  }
+  return fp8_detail::float_of(largest);
+}
+
+// encode_block over each block of the span, with each coded value (a sqrt for the second
+// moment) formed once: the same coded_value, scale and encode_moment, in loops GCC vectorizes.
+template <StateCode kCode, bool kSecond>
+AMPFUSE_CPU_CLONES void encode_blocks(const float* moment, std::int64_t n, std::uint8_t* codes,
+                                      float* scales) {
+  float coded[kStateBlock];
+  for (std::int64_t start = 0; start < n; start += kStateBlock) {
+    const int size = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - start));
+    for (int i = 0; i < size; ++i) coded[i] = coded_value<kSecond>(moment[start + i]);
+    const float absmax = block_absmax(coded, size);
+    for (int i = 0; i < size; ++i) {
+      codes[start + i] = encode_moment<kCode, kSecond>(coded[i], absmax);
+    }
+    scales[start / kStateBlock] = absmax;
   }
 }
 
@@ -28,24 +89,40 @@ void with_code(StateCode code, bool second, F&& f) {
 
 void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
                         std::int64_t n, StateCode code, bool second, float* moment) {
-  with_code(code, second, [&](auto c, auto s) {
-    for (std::int64_t i = 0; i < n; i += kStateBlock) {
-      const int size = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - i));
-      decode_block<decltype(c)::value, decltype(s)::value>(
-          codes + first + i, size, scales[(first + i) / kStateBlock], moment + i);
+  const std::uint8_t* span_codes = codes + first;
+  const float* span_scales = scales + first / kStateBlock;
+  if (code == StateCode::kFp8) {
+    if (second) {
+      decode_blocks<true>(unit_table<StateCode::kFp8, true>().data(), span_codes, span_scales, n,
+                          moment);
+    } else {
+      decode_blocks<false>(unit_table<StateCode::kFp8, false>().data(), span_codes, span_scales,
+                           n, moment);
     }
-  });
+  } else if (second) {
+    decode_blocks<true>(unit_table<StateCode::kInt8, true>().data(), span_codes, span_scales, n,
+                        moment);
+  } else {
+    decode_blocks<false>(unit_table<StateCode::kInt8, false>().data(), span_codes, span_scales,
+                         n, moment);
+  }
 }
 
 void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
                         bool second, std::uint8_t* codes, float* scales) {
-  with_code(code, second, [&](auto c, auto s) {
-    for (std::int64_t i = 0; i < n; i += kStateBlock) {
-      const int size = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - i));
-      encode_block<decltype(c)::value, decltype(s)::value>(
-          moment + i, size, codes + first + i, &scales[(first + i) / kStateBlock]);
+  std::uint8_t* span_codes = codes + first;
+  float* span_scales = scales + first / kStateBlock;
+  if (code == StateCode::kFp8) {
+    if (second) {
+      encode_blocks<StateCode::kFp8, true>(moment, n, span_codes, span_scales);
+    } else {
+      encode_blocks<StateCode::kFp8, false>(moment, n, span_codes, span_scales);
     }
-  });
+  } else if (second) {
+    encode_blocks<StateCode::kInt8, true>(moment, n, span_codes, span_scales);
+  } else {
+    encode_blocks<StateCode::kInt8, false>(moment, n, span_codes, span_scales);
+  }
 }
 
 }  // namespace ampfuse::kernels::cpu
