@@ -62,11 +62,12 @@ def step_bytes(optimizer, master_weights, state_dtype):
     return OTHER_BYTES[master_weights] + MOMENT_BYTES[state_dtype]
 
 
-def make_set(shapes, device, gen, master_weights, optimizer="adamw"):
-    """bf16 params with grads, and one optimizer per state_dtype over them (state made)."""
+def make_set(shapes, device, gen, master_weights, name="adamw"):
+    """bf16 params with grads, and one optimizer `name` per state_dtype over them (state
+    made)."""
     params = half_model(shapes, torch.bfloat16, device, gen)
-    optimizers = {kind: OPTIMIZERS[optimizer](params, lr=LR, master_weights=master_weights,
-                                              state_dtype=kind) for kind in ("fp32", *KINDS)}
+    optimizers = {kind: OPTIMIZERS[name](params, lr=LR, master_weights=master_weights,
+                                         state_dtype=kind) for kind in ("fp32", *KINDS)}
     for optimizer in optimizers.values():
         optimizer.step()  # creates the state outside the timed calls
     return optimizers

@@ -5,10 +5,9 @@ tensors, codes, scales and the step count. Then the halves, skipped steps, inf/n
 the fake, argument errors, and CUDA against the same reference and the CPU (marked cuda).
 FusedLAMB(state_dtype=...) is tested in test_lamb_state_dtype.py."""
 
+import ampfuse
 import pytest
 import torch
-
-import ampfuse
 from ampfuse.optimizers._state_codes import dequantize_moment, quantize_moment
 from helpers import POSITIONS, call_with_one_and_more_threads, position_index, raises_naming
 

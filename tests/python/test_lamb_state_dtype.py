@@ -10,10 +10,9 @@ checkpoints both ways, options and bad values."""
 import copy
 import io
 
+import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
 import torch
-
-import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 from ampfuse.optimizers import FusedLAMB
 from ampfuse.optimizers._state_codes import BLOCK, codes_kind
 from test_adam import clone_params, make_params, set_grads, step_grads

@@ -42,8 +42,8 @@ def smoke_lamb_coded(ops, device):
     for i, (p, r) in enumerate(zip(params, ref_params)):
         if not torch.equal(p, r):
             return f"param {i} differs from decode -> fused_lamb_ -> encode"
-    for key in coded:
-        for i, (c, s, m) in enumerate(zip(*coded[key], decoded[key])):
+    for key, (codes, scales) in coded.items():
+        for i, (c, s, m) in enumerate(zip(codes, scales, decoded[key])):
             expected_codes, expected_scales = quantize_moment(m, "int8", key == "v")
             if not (torch.equal(c.reshape(-1), expected_codes) and torch.equal(s, expected_scales)):
                 return f"the codes of moment {key} of param {i} differ from the new moment coded"
