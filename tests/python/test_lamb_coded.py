@@ -361,3 +361,19 @@ def test_cuda_nan_grad_codes_as_the_reference(kind, position):
     coded_step(a, clip=0.0)
     reference_step(expected, clip=0.0)
     assert_same(a, expected)
+
+
+def test_dtensors_are_refused_with_the_way_to_call_it(one_rank):
+    # Sharded codes carry scales padded to the largest shard's blocks, which only FusedLAMB
+    # cuts to each rank's own (test_fsdp2.py runs it there).
+    import ampfuse.ops.dtensor  # noqa: F401  (the rules; the wrappers import it themselves)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    a = make_args("cpu", "fp32", "int8", shapes=[(300,)])
+    for key in ("params", "grads", "exp_avg_codes", "exp_avg_sq_codes"):
+        a[key] = [distribute_tensor(t, mesh, [Shard(0)]) for t in a[key]]
+    with raises_naming("fused_lamb_coded_ takes no DTensors", "part='moments'",
+                       "combine_over_shards"):
+        coded_step(a, clip=0.0)
