@@ -69,17 +69,21 @@ inline float block_absmax(const float* coded, int n) {
 }
 
 // encode_block over each block of the span, with each coded value (a sqrt for the second
-// moment) formed once: the same coded_value, scale and encode_moment, in loops GCC vectorizes.
+// moment) formed once (coded_value is the identity for the first): the same coded_value, scale and encode_moment, in loops GCC vectorizes.
 template <StateCode kCode, bool kSecond>
 AMPFUSE_CPU_CLONES void encode_blocks(const float* moment, std::int64_t n, std::uint8_t* codes,
                                       float* scales) {
   float coded[kStateBlock];
   for (std::int64_t start = 0; start < n; start += kStateBlock) {
     const int size = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - start));
-    for (int i = 0; i < size; ++i) coded[i] = coded_value<kSecond>(moment[start + i]);
-    const float absmax = block_absmax(coded, size);
+    const float* values = moment + start;  // the first moment is coded as it is
+    if constexpr (kSecond) {
+      for (int i = 0; i < size; ++i) coded[i] = coded_value<kSecond>(values[i]);
+      values = coded;
+    }
+    const float absmax = block_absmax(values, size);
     for (int i = 0; i < size; ++i) {
-      codes[start + i] = encode_moment<kCode, kSecond>(coded[i], absmax);
+      codes[start + i] = encode_moment<kCode, kSecond>(values[i], absmax);
     }
     scales[start / kStateBlock] = absmax;
   }
