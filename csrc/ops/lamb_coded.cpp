@@ -181,9 +181,13 @@ void lamb_coded_cpu(const LambCodedArgs& a) {
   const std::vector<Span> spans = split_into_spans(a.params);
   const std::size_t n = a.params.size();
   std::vector<double> sums(2 * n, 0.0);
+  // Without a trust ratio (no weight decay, no use_nvlamb) every ratio is lr: a whole step that
+  // returns no sums needs no first pass.
+  const bool sums_unused = !lamb_step.trust && a.part == kernels::LambPart::kBoth &&
+                           a.tensor_sums == nullptr;
   if (a.part == kernels::LambPart::kApply) {
     std::copy(a.tensor_sums, a.tensor_sums + 2 * n, sums.begin());
-  } else {
+  } else if (!sums_unused) {
     // First pass: each span's sums, from its decoded moments; nothing is written.
     std::vector<double> param_sq(spans.size(), 0.0), update_sq(spans.size(), 0.0);
     for_each_span(spans, [&](std::size_t s) {
