@@ -202,3 +202,22 @@ def test_cuda_steps_as_the_fp32_optimizer_on_decoded_moments(kind):
         opt.step()
         ref.step()
         _assert_state_is_coded_reference(opt, ref, params, ref_params, kind, f"step {step}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_param_that_is_not_dense(kind):
+    # A strided view is stepped through a contiguous copy; its codes are contiguous.
+    base = torch.randn(40, 60, generator=torch.Generator().manual_seed(4))
+    p = torch.nn.Parameter(base.clone()[:, ::2])
+    r = torch.nn.Parameter(base.clone()[:, ::2])
+    opt = FusedLAMB([p], state_dtype=kind, lr=1e-2)
+    ref = FusedLAMB([r], lr=1e-2)
+    for step in range(3):
+        g = torch.randn(40, 30, generator=torch.Generator().manual_seed(step))
+        p.grad, r.grad = g.clone(), g.clone()
+        if p in opt.state:
+            _hand_decoded_moments(opt.state[p], ref.state[r])
+        opt.step()
+        ref.step()
+        _assert_state_is_coded_reference(opt, ref, [p], [r], kind, f"step {step}")
+    assert opt.state[p]["exp_avg_codes"].is_contiguous()
