@@ -1,12 +1,9 @@
-// The span loops of coded_moments.h, cloned for AVX2 like the optimizer loops. Decoding goes
-// through a table of each code's unit value (the decoded value before the multiply by the
-// block's absmax, and the square for the second moment), which gives decode_moment's bits: the
-// table holds the same fp32 intermediate, and the multiply and square that follow are the
-// same operations. Coding gives encode_block's bits (see encode_blocks).
+// The span loops of coded_moments.h, cloned for AVX2 like the optimizer loops: decode_block's
+// and encode_block's bits (state_codes.h), in loops GCC vectorizes (this file is built with
+// -fno-trapping-math, see CMakeLists.txt).
 #include "coded_moments.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 
 #include "storage_dispatch.h"
@@ -14,38 +11,14 @@
 namespace ampfuse::kernels::cpu {
 namespace {
 
-// decode_moment<kCode, kSecond>(code, absmax) is unit(code) * absmax, squared when kSecond.
+// decode_block over each block of the span (its loop vectorizes in this file's flags).
 template <StateCode kCode, bool kSecond>
-float unit_value(std::uint8_t code) {
-  if constexpr (kCode == StateCode::kFp8) {
-    return decode_e4m3(code) / 448.0f;
-  } else if constexpr (kSecond) {
-    return decode_sqrt_u8_unit(code);
-  } else {
-    return decode_linear_int8(static_cast<std::int8_t>(code), 1.0f);  // code / 127 * 1
-  }
-}
-
-template <StateCode kCode, bool kSecond>
-const std::array<float, 256>& unit_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = unit_value<kCode, kSecond>(static_cast<std::uint8_t>(c));
-    return t;
-  }();
-  return table;
-}
-
-template <bool kSecond>
-AMPFUSE_CPU_CLONES void decode_blocks(const float* table, const std::uint8_t* codes,
-                                      const float* scales, std::int64_t n, float* moment) {
+AMPFUSE_CPU_CLONES void decode_blocks(const std::uint8_t* codes, const float* scales,
+                                      std::int64_t n, float* moment) {
   for (std::int64_t start = 0; start < n; start += kStateBlock) {
-    const std::int64_t end = std::min<std::int64_t>(n, start + kStateBlock);
-    const float absmax = scales[start / kStateBlock];
-    for (std::int64_t i = start; i < end; ++i) {
-      const float value = table[codes[i]] * absmax;
-      moment[i] = kSecond ? value * value : value;
-    }
+    const int size = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - start));
+    decode_block<kCode, kSecond>(codes + start, size, scales[start / kStateBlock],
+                                 moment + start);
   }
 }
 
@@ -97,18 +70,14 @@ void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int
   const float* span_scales = scales + first / kStateBlock;
   if (code == StateCode::kFp8) {
     if (second) {
-      decode_blocks<true>(unit_table<StateCode::kFp8, true>().data(), span_codes, span_scales, n,
-                          moment);
+      decode_blocks<StateCode::kFp8, true>(span_codes, span_scales, n, moment);
     } else {
-      decode_blocks<false>(unit_table<StateCode::kFp8, false>().data(), span_codes, span_scales,
-                           n, moment);
+      decode_blocks<StateCode::kFp8, false>(span_codes, span_scales, n, moment);
     }
   } else if (second) {
-    decode_blocks<true>(unit_table<StateCode::kInt8, true>().data(), span_codes, span_scales, n,
-                        moment);
+    decode_blocks<StateCode::kInt8, true>(span_codes, span_scales, n, moment);
   } else {
-    decode_blocks<false>(unit_table<StateCode::kInt8, false>().data(), span_codes, span_scales,
-                         n, moment);
+    decode_blocks<StateCode::kInt8, false>(span_codes, span_scales, n, moment);
   }
 }
 
