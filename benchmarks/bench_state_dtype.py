@@ -1,5 +1,6 @@
-"""What FusedAdamW's 8-bit moments (state_dtype "int8" / "fp8") cost per step against fp32
-moments, side by side in one run, with torchao's AdamW8bit beside them where it imports.
+"""What FusedAdamW's (or FusedLAMB's) 8-bit moments (state_dtype "int8" / "fp8") cost per step
+against fp32 moments, side by side in one run, with torchao's AdamW8bit beside them where it
+imports.
 
 Each pair runs the fp32-state step and the coded one interleaved (interleaved.py's method: the
 two alternate call by call on rotated argument sets; the fastest call of each is reported next
@@ -10,13 +11,18 @@ written 8 and the param written 2, with "stochastic" the param read and written 
 
     True + fp32 28      True + int8/fp8 16.06      stochastic + fp32 22      stochastic + 8-bit 10.06
 
+FusedLAMB (--optimizer lamb, default max_grad_norm=1: the grads' norm read first, 2) runs two
+passes; the coded step reads the codes and grads in both (the second forms the moments again):
+
+    True + fp32 42      True + 8-bit 26.1      stochastic + fp32 34      stochastic + 8-bit 18.1
+
 GB/s is those bytes over the fastest call, and %copy compares it with a device copy of the same
 bytes (on CUDA; issue 33's goal: >= 90% at 350M params). torchao's AdamW8bit (fp32 params, its
 own block-wise codes, no masters) is timed on its own set where torchao imports; its row has no
 ratio to ours because it moves other bytes.
 
     PYTHONPATH=python python benchmarks/bench_state_dtype.py [--device cpu|cuda]
-        [--total-elements 1e7] [--repeats 30] [--json PATH]
+        [--optimizer adamw|lamb] [--total-elements 1e7] [--repeats 30] [--json PATH]
 """
 
 import argparse
@@ -32,7 +38,7 @@ from _timing import (
     synchronize,
     time_calls,
 )
-from ampfuse.optimizers import FusedAdamW
+from ampfuse.optimizers import FusedAdamW, FusedLAMB
 from bench_adam import LR, half_model
 from interleaved import add_interleaved_args, interleave
 
@@ -43,13 +49,25 @@ CUDA_TOTAL = 3.5e8
 # written plus the param written (True) or the param read and written ("stochastic").
 OTHER_BYTES = {True: 2 + 8 + 2, "stochastic": 2 + 4}
 MOMENT_BYTES = {"fp32": 16.0, "int8": 4 + 16 / 256, "fp8": 4 + 16 / 256}
+OPTIMIZERS = {"adamw": FusedAdamW, "lamb": FusedLAMB}
+# FusedLAMB's bytes per param per step, whole (see the docstring), by (master_weights, state).
+_CODED_LAMB = {True: 2 + 6 + 2.03 + 2 + 10 + 4.06, "stochastic": 2 + 4 + 2.03 + 2 + 4 + 4.06}
+LAMB_BYTES = {(True, "fp32"): 42.0, ("stochastic", "fp32"): 34.0,
+              **{(m, k): b for m, b in _CODED_LAMB.items() for k in KINDS}}
 
 
-def make_set(shapes, device, gen, master_weights):
-    """bf16 params with grads, and one FusedAdamW per state_dtype over them (state made)."""
+def step_bytes(optimizer, master_weights, state_dtype):
+    if optimizer == "lamb":
+        return LAMB_BYTES[master_weights, state_dtype]
+    return OTHER_BYTES[master_weights] + MOMENT_BYTES[state_dtype]
+
+
+def make_set(shapes, device, gen, master_weights, name="adamw"):
+    """bf16 params with grads, and one optimizer `name` per state_dtype over them (state
+    made)."""
     params = half_model(shapes, torch.bfloat16, device, gen)
-    optimizers = {kind: FusedAdamW(params, lr=LR, master_weights=master_weights,
-                                   state_dtype=kind) for kind in ("fp32", *KINDS)}
+    optimizers = {kind: OPTIMIZERS[name](params, lr=LR, master_weights=master_weights,
+                                         state_dtype=kind) for kind in ("fp32", *KINDS)}
     for optimizer in optimizers.values():
         optimizer.step()  # creates the state outside the timed calls
     return optimizers
@@ -78,6 +96,7 @@ def torchao_row(shapes, device, gen, repeats):
 
 def run(args):
     device = getattr(args, "device", "cpu") or "cpu"
+    optimizer = getattr(args, "optimizer", "adamw") or "adamw"
     totals = args.total_elements or [CUDA_TOTAL if device == "cuda" else 1e7]
     repeats = args.repeats or 30
     rows = []
@@ -86,7 +105,7 @@ def run(args):
         params = element_count(shapes)
         for master_weights in MASTER_MODES:
             gen = generator(device, args.seed)
-            sets = [make_set(shapes, device, gen, master_weights)
+            sets = [make_set(shapes, device, gen, master_weights, optimizer)
                     for _ in range(getattr(args, "sets", 2))]
             for kind in KINDS:
                 def step(s, i, name):
@@ -95,9 +114,10 @@ def run(args):
 
                 times = interleave(sets, lambda s, i: step(s, i, "fp32"),
                                    lambda s, i, kind=kind: step(s, i, kind), repeats)
-                moved = {name: params * (OTHER_BYTES[master_weights] + MOMENT_BYTES[name])
+                moved = {name: params * step_bytes(optimizer, master_weights, name)
                          for name in ("fp32", kind)}
-                row = {"device": device, "params": params, "master_weights": str(master_weights),
+                row = {"device": device, "optimizer": optimizer, "params": params,
+                       "master_weights": str(master_weights),
                        "state_dtype": kind,
                        "fp32_min_ms": min(times[0]) * 1e3,
                        "fp32_median_ms": statistics.median(times[0]) * 1e3,
@@ -111,7 +131,8 @@ def run(args):
                         row[f"{key}_pct_of_copy"] = 100 * row[f"{key}_gbps"] * 1e9 / copy
                 rows.append(row)
             del sets
-        ao = torchao_row(shapes, device, generator(device, args.seed), repeats)
+        ao = (torchao_row(shapes, device, generator(device, args.seed), repeats)
+              if optimizer == "adamw" else None)
         if ao is not None:
             rows.append({"device": device, "params": params, "master_weights": "-",
                          "state_dtype": "torchao AdamW8bit", **ao})
@@ -144,7 +165,9 @@ def format_rows(rows, env):
             f"{r['coded_median_ms']:8.2f} {r['coded_min_ms'] / r['fp32_min_ms']:9.3f} "
             f"{r['coded_median_ms'] / r['fp32_median_ms']:7.3f} {r['coded_gbps']:6.1f} {pct} "
             f"{fp32_pct}")
-    lines.append("# ms per FusedAdamW step of bf16 params (lr 1e-4, no scaler); ratio: 8-bit "
+    name = {"adamw": "FusedAdamW", "lamb": "FusedLAMB"}[rows[0].get("optimizer", "adamw")
+                                                        if rows else "adamw"]
+    lines.append(f"# ms per {name} step of bf16 params (lr 1e-4, no scaler); ratio: 8-bit "
                  "moments over fp32 moments, same master_weights (below 1: faster); GB/s and "
                  "%copy of the 8-bit step's bytes (see the docstring).")
     return "\n".join(lines)
@@ -153,6 +176,7 @@ def format_rows(rows, env):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     add_interleaved_args(parser)
     parser.set_defaults(total_elements=None)
     return parser.parse_args(argv)

@@ -49,6 +49,7 @@ OpKernels fused_adam_coded_kernels();               // csrc/ops/adam_coded.cpp
 OpKernels fused_sgd_kernels();                      // csrc/ops/sgd.cpp
 OpKernels fused_adagrad_kernels();                  // csrc/ops/adagrad.cpp
 OpKernels fused_lamb_kernels();                     // csrc/ops/lamb.cpp
+OpKernels fused_lamb_coded_kernels();               // csrc/ops/lamb_coded.cpp
 OpKernels fused_novograd_kernels();                 // csrc/ops/novograd.cpp
 OpKernels fp8_cast_amax_kernels();                  // csrc/ops/fp8.cpp
 OpKernels fp8_update_scales_kernels();              // csrc/ops/fp8.cpp

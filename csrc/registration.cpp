@@ -145,6 +145,23 @@ TORCH_LIBRARY(ampfuse, m) {
       "bool write_unscaled_grads=False, Tensor(h!)? tensor_sums=None, str part=\"both\", "
       "str master_mode=\"fp32\", int[] param_ids=[], int seed=0) -> ()",
       ops::fused_lamb_kernels());
+  // fused_lamb_ with block-coded moments (state_dtype "int8": int8 exp_avg codes, uint8
+  // exp_avg_sq codes; "fp8": float8_e4m3fn both), codes shaped and laid out like each param,
+  // one fp32 scale per 256 elements in memory order: bit for bit decode -> fused_lamb_ ->
+  // encode. The codes are written by the second pass, which forms the moments again, so
+  // part="moments" writes only tensor_sums and part="apply" takes the grads (and grad_norm
+  // when clipping) as well (csrc/ops/lamb_coded.cpp).
+  def(m,
+      "fused_lamb_coded_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avg_codes, "
+      "Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_codes, "
+      "Tensor(f!)[] exp_avg_sq_scales, Tensor(g!)[] master_params, Tensor(h!) step, Tensor lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+      "bool bias_correction, bool grad_averaging, bool use_nvlamb, float max_grad_norm, "
+      "Tensor? grad_norm, Tensor? grad_scale, Tensor? found_inf, "
+      "bool write_unscaled_grads=False, Tensor(i!)? tensor_sums=None, str part=\"both\", *, "
+      "str state_dtype=\"int8\", str master_mode=\"fp32\", int[] param_ids=[], "
+      "int seed=0) -> ()",
+      ops::fused_lamb_coded_kernels());
   // NovoGrad step (apex.optimizers.FusedNovoGrad's math): each param keeps one running norm
   // of its grads in norm_avgs (a one-element float32 tensor: L2 norms blend as
   // sqrt(beta2 * avg^2 + (1 - beta2) * ||g||^2), max norms (norm_type=0) linearly), starting

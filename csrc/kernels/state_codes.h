@@ -54,16 +54,21 @@ AMPFUSE_CODES_HD float decode_linear_int8(std::int8_t code, float absmax) {
   return static_cast<float>(code) / 127.0f * absmax;
 }
 
-// The unsigned e4m4 code (bias 15, subnormals, 1.0 = 0xF0) of sqrt(v)/absmax in [0, 1].
+// The unsigned e4m4 code (bias 15, subnormals, 1.0 = 0xF0) of sqrt(v)/absmax in [0, 1]. Both
+// ranges are formed and one is picked, without a branch, so the CPU loops vectorize.
 AMPFUSE_CODES_HD std::uint8_t encode_sqrt_u8(float normalised) {
-  if (!(normalised >= 0x1p-14f)) {
-    // Subnormal range: steps of 2^-18; 16 steps is the first normal code, 0x10.
-    return static_cast<std::uint8_t>(state_codes_detail::round_half_even(normalised * 0x1p18f));
-  }
-  std::uint32_t bits = fp8_detail::bits_of(normalised > 1.0f ? 1.0f : normalised);
+  const bool subnormal = !(normalised >= 0x1p-14f);
+  // Subnormal range: steps of 2^-18; 16 steps is the first normal code, 0x10. (Clamped first,
+  // so the conversion is defined for the inputs of the other range too.)
+  const float steps = state_codes_detail::round_half_even(
+      (normalised < 0x1p-14f ? normalised : 0x1p-14f) * 0x1p18f);
+  const int subnormal_code = static_cast<int>(steps);
+  const float clamped = normalised > 1.0f ? 1.0f : (subnormal ? 0x1p-14f : normalised);
+  std::uint32_t bits = fp8_detail::bits_of(clamped);
   bits = (bits + 0x3ffffu + ((bits >> 19) & 1u)) & ~0x7ffffu;  // 4 mantissa bits, ties to even
   const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127 + 15;
-  return static_cast<std::uint8_t>(exponent * 16 + static_cast<int>((bits >> 19) & 0xfu));
+  const int normal_code = exponent * 16 + static_cast<int>((bits >> 19) & 0xfu);
+  return static_cast<std::uint8_t>(subnormal ? subnormal_code : normal_code);
 }
 
 AMPFUSE_CODES_HD float decode_sqrt_u8_unit(std::uint8_t code) {
@@ -97,8 +102,10 @@ AMPFUSE_CODES_HD float decode_e4m3(std::uint8_t code) {
 template <StateCode kCode, bool kSecond>
 AMPFUSE_CODES_HD std::uint8_t encode_moment(float coded_value, float absmax) {
   const float safe = absmax == 0.0f ? 1.0f : absmax;  // a nan or inf absmax stays
-  const float normalised = coded_value / safe;
-  if (normalised != normalised) return 0;
+  const float quotient = coded_value / safe;
+  // A nan codes as 0 does: every code below is 0 for +0 (a select, not a branch, so the CPU
+  // loops vectorize).
+  const float normalised = quotient != quotient ? 0.0f : quotient;
   if constexpr (kCode == StateCode::kFp8) {
     return encode_e4m3_unit(normalised);
   } else if constexpr (kSecond) {

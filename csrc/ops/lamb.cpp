@@ -15,6 +15,7 @@
 #include "checks.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
+#include "lamb_args.h"
 #include "master_args.h"
 #include "optimizer_args.h"
 
@@ -35,34 +36,6 @@ struct LambArgs {
   std::vector<at::Tensor> keep_alive;
   std::vector<CopyBack> copy_back;
 };
-
-kernels::LambPart parse_part(c10::string_view part) {
-  if (part == "both") return kernels::LambPart::kBoth;
-  if (part == "moments") return kernels::LambPart::kMoments;
-  if (part == "apply") return kernels::LambPart::kApply;
-  TORCH_CHECK(false, "ampfuse.", kLamb, ": part='", std::string(part),
-              "' is not one of 'both', 'moments', 'apply'.");
-}
-
-// tensor_sums: what the first half leaves for the second (each tensor's sums of squares of its
-// param and its update), a contiguous float64 [n, 2] tensor on the params' device; required by
-// the halves, optional (an extra output) for kBoth.
-double* sums_ptr(const c10::optional<at::Tensor>& sums, kernels::LambPart part, std::size_t n,
-                 const at::Device& device) {
-  const bool given = sums.has_value() && sums->defined();
-  TORCH_CHECK(given || part == kernels::LambPart::kBoth, "ampfuse.", kLamb,
-              ": part='moments' and part='apply' pass each tensor's sums of squares through "
-              "tensor_sums; give a torch.float64 tensor of shape (", n, ", 2).");
-  if (!given) return nullptr;
-  const at::Tensor& t = *sums;
-  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 2 &&
-                  t.size(0) == static_cast<std::int64_t>(n) && t.size(1) == 2 &&
-                  t.is_contiguous() && t.device() == device,
-              "ampfuse.", kLamb, ": tensor_sums must be a contiguous torch.float64 tensor of "
-              "shape (", n, ", 2) on ", device, ", got ", t.scalar_type(), " of shape ",
-              t.sizes(), " on ", t.device(), ".");
-  return t.data_ptr<double>();
-}
 
 // The CPU step from the checked arguments.
 void lamb_cpu(const LambArgs& a) {
@@ -176,17 +149,12 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                  const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
                  c10::string_view master_mode, at::IntArrayRef param_ids, int64_t seed) {
-  check_moment_hyperparameters(kLamb, beta1, beta2, eps);
-  TORCH_CHECK(weight_decay >= 0.0, "ampfuse.", kLamb, ": weight_decay must be >= 0, got ",
-              weight_decay, ".");
-  TORCH_CHECK(max_grad_norm >= 0.0 && std::isfinite(max_grad_norm), "ampfuse.", kLamb,
-              ": max_grad_norm must be a finite number >= 0 (0 turns clipping off), got ",
-              max_grad_norm, ".");
+  check_lamb_hyperparameters(kLamb, beta1, beta2, eps, weight_decay, max_grad_norm);
   LambArgs a;
   // A param that is not dense is stepped through a contiguous copy (see WrittenList).
   const WrittenList written(kLamb, params, "params", a.copy_back);
   const at::TensorList dense = written.tensors();
-  a.part = parse_part(part);
+  a.part = parse_lamb_part(kLamb, part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // The second half forms no clip: it needs no norm.
   TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply,
@@ -197,7 +165,8 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   const c10::optional<at::Device> device = list_device(kLamb, params, "params");
   a.params = tensor_refs(kLamb, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kLamb, step, lr, grad_scale, found_inf, device);
-  a.tensor_sums = sums_ptr(tensor_sums, a.part, params.size(), device.value_or(step.device()));
+  a.tensor_sums =
+      lamb_sums_ptr(kLamb, tensor_sums, a.part, params.size(), device.value_or(step.device()));
   a.grad_norm = nullptr;
   if (max_grad_norm > 0.0 && a.part != kernels::LambPart::kApply) {
     check_scalar_tensor(kLamb, *grad_norm, "grad_norm", at::kFloat, device.value_or(step.device()),

@@ -196,3 +196,21 @@ def test_bench_state_dtype_runs_tiny_on_the_cpu(tmp_path):
     assert [(r["master_weights"], r["state_dtype"]) for r in ours] == [
         ("True", "int8"), ("True", "fp8"), ("stochastic", "int8"), ("stochastic", "fp8")]
     assert all(r["coded_min_ms"] > 0 and r["fp32_min_ms"] > 0 for r in ours), rows
+
+
+def test_bench_state_dtype_runs_lamb_tiny_on_the_cpu(tmp_path):
+    """benchmarks/bench_state_dtype.py --optimizer lamb: FusedLAMB's 8-bit moments against its
+    fp32 moments, both master modes, no torchao row."""
+    env = dict(os.environ, PYTHONPATH=AMPFUSE_PATH, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_state_dtype.py"), "--optimizer", "lamb",
+         "--total-elements", "2e4", "--repeats", "2", "--json", str(tmp_path / "state.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "state.json").read_text())["results"]
+    assert [(r["optimizer"], r["master_weights"], r["state_dtype"]) for r in rows] == [
+        ("lamb", "True", "int8"), ("lamb", "True", "fp8"), ("lamb", "stochastic", "int8"),
+        ("lamb", "stochastic", "fp8")]
+    assert all(r["coded_min_ms"] > 0 and r["fp32_min_ms"] > 0 for r in rows), rows
+    assert "FusedLAMB step" in result.stdout

@@ -114,6 +114,14 @@ OPTIMIZERS = {
         params, lr=1e-2, weight_decay=0.1, master_weights="split", state_dtype="fp8",
         amsgrad=True
     ),
+    # LAMB's coded step runs the op's two halves on each rank's shards, with the sums added over
+    # the shards between them (FusedLAMB._launch_coded).
+    "FusedLAMB (int8 moments)": lambda params: ampfuse.optimizers.FusedLAMB(
+        params, lr=1e-2, weight_decay=0.1, master_weights=True, state_dtype="int8"
+    ),
+    "FusedLAMB (no masters, split, fp8 moments)": lambda params: ampfuse.optimizers.FusedLAMB(
+        params, lr=1e-2, weight_decay=0.1, master_weights="split", state_dtype="fp8"
+    ),
 }
 
 

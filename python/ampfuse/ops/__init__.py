@@ -16,7 +16,7 @@ module             ops
 ``adam``           ``fused_adam_``, ``fused_adam_coded_``
 ``sgd``            ``fused_sgd_``
 ``adagrad``        ``fused_adagrad_``
-``lamb``           ``fused_lamb_``
+``lamb``           ``fused_lamb_``, ``fused_lamb_coded_``
 ``novograd``       ``fused_novograd_``
 ``fp8``            ``fp8_cast_amax``, ``fp8_update_scales_``, ``fp8_gemm``, ``fp8_transpose``,
                    ``fp8_tensor_scale``, ``fp8_cast_transpose``, ``fp8_cast_transpose_dbias``,
@@ -41,7 +41,7 @@ from ampfuse.ops.fp8 import (
     fp8_update_scales_,
 )
 from ampfuse.ops.l2norm import multi_tensor_l2norm
-from ampfuse.ops.lamb import fused_lamb_
+from ampfuse.ops.lamb import fused_lamb_, fused_lamb_coded_
 from ampfuse.ops.novograd import fused_novograd_
 from ampfuse.ops.scale import (
     multi_tensor_nonfinite_check_,
@@ -65,6 +65,7 @@ __all__ = [
     "fused_sgd_",
     "fused_adagrad_",
     "fused_lamb_",
+    "fused_lamb_coded_",
     "fused_novograd_",
     # FP8
     "fp8_cast_amax",

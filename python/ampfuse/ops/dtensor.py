@@ -287,18 +287,36 @@ def _two_pass_rule(op: str, buffer: str, first_part: str, columns: int | None,
         shape = (len(params),) if columns is None else (len(params), columns)
         values = torch.zeros(shape, dtype=torch.float64, device=bound["step"].device)
         func(**dict(bound, **{buffer: values, "part": first_part}))
-        # (mesh, placements) -> indices of the params sharded that way
-        groups: dict[tuple[DeviceMesh, tuple[Placement, ...]], list[int]] = {}
-        for i, t in enumerate(params):
-            if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
-                groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
-        for (mesh, placements), indices in groups.items():
-            index = torch.tensor(indices, device=values.device)
-            values[index] = _reduced_over_shards(values[index], mesh, placements,
-                                                 reduce_op(bound))
+        combine_over_shards(values, params, reduce_op(bound))
         func(**dict(bound, **{buffer: values, "part": "apply"}))
 
     return rule
+
+
+def combine_over_shards(values: torch.Tensor, params: Sequence[Any], reduce_op: str) -> None:
+    """Row i of `values` (a local reduction of param i's shard) combined in place over the
+    ranks that hold different shards of params[i] ("sum" or "max"), as a single process would
+    have it; rows of plain or replicated params stay. What the two-pass rules run between
+    their halves, and what FusedLAMB runs between the halves of fused_lamb_coded_."""
+    # (mesh, placements) -> indices of the params sharded that way
+    groups: dict[tuple[DeviceMesh, tuple[Placement, ...]], list[int]] = {}
+    for i, t in enumerate(params):
+        if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements):
+            groups.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
+    for (mesh, placements), indices in groups.items():
+        index = torch.tensor(indices, device=values.device)
+        values[index] = _reduced_over_shards(values[index], mesh, placements, reduce_op)
+
+
+def _refuse_lamb_coded(cls: type, func: Callable[..., Any], types: tuple[type, ...],
+                       args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> None:
+    # The scales of sharded codes are padded to the largest shard's blocks
+    # (optimizers._state_codes_sharded), which only the optimizer knows how to cut.
+    raise RuntimeError(
+        "ampfuse.fused_lamb_coded_ takes no DTensors: call it on each rank's local shards "
+        "(codes and their own scales) with part='moments', add tensor_sums over the shards "
+        "(ampfuse.ops.dtensor.combine_over_shards), then part='apply'; FusedLAMB does."
+    )
 
 
 # LAMB: each param's sums of squares of itself and of its update, added over the shards.
@@ -313,4 +331,6 @@ for _op in POINTWISE_OPS:
     torch.library.register_torch_dispatch(f"ampfuse::{_op}", DTensor, _pointwise_rule(_op))
 torch.library.register_torch_dispatch("ampfuse::multi_tensor_l2norm", DTensor, _l2norm_rule)
 torch.library.register_torch_dispatch("ampfuse::fused_lamb_", DTensor, _lamb_rule)
+torch.library.register_torch_dispatch("ampfuse::fused_lamb_coded_", DTensor,
+                                      _refuse_lamb_coded)
 torch.library.register_torch_dispatch("ampfuse::fused_novograd_", DTensor, _novograd_rule)

@@ -1,4 +1,5 @@
-"""Typed wrapper and fake (meta) kernel of fused_lamb_ (schema in csrc/registration.cpp).
+"""Typed wrappers and fake (meta) kernels of fused_lamb_ and fused_lamb_coded_ (schemas in
+csrc/registration.cpp).
 """
 
 from __future__ import annotations
@@ -52,6 +53,42 @@ def fused_lamb_(
     )
 
 
+def fused_lamb_coded_(
+    params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+    exp_avg_codes: Iterable[torch.Tensor], exp_avg_scales: Iterable[torch.Tensor],
+    exp_avg_sq_codes: Iterable[torch.Tensor], exp_avg_sq_scales: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor], step: torch.Tensor, lr: float | torch.Tensor,
+    beta1: float, beta2: float, eps: float, weight_decay: float, adam_w_mode: bool = True,
+    bias_correction: bool = True, grad_averaging: bool = True, use_nvlamb: bool = False,
+    max_grad_norm: float = 0.0, grad_norm: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    write_unscaled_grads: bool = False, tensor_sums: torch.Tensor | None = None,
+    part: str = "both", *, state_dtype: str = "int8", master_mode: str = "fp32",
+    param_ids: Iterable[int] = (), seed: int = 0,
+) -> None:
+    """fused_lamb_ with block-coded moments (FusedLAMB's state_dtype): bit for bit, decoding
+    the moments, one fused_lamb_ step on them in fp32 and coding the new moments again.
+
+    state_dtype "int8": exp_avg_codes torch.int8, exp_avg_sq_codes torch.uint8; "fp8": both
+    torch.float8_e4m3fn. Each code tensor is shaped and laid out like its param; each scales
+    tensor is fp32, 1-D, with one scale per block of 256 elements of the param in memory order
+    (the format of ampfuse.optimizers._state_codes). Everything else as for fused_lamb_, but for
+    the halves: the codes are written by the second pass, which forms the new moments again
+    from the same codes and grads, so part="moments" writes only tensor_sums and part="apply"
+    takes the grads (and grad_norm when clipping) too. DTensors are not taken: call it on each
+    rank's local shards with part="moments", add tensor_sums over the shards, then
+    part="apply" (FusedLAMB does)."""
+    lr = lr_tensor(lr, step)
+    register_dtensor_rules()
+    torch.ops.ampfuse.fused_lamb_coded_(
+        list(params), list(grads), list(exp_avg_codes), list(exp_avg_scales),
+        list(exp_avg_sq_codes), list(exp_avg_sq_scales), list(master_params), step, lr, beta1,
+        beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
+        max_grad_norm, grad_norm, grad_scale, found_inf, write_unscaled_grads, tensor_sums, part,
+        state_dtype=state_dtype, master_mode=master_mode, param_ids=list(param_ids), seed=seed,
+    )
+
+
 LAMB_PARTS = ("both", "moments", "apply")
 
 
@@ -67,7 +104,25 @@ def _lamb_fake(
     tensor_sums: torch.Tensor | None = None, part: str = "both", master_mode: str = "fp32",
     param_ids: Sequence[int] = (), seed: int = 0,
 ) -> None:
-    op = "fused_lamb_"
+    _check_lamb_call(
+        "fused_lamb_", params, grads, master_params, step, lr, max_grad_norm, grad_norm,
+        grad_scale, found_inf, tensor_sums, part, master_mode, param_ids,
+        norm_needed=part != "apply",
+    )
+    check_companions("fused_lamb_", params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
+    check_companions("fused_lamb_", params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True,
+                     optional=False)
+
+
+def _check_lamb_call(
+    op: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor], step: torch.Tensor, lr: torch.Tensor,
+    max_grad_norm: float, grad_norm: torch.Tensor | None, grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None, tensor_sums: torch.Tensor | None, part: str,
+    master_mode: str, param_ids: Sequence[int], norm_needed: bool,
+) -> None:
+    """The checks the fakes of fused_lamb_ and fused_lamb_coded_ share (all but the moments);
+    norm_needed: whether this part forms the clipped grads (and so needs grad_norm)."""
     if part not in LAMB_PARTS:
         raise RuntimeError(
             f"ampfuse.{op}: part={part!r} is not one of 'both', 'moments', 'apply'."
@@ -77,18 +132,16 @@ def _lamb_fake(
             f"ampfuse.{op}: max_grad_norm must be a finite number >= 0 (0 turns clipping off), "
             f"got {max_grad_norm}."
         )
-    if max_grad_norm > 0.0 and grad_norm is None and part != "apply":
+    if max_grad_norm > 0.0 and grad_norm is None and norm_needed:
         raise RuntimeError(
             f"ampfuse.{op}: max_grad_norm={max_grad_norm} clips by the global grad norm; pass it "
             "as grad_norm, or max_grad_norm=0 for no clipping."
         )
     device = check_list(op, "params", params)
     check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
-    check_companions(op, params, "exp_avgs", exp_avgs, fp32_only=True, optional=False)
-    check_companions(op, params, "exp_avg_sqs", exp_avg_sqs, fp32_only=True, optional=False)
     check_master_mode(op, params, master_params, master_mode, param_ids)
     check_step_scalars(op, device, step, lr, grad_scale, found_inf)
-    if max_grad_norm > 0.0 and part != "apply":
+    if max_grad_norm > 0.0 and norm_needed:
         owner = "params" if device is not None else "step, as params is empty"
         check_scalar(op, "grad_norm", grad_norm, torch.float32, device or step.device, owner)
     if tensor_sums is None and part != "both":
@@ -105,3 +158,76 @@ def _lamb_fake(
             f"({len(params)}, 2) on {device or step.device}, got {tensor_sums.dtype} of shape "
             f"{tuple(tensor_sums.shape)} on {tensor_sums.device}."
         )
+
+
+# state_dtype -> the dtypes of (exp_avg codes, exp_avg_sq codes)
+CODE_DTYPES = {"int8": (torch.int8, torch.uint8),
+               "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn)}
+_BLOCK = 256  # elements per scale (kStateBlock, csrc/kernels/state_codes.h)
+
+
+@torch.library.register_fake("ampfuse::fused_lamb_coded_")
+def _lamb_coded_fake(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    exp_avg_codes: Sequence[torch.Tensor], exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_codes: Sequence[torch.Tensor], exp_avg_sq_scales: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
+    beta2: float, eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+    grad_averaging: bool, use_nvlamb: bool, max_grad_norm: float,
+    grad_norm: torch.Tensor | None, grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None, write_unscaled_grads: bool = False,
+    tensor_sums: torch.Tensor | None = None, part: str = "both", *, state_dtype: str = "int8",
+    master_mode: str = "fp32", param_ids: Sequence[int] = (), seed: int = 0,
+) -> None:
+    op = "fused_lamb_coded_"
+    if state_dtype not in CODE_DTYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: state_dtype={state_dtype!r} is not one of 'int8', 'fp8' (fp32 "
+            "moments go through fused_lamb_)."
+        )
+    # Every part of the coded step forms the clipped moments, so each needs grad_norm.
+    _check_lamb_call(op, params, grads, master_params, step, lr, max_grad_norm, grad_norm,
+                     grad_scale, found_inf, tensor_sums, part, master_mode, param_ids,
+                     norm_needed=True)
+    for (codes_name, codes), (scales_name, scales), dtype in zip(
+        (("exp_avg_codes", exp_avg_codes), ("exp_avg_sq_codes", exp_avg_sq_codes)),
+        (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
+        CODE_DTYPES[state_dtype],
+    ):
+        _check_codes(op, params, codes_name, codes, scales_name, scales, dtype)
+
+
+def _check_codes(op: str, params: Sequence[torch.Tensor], codes_name: str,
+                 codes: Sequence[torch.Tensor], scales_name: str,
+                 scales: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    if len(codes) != len(params) or len(scales) != len(params):
+        raise RuntimeError(
+            f"ampfuse.{op}: {codes_name} and {scales_name} need one tensor per param "
+            f"({len(params)}), got {len(codes)} and {len(scales)}."
+        )
+    for i, (p, c, s) in enumerate(zip(params, codes, scales)):
+        if c.dtype != dtype:
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] is {c.dtype} but state_dtype needs {dtype} "
+                "codes here (int8: int8 for exp_avg, uint8 for exp_avg_sq; fp8: float8_e4m3fn "
+                "for both)."
+            )
+        if c.device != p.device or s.device != p.device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] is on {c.device} and {scales_name}[{i}] on "
+                f"{s.device} but params[{i}] is on {p.device}; move them to its device."
+            )
+        if c.shape != p.shape or (c.numel() > 1 and c.stride() != p.stride()):
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] has shape {tuple(c.shape)} and strides "
+                f"{c.stride()} but params[{i}] has shape {tuple(p.shape)} and strides "
+                f"{p.stride()}; codes are laid out like their param "
+                "(torch.empty_like(param, dtype=...))."
+            )
+        blocks = -(-p.numel() // _BLOCK)
+        if s.dtype != torch.float32 or s.dim() != 1 or s.numel() != blocks:
+            raise RuntimeError(
+                f"ampfuse.{op}: {scales_name}[{i}] must be a contiguous 1-D torch.float32 tensor "
+                f"of ceil(numel / 256) = {blocks} elements (one scale per block of 256 elements "
+                f"of params[{i}]), got {s.dtype} of shape {tuple(s.shape)}."
+            )

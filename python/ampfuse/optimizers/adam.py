@@ -9,16 +9,10 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
-from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._call import OpCall
+from ampfuse.optimizers._coded_optimizer import CodedMomentsOptimizer, coded_call_lists
 from ampfuse.optimizers._groups import check_flag, float_betas
-from ampfuse.optimizers._state_codes import (
-    check_state_dtype,
-    coded_keys,
-    keeps_fp32_moments,
-    prepare_moments,
-)
-from ampfuse.optimizers._state_codes_sharded import is_dtensor, local, local_scales
+from ampfuse.optimizers._state_codes import check_state_dtype
 from ampfuse.optimizers._torch_switches import check_implementation_switches
 
 
@@ -41,7 +35,7 @@ def _resolve_adam_w_mode(name: str, adam_w_mode: bool | None,
     return adam_w_mode
 
 
-class FusedAdam(FusedOptimizer):
+class FusedAdam(CodedMomentsOptimizer):
     """Adam and AdamW in one fused op per param group and device.
 
     The math and its order are torch.optim.Adam's (adam_w_mode=False: L2 weight decay added to
@@ -199,18 +193,6 @@ class FusedAdam(FusedOptimizer):
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
-    def _coded_layout(self, group: dict[str, Any]) -> tuple[str, tuple[str, ...] | None]:
-        kind = group.get("state_dtype", "fp32")
-        return (kind, None) if kind == "fp32" else (kind, coded_keys(self._state_keys(group)))
-
-    def _prepare_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
-        kind = group.get("state_dtype", "fp32")
-        if kind == "fp32" or p.is_complex() or keeps_fp32_moments(p.numel()):
-            prepare_moments(p, state, "fp32", ())  # decodes a coded checkpoint's moments
-            super()._prepare_state(group, p, state)
-        else:
-            prepare_moments(p, state, kind, self._state_keys(group))
-
     def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
                 grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
@@ -248,16 +230,8 @@ class FusedAdam(FusedOptimizer):
         amsgrad = bool(group["amsgrad"])
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg",
                                                                              "exp_avg_sq")
-        codes = [call.state_list(f"{key}_codes") for key in keys]
-        scales = [call.state_list(f"{key}_scales") for key in keys]
-        params, grads, masters = call.params, call.grads, call.masters()
-        if params and is_dtensor(params[0]):
-            # FSDP2: every rank steps its own shards, whose blocks and scales are its own
-            # (_state_codes_sharded); the op takes them as plain tensors.
-            params, grads, masters = ([local(t) for t in ts] for ts in (params, grads, masters))
-            scales = [[local_scales(s, c) for s, c in zip(ss, cs)]
-                      for ss, cs in zip(scales, codes)]
-            codes = [[local(c) for c in cs] for cs in codes]
+        # FSDP2: each rank's own shards, codes and scales, as plain tensors.
+        params, grads, masters, codes, scales = coded_call_lists(call, keys)
         if not amsgrad:
             codes.append([])
             scales.append([])
@@ -304,10 +278,7 @@ class FusedAdam(FusedOptimizer):
         # A torch.optim checkpoint says Adam or AdamW through decoupled_weight_decay.
         if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
             new["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
-        # state_dtype is this run's storage choice, like master_weights: a checkpoint's moments
-        # are converted to it at each param's next step, not the other way round.
-        new["state_dtype"] = current.get("state_dtype", "fp32")
-        super()._import_group(saved, current, new)
+        super()._import_group(saved, current, new)  # keeps this run's state_dtype
 
 
 class FusedAdamW(FusedAdam):

@@ -1,6 +1,6 @@
 """FusedLAMB: apex.optimizers.FusedLAMB's LAMB (layer-wise adaptive moments, You et al. 2019)
 over whole param lists, with optional fp32 master weights or the master-free bf16 modes, on top
-of torch.ops.ampfuse.fused_lamb_."""
+of torch.ops.ampfuse.fused_lamb_ (fused_lamb_coded_ for 8-bit moments, state_dtype)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from torch.optim.optimizer import ParamsT
 
 from ampfuse import ops
 from ampfuse.scaling.global_norm import l2norm_on_each_device
-from ampfuse.optimizers._base import FusedOptimizer
 from ampfuse.optimizers._call import OpCall
+from ampfuse.optimizers._coded_optimizer import CodedMomentsOptimizer, coded_call_lists
 from ampfuse.optimizers._groups import check_flag, float_betas
+from ampfuse.optimizers._state_codes import check_state_dtype
+from ampfuse.optimizers._state_codes_sharded import is_dtensor, local
 from ampfuse.optimizers._state import add_group_steps, spread_group_steps
 
 
-class FusedLAMB(FusedOptimizer):
+class FusedLAMB(CodedMomentsOptimizer):
     """LAMB in two fused passes per param group and device, in apex's FusedLAMB arithmetic.
 
     Each step: the global L2 norm of every grad of the step (all groups) is taken once; each
@@ -47,6 +49,13 @@ class FusedLAMB(FusedOptimizer):
         rounding_seed: the seed of master_weights="stochastic", as in FusedAdam; the random bits
             are keyed as FusedAdam's and FusedSGD's (seed, step, param index, element).
         set_grad_none, write_unscaled_grads, skip_nonfinite, capturable: as in FusedAdam.
+        state_dtype: how the moments are stored, as in FusedAdam: "fp32" (default), "int8" or
+            "fp8" (8-bit codes in blocks of 256 elements with an fp32 scale per block, about
+            2.03 bytes per param instead of 8). The coded step equals decoding the moments,
+            LAMB's fp32 step and coding the new moments again, bit for bit (CPU and CUDA), with
+            every master_weights mode and the global-norm clipping; params under 256 elements
+            and complex ones keep fp32 moments. Checkpoints convert both ways at each param's
+            next step (docs/optimizers.md, "8-bit moments"). A param-group option.
 
     Differences from apex: moments are fp32 for fp16 params too (apex kept them in the param's
     dtype), the update is not written into p.grad (apex left it there), the step count is kept
@@ -80,6 +89,7 @@ class FusedLAMB(FusedOptimizer):
         write_unscaled_grads: bool = True,
         skip_nonfinite: bool | None = False,
         rounding_seed: int = 0,
+        state_dtype: str = "fp32",
     ) -> None:
         if amsgrad:
             raise ValueError("FusedLAMB: amsgrad=True has no LAMB variant; leave it False.")
@@ -99,6 +109,7 @@ class FusedLAMB(FusedOptimizer):
             "write_unscaled_grads": write_unscaled_grads,
             "skip_nonfinite": skip_nonfinite,
             "rounding_seed": rounding_seed,
+            "state_dtype": check_state_dtype(type(self).__name__, state_dtype),
         }
         # The step's global grad norm per device, set by _before_launches.
         self._grad_norms: dict[torch.device, torch.Tensor] = {}
@@ -119,6 +130,7 @@ class FusedLAMB(FusedOptimizer):
         self._check_betas(index, group)
         self._check_nonnegative(index, group, "eps")
         self._check_nonnegative(index, group, "weight_decay")
+        check_state_dtype(f"{name}: param_groups[{index}]", group.get("state_dtype", "fp32"))
         clip = group["max_grad_norm"]
         if clip is not None and (isinstance(clip, bool) or not 0.0 <= clip < float("inf")):
             raise ValueError(
@@ -150,6 +162,9 @@ class FusedLAMB(FusedOptimizer):
 
     def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
                 grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        if call.coded is not None:
+            self._launch_coded(group, call, lr, grad_scale, found_inf)
+            return
         beta1, beta2 = group["betas"]
         clip = _clip_value(group)
         ops.fused_lamb_(
@@ -175,6 +190,35 @@ class FusedLAMB(FusedOptimizer):
             write_unscaled_grads=bool(group["write_unscaled_grads"]),
             **call.master_args(group),
         )
+
+    def _launch_coded(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
+                      grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """The step of params whose moments are block-coded (call.coded, see state_dtype). For
+        DTensor params each rank steps its local shards in the op's two halves, with each
+        param's sums of squares added over the shards between them (the trust ratio is a
+        whole param's), as fused_lamb_'s DTensor rule does."""
+        beta1, beta2 = group["betas"]
+        clip = _clip_value(group)
+        params, grads, masters, codes, scales = coded_call_lists(call, ("exp_avg", "exp_avg_sq"))
+        norm = self._grad_norms.get(call.step.device) if clip > 0.0 else None
+        args = (
+            params, grads, codes[0], scales[0], codes[1], scales[1], masters, call.step, lr,
+            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+            bool(group["adam_w_mode"]), bool(group["bias_correction"]),
+            bool(group["grad_averaging"]), bool(group["use_nvlamb"]), clip,
+            None if norm is None else local(norm), grad_scale, found_inf,
+            bool(group["write_unscaled_grads"]),
+        )
+        options = dict(state_dtype=call.coded, **call.master_args(group))
+        if not (call.params and is_dtensor(call.params[0])):
+            ops.fused_lamb_coded_(*args, **options)
+            return
+        from ampfuse.ops.dtensor import combine_over_shards  # loaded: DTensors exist
+
+        sums = torch.zeros((len(params), 2), dtype=torch.float64, device=call.step.device)
+        ops.fused_lamb_coded_(*args, sums, "moments", **options)
+        combine_over_shards(sums, call.params, "sum")
+        ops.fused_lamb_coded_(*args, sums, "apply", **options)
 
     # ---- state_dict -----------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from ampfuse.tools.doctor.smoke_adagrad import SMOKE_TESTS as ADAGRAD_SMOKE_TEST
 from ampfuse.tools.doctor.smoke_adam_coded import SMOKE_TESTS as ADAM_CODED_SMOKE_TESTS
 from ampfuse.tools.doctor.smoke_fp8 import SMOKE_TESTS as FP8_SMOKE_TESTS
 from ampfuse.tools.doctor.smoke_lamb import SMOKE_TESTS as LAMB_SMOKE_TESTS
+from ampfuse.tools.doctor.smoke_lamb_coded import SMOKE_TESTS as LAMB_CODED_SMOKE_TESTS
 from ampfuse.tools.doctor.smoke_novograd import SMOKE_TESTS as NOVOGRAD_SMOKE_TESTS
 from ampfuse.tools.doctor.smoke_core import SMOKE_TESTS as CORE_SMOKE_TESTS
 
@@ -277,6 +278,7 @@ SMOKE_TESTS = {
     **ADAGRAD_SMOKE_TESTS,
     **ADAM_CODED_SMOKE_TESTS,
     **LAMB_SMOKE_TESTS,
+    **LAMB_CODED_SMOKE_TESTS,
     **NOVOGRAD_SMOKE_TESTS,
     **FP8_SMOKE_TESTS,
 }

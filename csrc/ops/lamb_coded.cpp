@@ -1,0 +1,358 @@
+// fused_lamb_coded_: fused_lamb_ with block-coded moments (state_dtype "int8" / "fp8", see
+// kernels/state_codes.h), equal bit for bit to decoding the moments, running fused_lamb_ on
+// them in fp32 and coding the new moments again.
+//
+// LAMB's second pass reads the new moments at full precision (lamb_math.h recomputes the update
+// from them), so the codes cannot be written by the first pass and read back by the second.
+// Instead the first pass only forms each tensor's sums of squares from the decoded moments and
+// writes nothing, and the second forms the new moments again from the same codes, grads and
+// params (the same arithmetic, so the same bits), steps the params with them, codes them and
+// writes the unscaled grads. No fp32 copy of the moments outlives a span on the CPU.
+// part="moments" is the first pass alone (it leaves only tensor_sums); part="apply" is the
+// second, which therefore takes the grads and, when clipping, grad_norm as well.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "../kernels/cpu/coded_moments.h"
+#include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cuda_kernels.h"
+#include "../kernels/state_codes.h"
+#include "../ops.h"
+#include "checks.h"
+#include "cpu_spans.h"
+#include "cuda_context.h"
+#include "lamb_args.h"
+#include "master_args.h"
+#include "optimizer_args.h"
+#ifdef AMPFUSE_WITH_CUDA
+#include "../kernels/state_codes_cuda.h"
+#endif
+
+namespace ampfuse::ops {
+namespace {
+
+constexpr const char* kLambCoded = "fused_lamb_coded_";
+static_assert(kernels::kChunkSize % kernels::kStateBlock == 0,
+              "a CPU span must hold whole blocks of codes");
+
+// One moment's codes and scales, one pair per param.
+struct CodedMoment {
+  std::vector<std::uint8_t*> codes;
+  std::vector<float*> scales;
+  bool second;  // the second moment (coded as sqrt(v))
+};
+
+struct LambCodedArgs {
+  std::vector<kernels::TensorRef> params, grads;
+  CodedMoment exp_avg, exp_avg_sq;
+  kernels::StateCode code;
+  MasterArgs masters;
+  kernels::LambConfig config;
+  kernels::StepScalars scalars;
+  const float* grad_norm;  // null without clipping
+  kernels::LambPart part;
+  double* tensor_sums;  // [n, 2] float64, null when not asked for (kBoth only)
+  bool write_grads;     // the second pass writes the unscaled grads
+  std::vector<at::Tensor> keep_alive;
+  std::vector<CopyBack> copy_back;
+};
+
+kernels::StateCode parse_state_dtype(c10::string_view name) {
+  if (name == "int8") return kernels::StateCode::kInt8;
+  if (name == "fp8") return kernels::StateCode::kFp8;
+  TORCH_CHECK(false, "ampfuse.", kLambCoded, ": state_dtype='", std::string(name),
+              "' is not one of 'int8', 'fp8' (fp32 moments go through fused_lamb_).");
+}
+
+// The checked codes and scales of one moment: codes of `dtype` shaped and laid out like each
+// (dense) param, scales fp32, 1-D, contiguous, one per block of 256 elements.
+CodedMoment coded_moment(at::TensorList codes, const char* codes_name, at::TensorList scales,
+                         const char* scales_name, at::TensorList params, at::ScalarType dtype,
+                         bool second) {
+  const std::size_t n = params.size();
+  TORCH_CHECK(codes.size() == n && scales.size() == n, "ampfuse.", kLambCoded, ": ", codes_name,
+              " and ", scales_name, " need one tensor per param (", n, "), got ", codes.size(),
+              " and ", scales.size(), ".");
+  CodedMoment m{{}, {}, second};
+  m.codes.reserve(n);
+  m.scales.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto index = static_cast<std::int64_t>(i);
+    const at::Tensor& p = params[i];
+    const at::Tensor& c = codes[i];
+    const at::Tensor& s = scales[i];
+    TORCH_CHECK(c.scalar_type() == dtype, "ampfuse.", kLambCoded, ": ",
+                ArgLabel(codes_name, index), " is ", c.scalar_type(), " but state_dtype needs ",
+                dtype, " codes here (int8: int8 for exp_avg, uint8 for exp_avg_sq; fp8: "
+                "float8_e4m3fn for both).");
+    TORCH_CHECK(c.device() == p.device() && s.device() == p.device(), "ampfuse.", kLambCoded,
+                ": ", ArgLabel(codes_name, index), " is on ", c.device(), " and ",
+                ArgLabel(scales_name, index), " on ", s.device(), " but ",
+                ArgLabel("params", index), " is on ", p.device(), "; move them to its device.");
+    TORCH_CHECK(c.sizes() == p.sizes() && c.layout() == at::kStrided &&
+                    c.is_non_overlapping_and_dense() &&
+                    (c.numel() <= 1 || c.strides() == p.strides()),
+                "ampfuse.", kLambCoded, ": ", ArgLabel(codes_name, index), " has shape ",
+                c.sizes(), " and strides ", c.strides(), " but ", ArgLabel("params", index),
+                " has shape ", p.sizes(), " and strides ", p.strides(), "; codes are laid out "
+                "like their param (torch.empty_like(param, dtype=...)).");
+    const std::int64_t blocks = (p.numel() + kernels::kStateBlock - 1) / kernels::kStateBlock;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.numel() == blocks &&
+                    s.is_contiguous(),
+                "ampfuse.", kLambCoded, ": ", ArgLabel(scales_name, index), " must be a "
+                "contiguous 1-D torch.float32 tensor of ceil(numel / 256) = ", blocks,
+                " elements (one scale per block of 256 elements of ", ArgLabel("params", index),
+                "), got ", s.scalar_type(), " of shape ", s.sizes(), ".");
+    m.codes.push_back(c.numel() == 0 ? nullptr : static_cast<std::uint8_t*>(c.data_ptr()));
+    m.scales.push_back(s.numel() == 0 ? nullptr : s.data_ptr<float>());
+  }
+  return m;
+}
+
+// A thread's fp32 moments of one span, decoded: made once per thread, reused for every span.
+struct SpanMoments {
+  std::vector<float> exp_avg, exp_avg_sq;
+  SpanMoments() : exp_avg(kernels::kChunkSize), exp_avg_sq(kernels::kChunkSize) {}
+};
+
+SpanMoments& thread_span_moments() {
+  thread_local SpanMoments moments;
+  return moments;
+}
+
+void decode_span(const LambCodedArgs& a, const CodedMoment& m, const Span& span, float* out) {
+  kernels::cpu::decode_moment_span(m.codes[span.tensor], m.scales[span.tensor], span.offset,
+                                   span.size, a.code, m.second, out);
+}
+
+void encode_span(const LambCodedArgs& a, const CodedMoment& m, const Span& span,
+                 const float* moment) {
+  kernels::cpu::encode_moment_span(moment, span.offset, span.size, a.code, m.second,
+                                   m.codes[span.tensor], m.scales[span.tensor]);
+}
+
+// fused_lamb_'s first pass over one span on its decoded moments (updated in place in `m`):
+// the sums of squares are added in the fp32 op's order, so its trust ratios come out.
+void moments_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
+                  bool write_grad, SpanMoments& m, double* param_sq, double* update_sq) {
+  const kernels::TensorRef& param = a.params[span.tensor];
+  const kernels::TensorRef& grad = a.grads[span.tensor];
+  if (a.masters.is_bf16_mode()) {
+    kernels::cpu::lamb_moments_bf16_span(
+        static_cast<const std::uint16_t*>(element_ptr(param, span.offset)),
+        a.masters.span(span, lamb_step.steps_taken), element_ptr(grad, span.offset), grad.dtype,
+        write_grad, m.exp_avg.data(), m.exp_avg_sq.data(), span.size, lamb_step, param_sq,
+        update_sq);
+    return;
+  }
+  kernels::cpu::lamb_moments_span(element_ptr(param, span.offset), param.dtype,
+                                  element_ptr(grad, span.offset), grad.dtype, write_grad,
+                                  m.exp_avg.data(), m.exp_avg_sq.data(),
+                                  optional_fp32_ptr(a.masters.list, span), span.size, lamb_step,
+                                  param_sq, update_sq);
+}
+
+void apply_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
+                const SpanMoments& m, float ratio) {
+  const kernels::TensorRef& param = a.params[span.tensor];
+  if (a.masters.is_bf16_mode()) {
+    kernels::cpu::lamb_apply_bf16_span(
+        static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+        a.masters.span(span, lamb_step.steps_taken), m.exp_avg.data(), m.exp_avg_sq.data(),
+        span.size, lamb_step, ratio);
+    return;
+  }
+  kernels::cpu::lamb_apply_span(element_ptr(param, span.offset), param.dtype, m.exp_avg.data(),
+                                m.exp_avg_sq.data(), optional_fp32_ptr(a.masters.list, span),
+                                span.size, lamb_step, ratio);
+}
+
+// The CPU step from the checked arguments (see the file comment for the two passes).
+void lamb_coded_cpu(const LambCodedArgs& a) {
+  if (cpu_step_skipped(a.scalars)) return;
+  const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
+  const kernels::LambStep lamb_step =
+      kernels::make_lamb_constants(a.config, *a.scalars.step, *a.scalars.lr, grad_scale_value,
+                                   a.grad_norm != nullptr ? *a.grad_norm : 0.0f);
+  const std::vector<Span> spans = split_into_spans(a.params);
+  const std::size_t n = a.params.size();
+  std::vector<double> sums(2 * n, 0.0);
+  // Without a trust ratio (no weight decay, no use_nvlamb) every ratio is lr: a whole step that
+  // returns no sums needs no first pass.
+  const bool sums_unused = !lamb_step.trust && a.part == kernels::LambPart::kBoth &&
+                           a.tensor_sums == nullptr;
+  if (a.part == kernels::LambPart::kApply) {
+    std::copy(a.tensor_sums, a.tensor_sums + 2 * n, sums.begin());
+  } else if (!sums_unused) {
+    // First pass: each span's sums, from its decoded moments; nothing is written.
+    std::vector<double> param_sq(spans.size(), 0.0), update_sq(spans.size(), 0.0);
+    for_each_span(spans, [&](std::size_t s) {
+      SpanMoments& m = thread_span_moments();
+      decode_span(a, a.exp_avg, spans[s], m.exp_avg.data());
+      decode_span(a, a.exp_avg_sq, spans[s], m.exp_avg_sq.data());
+      moments_span(a, spans[s], lamb_step, /*write_grad=*/false, m, &param_sq[s], &update_sq[s]);
+    });
+    for (std::size_t s = 0; s < spans.size(); ++s) {
+      sums[2 * spans[s].tensor] += param_sq[s];
+      sums[2 * spans[s].tensor + 1] += update_sq[s];
+    }
+    if (a.tensor_sums != nullptr) std::copy(sums.begin(), sums.end(), a.tensor_sums);
+    if (a.part == kernels::LambPart::kMoments) return;  // nothing else written, count unchanged
+  }
+  std::vector<float> ratios(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ratios[i] = kernels::lamb_ratio(static_cast<float>(std::sqrt(sums[2 * i])),
+                                    static_cast<float>(std::sqrt(sums[2 * i + 1])), lamb_step);
+  }
+  // Second pass: the new moments again, the params from them, the moments coded.
+  for_each_span(spans, [&](std::size_t s) {
+    const Span& span = spans[s];
+    SpanMoments& m = thread_span_moments();
+    decode_span(a, a.exp_avg, span, m.exp_avg.data());
+    decode_span(a, a.exp_avg_sq, span, m.exp_avg_sq.data());
+    double unused_param_sq = 0.0, unused_update_sq = 0.0;
+    moments_span(a, span, lamb_step, a.write_grads, m, &unused_param_sq, &unused_update_sq);
+    apply_span(a, span, lamb_step, m, ratios[span.tensor]);
+    encode_span(a, a.exp_avg, span, m.exp_avg.data());
+    encode_span(a, a.exp_avg_sq, span, m.exp_avg_sq.data());
+  });
+  finish_copy_back(a.copy_back);
+  *a.scalars.step += 1.0f;
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+// The CUDA step: each moment decoded into an fp32 temporary, the fp32 LAMB launcher
+// (kernels/lamb.cu) run on them with the same two-pass split as the CPU (part="apply" forms
+// the moments again from the codes before its second pass), and the moments coded back unless
+// the step was skipped (read on the device). The temporaries are 8 bytes per element for the
+// call's duration: a fused kernel that codes in place is still to be written.
+void lamb_coded_cuda(const LambCodedArgs& a, const at::Tensor& step) {
+  check_cuda_step(kLambCoded, step);
+  const c10::cuda::CUDAGuard guard(step.device());
+  const kernels::StreamHandle stream = current_stream(step.device());
+  const auto options = at::TensorOptions().device(step.device());
+  const std::size_t n = a.params.size();
+  std::vector<at::Tensor> temporaries;
+  std::vector<kernels::TensorRef> exp_avgs, exp_avg_sqs;
+  const auto decode = [&](const CodedMoment& m, std::vector<kernels::TensorRef>& out) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::int64_t numel = a.params[i].numel;
+      temporaries.push_back(at::empty({numel}, options.dtype(at::kFloat)));
+      float* moment = temporaries.back().data_ptr<float>();
+      kernels::cuda::decode_moment_blocks(m.codes[i], m.scales[i], moment, numel, a.code,
+                                          m.second, stream);
+      out.push_back({numel == 0 ? nullptr : moment, numel, kernels::DType::kFloat32});
+    }
+  };
+  decode(a.exp_avg, exp_avgs);
+  decode(a.exp_avg_sq, exp_avg_sqs);
+  const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
+  const std::int64_t chunks = kernels::cuda::lamb_scratch_chunks(a.params);
+  at::Tensor chunk_sums = at::empty({2 * chunks}, options.dtype(at::kFloat));
+  at::Tensor chunk_owner = at::empty({chunks}, options.dtype(at::kInt));
+  at::Tensor ratios = at::empty({static_cast<std::int64_t>(n)}, options.dtype(at::kFloat));
+  const auto run = [&](kernels::LambPart part, bool write_grads, double* tensor_sums) {
+    kernels::cuda::lamb(a.params, a.grads, exp_avgs, exp_avg_sqs, a.masters.list, a.config,
+                        a.scalars, a.grad_norm, write_grads,
+                        static_cast<kernels::LambStep*>(constants.data_ptr()),
+                        chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
+                        ratios.data_ptr<float>(), stream, part, tensor_sums, a.masters.how);
+  };
+  if (a.part == kernels::LambPart::kMoments) {
+    run(kernels::LambPart::kMoments, /*write_grads=*/false, a.tensor_sums);
+    return;  // the codes stay: part="apply" forms these moments again
+  }
+  if (a.part == kernels::LambPart::kApply) {
+    at::Tensor own_sums = at::empty({static_cast<std::int64_t>(2 * n)},
+                                    options.dtype(at::kDouble));
+    run(kernels::LambPart::kMoments, a.write_grads, own_sums.data_ptr<double>());
+    run(kernels::LambPart::kApply, false, a.tensor_sums);
+  } else {
+    run(kernels::LambPart::kBoth, a.write_grads, a.tensor_sums);
+  }
+  const auto encode = [&](const CodedMoment& m, const std::vector<kernels::TensorRef>& in) {
+    for (std::size_t i = 0; i < n; ++i) {
+      kernels::cuda::encode_moment_blocks(static_cast<const float*>(in[i].data), m.codes[i],
+                                          m.scales[i], in[i].numel, a.code, m.second,
+                                          a.scalars.found_inf, stream);
+    }
+  };
+  encode(a.exp_avg, exp_avgs);
+  encode(a.exp_avg_sq, exp_avg_sqs);
+  finish_copy_back(a.copy_back);
+}
+#endif
+
+// fused_lamb_coded_ on kDevice (see ../ops.h): the checks, then the step on that device.
+template <c10::DeviceType kDevice>
+void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorList exp_avg_codes,
+                       at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_codes,
+                       at::TensorList exp_avg_sq_scales, at::TensorList master_params,
+                       const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                       double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                       bool grad_averaging, bool use_nvlamb, double max_grad_norm,
+                       const c10::optional<at::Tensor>& grad_norm,
+                       const c10::optional<at::Tensor>& grad_scale,
+                       const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
+                       const c10::optional<at::Tensor>& tensor_sums, c10::string_view part,
+                       c10::string_view state_dtype, c10::string_view master_mode,
+                       at::IntArrayRef param_ids, int64_t seed) {
+  check_lamb_hyperparameters(kLambCoded, beta1, beta2, eps, weight_decay, max_grad_norm);
+  LambCodedArgs a;
+  a.code = parse_state_dtype(state_dtype);
+  a.part = parse_lamb_part(kLambCoded, part);
+  const bool has_norm = grad_norm.has_value() && grad_norm->defined();
+  // part="apply" forms the clipped moments again: it needs the norm too.
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm, "ampfuse.", kLambCoded, ": max_grad_norm=",
+              max_grad_norm, " clips by the global grad norm; pass it as grad_norm (a "
+              "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
+              "the step; with the coded moments part='apply' needs it too), or max_grad_norm=0 "
+              "for no clipping.");
+  // A param that is not dense is stepped through a contiguous copy (see WrittenList); its
+  // codes are then contiguous too.
+  const WrittenList written(kLambCoded, params, "params", a.copy_back);
+  const at::TensorList dense = written.tensors();
+  const c10::optional<at::Device> device = list_device(kLambCoded, params, "params");
+  a.params = tensor_refs(kLambCoded, dense, "params", /*mutated=*/true, a.keep_alive);
+  a.scalars = step_scalars(kLambCoded, step, lr, grad_scale, found_inf, device);
+  a.tensor_sums = lamb_sums_ptr(kLambCoded, tensor_sums, a.part, params.size(),
+                                device.value_or(step.device()));
+  a.grad_norm = nullptr;
+  if (max_grad_norm > 0.0) {
+    check_scalar_tensor(kLambCoded, *grad_norm, "grad_norm", at::kFloat,
+                        device.value_or(step.device()),
+                        device.has_value() ? "params" : "step, as params is empty");
+    a.grad_norm = grad_norm->data_ptr<float>();
+  }
+  // The second pass writes the grads (part="moments" reads them only).
+  a.write_grads = a.part != kernels::LambPart::kMoments &&
+                  writes_grads(write_unscaled_grads, a.scalars);
+  a.grads = grad_refs(kLambCoded, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
+  const bool fp8 = a.code == kernels::StateCode::kFp8;
+  a.exp_avg = coded_moment(exp_avg_codes, "exp_avg_codes", exp_avg_scales, "exp_avg_scales",
+                           dense, fp8 ? at::kFloat8_e4m3fn : at::kChar, /*second=*/false);
+  a.exp_avg_sq = coded_moment(exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales,
+                              "exp_avg_sq_scales", dense, fp8 ? at::kFloat8_e4m3fn : at::kByte,
+                              /*second=*/true);
+  a.masters = master_args(kLambCoded, master_mode, dense, master_params, param_ids, seed,
+                          a.keep_alive);
+  a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
+              adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
+  if constexpr (kDevice == at::kCPU) {
+    lamb_coded_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    lamb_coded_cuda(a, step);
+#endif
+  }
+}
+
+}  // namespace
+
+OpKernels fused_lamb_coded_kernels() { return AMPFUSE_KERNELS(fused_lamb_coded_); }
+
+}  // namespace ampfuse::ops
