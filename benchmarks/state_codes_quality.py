@@ -1,18 +1,18 @@
 """Does AdamW with 8-bit block-wise moments train as well as with fp32 moments? (issue 33)
 
-The moment codes are ampfuse.optimizers._state_codes; the optimizer here is their plain-torch,
-unfused reference (per param: decode, torch.optim.AdamW's math in fp32, encode), the result
-that the fused kernels must reproduce bit for bit. Two CPU workloads, fp32 models, the same
-seed, data and steps in every row:
+Rows per optimizer: torch.optim.AdamW; "unfused-<state>", a plain-torch AdamW whose moments
+live as ampfuse.optimizers._state_codes codes between steps (per param: decode, torch's AdamW
+math in fp32, encode; its fp32 row must equal torch's); "FusedAdamW-<state>", ampfuse's
+FusedAdamW(state_dtype=...) with the codes decoded, updated and coded in its fused step. The
+same seed, data and steps in every row of a workload, on the CPU:
 
-- digits: the demo's CNN (ampfuse.tools.demo.training) on scikit-learn's digits; test accuracy;
-- digits-bf16: the same CNN in bf16, stepped by ampfuse's FusedAdamW with master_weights True
-  (fp32 masters) and "stochastic"; after each step its fp32 moments are replaced by what their
-  codes decode to (convert_moments there and back), which is what a step that keeps coded
-  moments between steps leaves, so these rows show the codes' effect with each master mode
-  before the fused coded kernels exist;
+- digits: the demo's CNN (ampfuse.tools.demo.training) on scikit-learn's digits, fp32; test
+  accuracy;
+- digits-bf16: the same CNN in bf16, FusedAdamW with master_weights True (fp32 masters) and
+  "stochastic", state_dtype fp32/int8/fp8; test accuracy and bytes per param (params, grads and
+  optimizer state, measured from the tensors);
 - gpt: a 2-layer GPT-style decoder (benchmarks/train_workloads.GPT) as a byte-level language
-  model of this repository's docs/*.md; final train loss (mean of the last 20 steps).
+  model of this repository's docs/*.md, fp32; final train loss (mean of the last 20 steps).
 
 Usage: PYTHONPATH=python python benchmarks/state_codes_quality.py [--steps-digits N]
 [--steps-gpt N]. It prints one row per state_dtype and workload, with the moments' bytes per
@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ampfuse.optimizers import FusedAdamW
 from ampfuse.optimizers._state_codes import (
-    convert_moments,
     dequantize_moment,
     keeps_fp32_moments,
     quantize_moment,
@@ -103,10 +102,15 @@ class CodedAdamW(torch.optim.Optimizer):
                    for t in s.values() if isinstance(t, torch.Tensor))
 
 
-def make_optimizer(params, state_dtype: str) -> torch.optim.Optimizer:
-    if state_dtype == "torch":
+def make_optimizer(params, name: str) -> torch.optim.Optimizer:
+    """"torch", "unfused-<state_dtype>" (CodedAdamW) or "FusedAdamW-<state_dtype>"."""
+    if name == "torch":
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS)
-    return CodedAdamW(params, state_dtype)
+    kind, state_dtype = name.split("-")
+    if kind == "unfused":
+        return CodedAdamW(params, state_dtype)
+    return FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS,
+                      state_dtype=state_dtype)
 
 
 def digits_run(state_dtype: str, steps: int) -> tuple[float, int, int]:
@@ -128,18 +132,14 @@ def digits_bf16_run(state_dtype: str, steps: int, master_weights) -> tuple[float
     x, y, x_test, y_test = load_digits(torch.device("cpu"))
     model = make_model(seed=0).to(torch.bfloat16)
     optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS,
-                           eps=EPS, master_weights=master_weights, rounding_seed=0)
-    held: list[dict] = []
+                           eps=EPS, master_weights=master_weights, rounding_seed=0,
+                           state_dtype=state_dtype.split("-")[1])
     for idx in batch_order(steps, x.shape[0], seed=0, device="cpu"):
         loss = F.cross_entropy(model(x[idx].to(torch.bfloat16)).float(), y[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        held = []
-        for p, state in optimizer.state.items():
-            coded = convert_moments(state, state_dtype)
-            held.append(coded)
-            state.update(convert_moments(coded, "fp32"))
+    held = list(optimizer.state.values())
     model.eval()
     with torch.no_grad():
         logits = model(x_test.to(torch.bfloat16)).float()
@@ -197,15 +197,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, CPU, 1 thread, batch {BATCH_SIZE} (digits)")
-    print(f"{'workload':38} {'state':17} {'metric':>22} {'moment B/param':>15} {'time s':>7}")
-    rows = [("digits", digits_run, args.steps_digits, "test acc %", ("torch", "fp32", "int8",
-                                                                       "fp8"))]
+    print(f"{'workload':38} {'optimizer':17} {'metric':>22} {'moment B/param':>15} "
+          f"{'time s':>7}")
+    every = ("torch", *(f"{kind}-{state}" for kind in ("unfused", "FusedAdamW")
+                        for state in ("fp32", "int8", "fp8")))
+    fused = tuple(f"FusedAdamW-{state}" for state in ("fp32", "int8", "fp8"))
+    rows = [("digits", digits_run, args.steps_digits, "test acc %", every)]
     for master in (True, "stochastic"):
         rows.append((f"digits-bf16 master_weights={master}",
                      lambda d, n, m=master: digits_bf16_run(d, n, m),
-                     args.steps_digits, "test acc %", ("fp32", "int8", "fp8")))
-    rows.append(("gpt", gpt_run, args.steps_gpt, "final train loss",
-                 ("torch", "fp32", "int8", "fp8")))
+                     args.steps_digits, "test acc %", fused))
+    rows.append(("gpt", gpt_run, args.steps_gpt, "final train loss", every))
     for name, run, steps, metric, state_dtypes in rows:
         for state_dtype in state_dtypes:
             start = time.perf_counter()

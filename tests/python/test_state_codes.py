@@ -255,9 +255,10 @@ def test_quality_script_runs_and_its_fp32_reference_is_torchs_adamw() -> None:
             if line.startswith(("digits ", "gpt "))]
     value = {(r[0], r[1]): r[-5] for r in rows}
     for workload in ("digits", "gpt"):
-        assert {s for w, s in value if w == workload} == {"torch.optim.AdamW", "fp32", "int8",
-                                                           "fp8"}
-        assert value[(workload, "fp32")] == value[(workload, "torch.optim.AdamW")]
+        assert {s for w, s in value if w == workload} == {
+            "torch.optim.AdamW", *(f"{kind}-{state}" for kind in ("unfused", "FusedAdamW")
+                                   for state in ("fp32", "int8", "fp8"))}
+        assert value[(workload, "unfused-fp32")] == value[(workload, "torch.optim.AdamW")]
     assert result.stdout.count("bytes per param") == 6
 
 
