@@ -4,9 +4,11 @@
 // (avx2::) and through software conversions elsewhere (portable::, cloned for AVX2 so fp32 runs
 // on AVX registers everywhere); both give the same bits (lamb_variants.h).
 // bf16 params of the master-free modes (master_weights "stochastic", "kahan", "split") run
-// the same loops, reading and writing the param through bf16_span.h.
+// the same loops, reading and writing the param through bf16_lanes.h (and bf16_span.h for the
+// last n % 8 elements).
 #include <algorithm>
 
+#include "bf16_lanes.h"
 #include "bf16_span.h"
 #include "cpu_kernels.h"
 #include "lamb_variants.h"
@@ -63,8 +65,8 @@ struct MasterParam {
   }
 };
 
-// A bf16 param in mode kMode (bf16_span.h). Its lanes go one element at a time: the modes are
-// integer work on each element's bits, and they exist to save memory, not time.
+// A bf16 param in mode kMode: eight elements through bf16_lanes.h (its software conversions: the
+// bf16 modes run the portable loops below, cloned for AVX2), one through bf16_span.h.
 template <MasterMode kMode>
 struct Bf16ModeParam {
   std::uint16_t* param;
@@ -73,16 +75,14 @@ struct Bf16ModeParam {
   std::uint32_t first_lo;
   template <template <typename> class Lanes>
   AMPFUSE_BF16_INLINE Lanes8 lanes(std::int64_t i) const {
-    Lanes8 p;
-    for (int k = 0; k < 8; ++k) p.v[k] = at(i + k);
-    return p;
+    return Bf16ModeLanes<kMode, PortableWords>::load(param, extra, i);
   }
   AMPFUSE_BF16_INLINE float at(std::int64_t i) const {
     return load_bf16_param<kMode>(param, extra, i);
   }
   template <template <typename> class Lanes>
   AMPFUSE_BF16_INLINE void store_lanes(std::int64_t i, Lanes8 p) const {
-    for (int k = 0; k < 8; ++k) store_at(i + k, p.v[k]);
+    Bf16ModeLanes<kMode, PortableWords>::store(p, param, extra, i, key, first_lo);
   }
   AMPFUSE_BF16_INLINE void store_at(std::int64_t i, float p) const {
     store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
