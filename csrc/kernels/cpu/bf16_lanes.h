@@ -8,12 +8,11 @@
 // Only moving 16-bit words in and out of 32-bit lanes differs between the two implementations
 // (the `Words` policies below): software conversions anywhere (PortableWords), or one AVX2
 // instruction each (Avx2Words), where GCC's generic conversions took three or four. The loops
-// are bound by their arithmetic, not by memory (on the 2-core EPYC build machine, the
-// fp32-master Adam kernel took 0.53 ns per element with its data in L2 and 0.57-0.61 ns from
-// DRAM), and an Adam iteration waits on three divisions and a square root: every instruction it
-// adds keeps fewer iterations in flight. With GCC's conversions split's Adam op took 1.26x
-// master_weights=True's time on 4M params, with these about 1.0x (benchmarks/RESULTS.md,
-// issue 33).
+// are bound by their arithmetic more than by memory (split's Adam op costs the same ratio to
+// master_weights=True's with its data in L2 as from DRAM), and an Adam iteration waits on three
+// divisions and a square root: every instruction it adds keeps fewer iterations in flight. With
+// GCC's conversions split's Adam op took 1.26x True's time on 4M params, with these 1.0-1.1x
+// (benchmarks/RESULTS.md, issue 33).
 #pragma once
 
 #include <cstdint>
