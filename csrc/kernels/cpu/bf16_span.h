@@ -1,7 +1,8 @@
 // Reading and writing one element of a bf16 param in a master-free mode (Bf16Span,
-// bf16_modes.h) from the CPU span loops: shared by the Adam, SGD, Adagrad and NovoGrad loops
-// (optimizer_bf16_kernels.cpp) and LAMB's two passes (lamb_kernels.cpp), so that every
-// optimizer loads the same value and draws the same stochastic bits for an element.
+// bf16_modes.h) from the CPU span loops: the last n % 8 elements of the Adam, SGD, Adagrad and
+// NovoGrad loops (bf16_variants.h) and of LAMB's two passes (lamb_kernels.cpp), so that every
+// optimizer loads the same value and draws the same stochastic bits for an element; the other
+// elements go eight at a time through bf16_lanes.h, which gives the same bits.
 #pragma once
 
 #include "../bf16_modes.h"

@@ -4,9 +4,11 @@
 // (avx2::) and through software conversions elsewhere (portable::, cloned for AVX2 so fp32 runs
 // on AVX registers everywhere); both give the same bits (lamb_variants.h).
 // bf16 params of the master-free modes (master_weights "stochastic", "kahan", "split") run
-// the same loops, reading and writing the param through bf16_span.h.
+// the same loops, reading and writing the param through bf16_lanes.h (and bf16_span.h for the
+// last n % 8 elements).
 #include <algorithm>
 
+#include "bf16_lanes.h"
 #include "bf16_span.h"
 #include "cpu_kernels.h"
 #include "lamb_variants.h"
@@ -63,9 +65,9 @@ struct MasterParam {
   }
 };
 
-// A bf16 param in mode kMode (bf16_span.h). Its lanes go one element at a time: the modes are
-// integer work on each element's bits, and they exist to save memory, not time.
-template <MasterMode kMode>
+// A bf16 param in mode kMode: eight elements through bf16_lanes.h with the word moves of
+// `Words` (PortableWords, or Avx2Words in the avx2:: loops), one through bf16_span.h.
+template <MasterMode kMode, typename Words>
 struct Bf16ModeParam {
   std::uint16_t* param;
   std::uint16_t* extra;  // null in kStochastic
@@ -73,16 +75,14 @@ struct Bf16ModeParam {
   std::uint32_t first_lo;
   template <template <typename> class Lanes>
   AMPFUSE_BF16_INLINE Lanes8 lanes(std::int64_t i) const {
-    Lanes8 p;
-    for (int k = 0; k < 8; ++k) p.v[k] = at(i + k);
-    return p;
+    return Bf16ModeLanes<kMode, Words>::load(param, extra, i);
   }
   AMPFUSE_BF16_INLINE float at(std::int64_t i) const {
     return load_bf16_param<kMode>(param, extra, i);
   }
   template <template <typename> class Lanes>
   AMPFUSE_BF16_INLINE void store_lanes(std::int64_t i, Lanes8 p) const {
-    for (int k = 0; k < 8; ++k) store_at(i + k, p.v[k]);
+    Bf16ModeLanes<kMode, Words>::store(p, param, extra, i, key, first_lo);
   }
   AMPFUSE_BF16_INLINE void store_at(std::int64_t i, float p) const {
     store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
@@ -98,8 +98,9 @@ AMPFUSE_BF16_INLINE auto param_source(Param* param, float* master) {
   }
 }
 
-template <MasterMode kMode>
-AMPFUSE_BF16_INLINE Bf16ModeParam<kMode> bf16_source(std::uint16_t* param, const Bf16Span& bf16) {
+template <MasterMode kMode, typename Words>
+AMPFUSE_BF16_INLINE Bf16ModeParam<kMode, Words> bf16_source(std::uint16_t* param,
+                                                           const Bf16Span& bf16) {
   return {param, bf16.extra, chunk_key(bf16.key, bf16.first_index),
           static_cast<std::uint32_t>(bf16.first_index)};
 }
@@ -303,18 +304,26 @@ void lamb_apply_span(void* param, DType param_dtype, const float* exp_avg, const
   portable::lamb_apply(param, param_dtype, exp_avg, exp_avg_sq, master, n, step, ratio);
 }
 
-// The bf16 modes convert with shifts and need no F16C: they run the portable loops, whose AVX2
-// clone runs where the processor has AVX2. Lanes add in the same order in both variants, so
-// "split" matches master_weights=True whichever variant that one ran.
+// The bf16 modes run the avx2:: loops (F16C grads, AVX2 word moves) where the processor has
+// AVX2 and F16C, whatever the grad dtype, and the portable ones elsewhere. Lanes add in the same
+// order in both variants, so "split" matches master_weights=True whichever variant that one ran.
 void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                             DType grad_dtype, bool write_grad, float* exp_avg,
                             float* exp_avg_sq, std::int64_t n, const LambStep& step,
                             double* param_sq, double* update_sq) {
   SquareSums sums;
+  auto* bits = const_cast<std::uint16_t*>(param);
   with_bf16_span_types(bf16, grad, grad_dtype, write_grad, [&](auto mode, auto* g, auto write) {
-    portable::Kernels::moments<write>(
-        bf16_source<decltype(mode)::value>(const_cast<std::uint16_t*>(param), bf16), g, exp_avg,
-        exp_avg_sq, n, step, sums);
+    constexpr MasterMode kMode = decltype(mode)::value;
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+    if (cpu_has_avx2_f16c()) {
+      avx2::Kernels::moments<write>(bf16_source<kMode, Avx2Words>(bits, bf16), g, exp_avg,
+                                    exp_avg_sq, n, step, sums);
+      return;
+    }
+#endif
+    portable::Kernels::moments<write>(bf16_source<kMode, PortableWords>(bits, bf16), g, exp_avg,
+                                      exp_avg_sq, n, step, sums);
   });
   *param_sq += sums.param;
   *update_sq += sums.update;
@@ -324,7 +333,15 @@ void lamb_apply_bf16_span(std::uint16_t* param, const Bf16Span& bf16, const floa
                           const float* exp_avg_sq, std::int64_t n, const LambStep& step,
                           float ratio) {
   with_bf16_mode(bf16.mode, [&](auto mode) {
-    portable::Kernels::apply(bf16_source<decltype(mode)::value>(param, bf16), exp_avg,
+    constexpr MasterMode kMode = decltype(mode)::value;
+#ifdef AMPFUSE_HAVE_AVX2_PATH
+    if (cpu_has_avx2_f16c()) {
+      avx2::Kernels::apply(bf16_source<kMode, Avx2Words>(param, bf16), exp_avg, exp_avg_sq, n,
+                           step, ratio);
+      return;
+    }
+#endif
+    portable::Kernels::apply(bf16_source<kMode, PortableWords>(param, bf16), exp_avg,
                              exp_avg_sq, n, step, ratio);
   });
 }
