@@ -13,6 +13,7 @@
 #include "lamb_math.h"
 #include "novograd_math.h"
 #include "optimizer_math.h"
+#include "state_codes.h"
 
 namespace ampfuse::kernels::cuda {
 
@@ -59,6 +60,25 @@ void adam(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
           const std::vector<TensorRef>& max_exp_avg_sqs, const std::vector<TensorRef>& masters,
           const AdamConfig& config, const StepScalars& scalars, bool write_grads,
           AdamStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
+
+// Adam's moments as 8-bit block codes (state_codes.h), per param: codes laid out like it (one
+// byte per element; the TensorRef's dtype is unused) and one fp32 scale per block of
+// kStateBlock elements (a TensorRef of the scales, numel the block count). The max_exp_avg_sq
+// lists are empty unless amsgrad.
+struct CodedMomentLists {
+  StateCode code;
+  std::vector<TensorRef> exp_avg_codes, exp_avg_scales;
+  std::vector<TensorRef> exp_avg_sq_codes, exp_avg_sq_scales;
+  std::vector<TensorRef> max_exp_avg_sq_codes, max_exp_avg_sq_scales;
+};
+
+// adam with coded moments (fused_adam_coded_): each block decoded, updated as adam updates
+// fp32 moments, and coded again; every param has at least kStateBlock elements. The rest as
+// for adam.
+void adam_coded(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+                const CodedMomentLists& moments, const std::vector<TensorRef>& masters,
+                const AdamConfig& config, const StepScalars& scalars, bool write_grads,
+                AdamStep* constants, StreamHandle stream, const MasterListMode& master_mode);
 
 // SGD; momentum_buffers (fp32) empty when momentum is 0, masters optional; grads,
 // constants and the step count as for adam.

@@ -23,18 +23,9 @@ using kernels::StateCode;
 // A CPU span then holds whole blocks: the kernel codes each block on its own.
 static_assert(kernels::kChunkSize % kStateBlock == 0, "CPU spans must hold whole code blocks");
 
-// One coded moment of every param: codes (one byte per element, laid out like the param) and
-// scales (one fp32 per block). Empty for an absent max_exp_avg_sq.
-struct CodedList {
-  std::vector<std::uint8_t*> codes;
-  std::vector<float*> scales;
-  bool empty() const { return codes.empty(); }
-};
-
 struct AdamCodedArgs {
   std::vector<kernels::TensorRef> params, grads;
-  StateCode code;
-  CodedList exp_avg, exp_avg_sq, max_exp_avg_sq;
+  kernels::cuda::CodedMomentLists moments;
   MasterArgs masters;
   kernels::AdamConfig config;
   kernels::StepScalars scalars;
@@ -61,13 +52,15 @@ std::string dtype_name(at::ScalarType dtype) {
   return "torch." + c10::getDtypeNames(dtype).first;
 }
 
-// Validates one coded moment of every param (see the schema in registration.cpp) and returns
-// its pointers. `optional`: an empty pair of lists is accepted (max_exp_avg_sq without amsgrad).
-CodedList coded_list(at::TensorList codes, at::TensorList scales, const char* codes_name,
-                     const char* scales_name, at::TensorList params, StateCode code,
-                     bool second, bool optional) {
-  CodedList out;
-  if (optional && codes.empty() && scales.empty()) return out;
+// Validates one coded moment of every param (see the schema in registration.cpp) into
+// `codes_out` and `scales_out`: the codes as bytes (the TensorRef's dtype is unused), the
+// scales as fp32. `optional`: an empty pair of lists is accepted (max_exp_avg_sq without
+// amsgrad).
+void coded_list(at::TensorList codes, at::TensorList scales, const char* codes_name,
+                const char* scales_name, at::TensorList params, StateCode code, bool second,
+                bool optional, std::vector<kernels::TensorRef>& codes_out,
+                std::vector<kernels::TensorRef>& scales_out) {
+  if (optional && codes.empty() && scales.empty()) return;
   for (const auto& [list, name] : {std::pair{codes, codes_name}, std::pair{scales, scales_name}}) {
     TORCH_CHECK(list.size() == params.size(), "ampfuse.", kAdamCoded, ": ", name, " has ",
                 list.size(), " tensors but params has ", params.size(), "; pass one per param",
@@ -109,22 +102,26 @@ CodedList coded_list(at::TensorList codes, at::TensorList scales, const char* co
                 " elements (one per block of ", kStateBlock, " of ", param_label, "'s ",
                 p.numel(), "), got shape ", s.sizes(), " and strides ", s.strides(),
                 "; create it with torch.zeros(", blocks, ", dtype=torch.float32).");
-    out.codes.push_back(static_cast<std::uint8_t*>(c.data_ptr()));
-    out.scales.push_back(s.data_ptr<float>());
+    codes_out.push_back({c.data_ptr(), c.numel(), kernels::DType::kFloat32});
+    scales_out.push_back({s.data_ptr(), s.numel(), kernels::DType::kFloat32});
   }
-  return out;
 }
 
 // The moments of span `s`: its first element's codes and its first block's scale.
-kernels::cpu::CodedMoments span_moments(const AdamCodedArgs& a, const Span& s) {
-  const std::size_t i = s.tensor;
-  const std::int64_t block = s.offset / kStateBlock;
-  const auto codes = [&](const CodedList& l) { return l.empty() ? nullptr : l.codes[i] + s.offset; };
-  const auto scales = [&](const CodedList& l) { return l.empty() ? nullptr : l.scales[i] + block; };
-  return {a.code,
-          codes(a.exp_avg), scales(a.exp_avg),
-          codes(a.exp_avg_sq), scales(a.exp_avg_sq),
-          codes(a.max_exp_avg_sq), scales(a.max_exp_avg_sq)};
+kernels::cpu::CodedMoments span_moments(const kernels::cuda::CodedMomentLists& m,
+                                        const Span& s) {
+  const auto codes = [&](const std::vector<kernels::TensorRef>& list) {
+    return list.empty() ? nullptr
+                        : static_cast<std::uint8_t*>(list[s.tensor].data) + s.offset;
+  };
+  const auto scales = [&](const std::vector<kernels::TensorRef>& list) {
+    return list.empty() ? nullptr
+                        : static_cast<float*>(list[s.tensor].data) + s.offset / kStateBlock;
+  };
+  return {m.code,
+          codes(m.exp_avg_codes), scales(m.exp_avg_scales),
+          codes(m.exp_avg_sq_codes), scales(m.exp_avg_sq_scales),
+          codes(m.max_exp_avg_sq_codes), scales(m.max_exp_avg_sq_scales)};
 }
 
 // The CPU step from the checked arguments.
@@ -141,13 +138,27 @@ void adam_coded_cpu(const AdamCodedArgs& a) {
     if (bf16_mode) bf16 = a.masters.span(span, adam_step.steps_taken);
     kernels::cpu::adam_coded_span(
         element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
-        a.write_grads, span_moments(a, span),
+        a.write_grads, span_moments(a.moments, span),
         bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
         bf16_mode ? &bf16 : nullptr, span.size, adam_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
 }
+
+#ifdef AMPFUSE_WITH_CUDA
+// The CUDA step from the checked arguments.
+void adam_coded_cuda(const AdamCodedArgs& a, const at::Tensor& step) {
+  check_cuda_step(kAdamCoded, step);
+  // An empty list still advances the step count, as on the CPU (the prologue does it).
+  const c10::cuda::CUDAGuard guard(step.device());
+  const at::Tensor constants = step_constants_buffer<kernels::AdamStep>(step.device());
+  kernels::cuda::adam_coded(a.params, a.grads, a.moments, a.masters.list, a.config, a.scalars,
+                            a.write_grads, static_cast<kernels::AdamStep*>(constants.data_ptr()),
+                            current_stream(step.device()), a.masters.how);
+  finish_copy_back(a.copy_back);
+}
+#endif
 
 // fused_adam_coded_ on kDevice (see ../ops.h): the checks, then the step on that device.
 template <c10::DeviceType kDevice>
@@ -167,7 +178,8 @@ void fused_adam_coded_(at::TensorList params, at::TensorList grads,
               "ampfuse.", kAdamCoded, ": max_exp_avg_sq_codes and max_exp_avg_sq_scales must be "
               "empty when amsgrad is False.");
   AdamCodedArgs a;
-  a.code = parse_state_dtype(state_dtype);
+  const StateCode code = parse_state_dtype(state_dtype);
+  a.moments.code = code;
   for (std::size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(!params[i].defined() || params[i].numel() >= kStateBlock, "ampfuse.", kAdamCoded,
                 ": ", arg_label("params", static_cast<std::int64_t>(i)), " has ",
@@ -182,27 +194,28 @@ void fused_adam_coded_(at::TensorList params, at::TensorList grads,
   a.scalars = step_scalars(kAdamCoded, step, lr, grad_scale, found_inf, device);
   a.write_grads = writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kAdamCoded, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  a.exp_avg = coded_list(exp_avg_codes, exp_avg_scales, "exp_avg_codes", "exp_avg_scales", dense,
-                         a.code, /*second=*/false, /*optional=*/false);
-  a.exp_avg_sq = coded_list(exp_avg_sq_codes, exp_avg_sq_scales, "exp_avg_sq_codes",
-                            "exp_avg_sq_scales", dense, a.code, /*second=*/true,
-                            /*optional=*/false);
-  a.max_exp_avg_sq = coded_list(max_exp_avg_sq_codes, max_exp_avg_sq_scales,
-                                "max_exp_avg_sq_codes", "max_exp_avg_sq_scales", dense, a.code,
-                                /*second=*/true, /*optional=*/!amsgrad);
+  kernels::cuda::CodedMomentLists& m = a.moments;
+  coded_list(exp_avg_codes, exp_avg_scales, "exp_avg_codes", "exp_avg_scales", dense, code,
+             /*second=*/false, /*optional=*/false, m.exp_avg_codes, m.exp_avg_scales);
+  coded_list(exp_avg_sq_codes, exp_avg_sq_scales, "exp_avg_sq_codes", "exp_avg_sq_scales", dense,
+             code, /*second=*/true, /*optional=*/false, m.exp_avg_sq_codes, m.exp_avg_sq_scales);
+  coded_list(max_exp_avg_sq_codes, max_exp_avg_sq_scales, "max_exp_avg_sq_codes",
+             "max_exp_avg_sq_scales", dense, code, /*second=*/true, /*optional=*/!amsgrad,
+             m.max_exp_avg_sq_codes, m.max_exp_avg_sq_scales);
   a.masters = master_args(kAdamCoded, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
   if constexpr (kDevice == at::kCPU) {
     adam_coded_cpu(a);
+  } else {
+#ifdef AMPFUSE_WITH_CUDA
+    adam_coded_cuda(a, step);
+#endif
   }
 }
 
 }  // namespace
 
-// The CUDA kernel comes in its own commit; until then CUDA tensors get the refusal.
-OpKernels fused_adam_coded_kernels() {
-  return OpKernels{torch::CppFunction(&fused_adam_coded_<at::kCPU>)};
-}
+OpKernels fused_adam_coded_kernels() { return AMPFUSE_KERNELS(fused_adam_coded_); }
 
 }  // namespace ampfuse::ops
