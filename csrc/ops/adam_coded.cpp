@@ -180,12 +180,8 @@ void fused_adam_coded_(at::TensorList params, at::TensorList grads,
   AdamCodedArgs a;
   const StateCode code = parse_state_dtype(state_dtype);
   a.moments.code = code;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(!params[i].defined() || params[i].numel() >= kStateBlock, "ampfuse.", kAdamCoded,
-                ": ", arg_label("params", static_cast<std::int64_t>(i)), " has ",
-                params[i].numel(), " elements; coded moments need at least one block of ",
-                kStateBlock, ". Step a smaller param with fp32 moments through fused_adam_.");
-  }
+  // Any size: which params code their moments is the optimizer's choice, by the whole param's
+  // size, so an FSDP2 rank may hold a shard of a coded param under one block, or none of it.
   // A param that is not dense is stepped through a contiguous copy (see WrittenList).
   const WrittenList written(kAdamCoded, params, "params", a.copy_back);
   const at::TensorList dense = written.tensors();

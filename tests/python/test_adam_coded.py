@@ -76,6 +76,14 @@ def test_params_across_cpu_chunks(kind):
     _check_steps(case)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_params_under_one_block_and_empty(kind):
+    # The optimizer decides which params code their moments, by the whole param's size: an
+    # FSDP2 rank's shard of a coded param may be under one block, or empty.
+    case = make_case(kind, torch.bfloat16, shapes=[(1000,), (255,), (0,), (1,)], seed=3)
+    _check_steps(case, steps=2)
+
+
 def test_zero_moments_and_grads():
     # A block of zeros has scale 0 and codes 0, and stays so under a zero grad (AdamW: the
     # weight decay does not enter the moments).

@@ -85,16 +85,6 @@ def test_non_contiguous_scales():
         coded_step(case)
 
 
-def test_param_under_one_block():
-    case = make_case("fp8", torch.float32, shapes=[(1000,), (256,)])
-    case["params"][1] = case["params"][1][:255]
-    with raises_naming(r"params\[1\] has 255 elements", "fused_adam_"):
-        coded_step(case)
-    mode, fake = _fake(case)
-    with mode, raises_naming(r"params\[1\] has 255 elements", "fused_adam_"):
-        coded_step(fake)
-
-
 def test_max_moment_without_amsgrad():
     case = _case(amsgrad=True)
     case["amsgrad"] = False

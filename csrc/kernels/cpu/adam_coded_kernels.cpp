@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "coded_moments.h"
 #include "storage_dispatch.h"
 
 namespace ampfuse::kernels::cpu {
@@ -15,31 +16,6 @@ namespace {
 // Pointer to element `i` of a span of `dtype` elements.
 void* advance(void* data, DType dtype, std::int64_t i) {
   return static_cast<char*>(data) + i * element_size(dtype);
-}
-
-// decode_block and encode_block of state_codes.h, the same operations on each element in
-// loops the compiler vectorizes (cloned for AVX2): the block's absmax is the max of the coded
-// values' magnitudes as bits, where nan sorts above inf, so a nan anywhere makes the scale
-// nan as encode_block's compare does (which nan may differ: the codes of such a block are 0).
-template <StateCode kCode, bool kSecond>
-AMPFUSE_CPU_CLONES void decode_codes(const std::uint8_t* codes, int n, float scale,
-                                     float* moment) {
-  for (int i = 0; i < n; ++i) moment[i] = decode_moment<kCode, kSecond>(codes[i], scale);
-}
-
-template <StateCode kCode, bool kSecond>
-AMPFUSE_CPU_CLONES void encode_codes(const float* moment, int n, std::uint8_t* codes,
-                                     float* scale) {
-  std::uint32_t absmax_bits = 0;
-  for (int i = 0; i < n; ++i) {
-    const std::uint32_t a = fp8_detail::bits_of(coded_value<kSecond>(moment[i])) & 0x7fffffffu;
-    absmax_bits = a > absmax_bits ? a : absmax_bits;
-  }
-  const float absmax = fp8_detail::float_of(absmax_bits);
-  for (int i = 0; i < n; ++i) {
-    codes[i] = encode_moment<kCode, kSecond>(coded_value<kSecond>(moment[i]), absmax);
-  }
-  *scale = absmax;
 }
 
 template <StateCode kCode>
@@ -53,14 +29,14 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
   float* max_buffer = moments.max_exp_avg_sq != nullptr ? max_exp_avg_sq : nullptr;
   for (std::int64_t first = 0; first < n; first += kStateBlock) {
     const int len = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - first));
-    const std::int64_t block = first / kStateBlock;
-    decode_codes<kCode, false>(moments.exp_avg + first, len, moments.exp_avg_scales[block],
-                               exp_avg);
-    decode_codes<kCode, true>(moments.exp_avg_sq + first, len, moments.exp_avg_sq_scales[block],
-                              exp_avg_sq);
+    // coded_moments.h's vectorized loops: decode_block's and encode_block's bits.
+    decode_moment_span(moments.exp_avg, moments.exp_avg_scales, first, len, kCode, false,
+                       exp_avg);
+    decode_moment_span(moments.exp_avg_sq, moments.exp_avg_sq_scales, first, len, kCode, true,
+                       exp_avg_sq);
     if (max_buffer != nullptr) {
-      decode_codes<kCode, true>(moments.max_exp_avg_sq + first, len,
-                                moments.max_exp_avg_sq_scales[block], max_buffer);
+      decode_moment_span(moments.max_exp_avg_sq, moments.max_exp_avg_sq_scales, first, len,
+                         kCode, true, max_buffer);
     }
     void* block_grad = advance(grad, grad_dtype, first);
     if (bf16 != nullptr) {
@@ -74,13 +50,13 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
                 write_grad, exp_avg, exp_avg_sq, max_buffer,
                 master != nullptr ? master + first : nullptr, len, step);
     }
-    encode_codes<kCode, false>(exp_avg, len, moments.exp_avg + first,
-                               moments.exp_avg_scales + block);
-    encode_codes<kCode, true>(exp_avg_sq, len, moments.exp_avg_sq + first,
-                              moments.exp_avg_sq_scales + block);
+    encode_moment_span(exp_avg, first, len, kCode, false, moments.exp_avg,
+                       moments.exp_avg_scales);
+    encode_moment_span(exp_avg_sq, first, len, kCode, true, moments.exp_avg_sq,
+                       moments.exp_avg_sq_scales);
     if (max_buffer != nullptr) {
-      encode_codes<kCode, true>(max_buffer, len, moments.max_exp_avg_sq + first,
-                                moments.max_exp_avg_sq_scales + block);
+      encode_moment_span(max_buffer, first, len, kCode, true, moments.max_exp_avg_sq,
+                         moments.max_exp_avg_sq_scales);
     }
   }
 }

@@ -160,13 +160,6 @@ def _adam_coded_fake(
             f"ampfuse.{op}: max_exp_avg_sq_codes and max_exp_avg_sq_scales must be empty when "
             "amsgrad is False."
         )
-    for i, p in enumerate(params):
-        if p.numel() < _STATE_BLOCK:
-            raise RuntimeError(
-                f"ampfuse.{op}: params[{i}] has {p.numel()} elements; coded moments need at "
-                f"least one block of {_STATE_BLOCK}. Step a smaller param with fp32 moments "
-                "through fused_adam_."
-            )
     device = check_list(op, "params", params)
     check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
     first, second = _CODE_DTYPES[state_dtype]
