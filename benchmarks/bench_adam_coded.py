@@ -16,7 +16,6 @@ import argparse
 import time
 
 import torch
-
 from ampfuse import ops
 from ampfuse.optimizers._state_codes import quantize_moment
 

@@ -2,9 +2,8 @@
 fp32 moments -> quantize_moment (python/ampfuse/optimizers/_state_codes.py), which the op must
 match bit for bit. Shared by test_adam_coded.py and test_adam_coded_errors.py."""
 
-import torch
-
 import ampfuse  # noqa: F401  (loads the ops)
+import torch
 from ampfuse.optimizers._state_codes import dequantize_moment, quantize_moment
 
 CODE_DTYPES = {"int8": (torch.int8, torch.uint8),

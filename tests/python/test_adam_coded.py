@@ -5,7 +5,6 @@ Misuse errors: test_adam_coded_errors.py."""
 
 import pytest
 import torch
-
 from adam_coded_cases import (
     assert_same_bits,
     clone_case,
@@ -177,10 +176,9 @@ def test_wrapper_matches_op():
 
 def test_dtensor_shards_step_locally(one_rank):
     # Params, grads and codes sharded alike; the scales are each rank's own plain tensors.
+    from ampfuse.ops import fused_adam_coded_
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-
-    from ampfuse.ops import fused_adam_coded_
 
     mesh = init_device_mesh("cpu", (1,))
     case = make_case("fp8", torch.float32, amsgrad=True, shapes=[(4, 300)])

@@ -3,10 +3,9 @@ from its fake kernel, and a refused call writes nothing."""
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from adam_coded_cases import assert_same_bits, clone_case, coded_step, make_case
 from helpers import raises_naming
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def _case(kind="int8", **kw):

@@ -195,72 +195,32 @@ class FusedAdam(CodedMomentsOptimizer):
 
     def _launch(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
                 grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
-        if call.coded is not None:
-            self._launch_coded(group, call, lr, grad_scale, found_inf)
+        # The arguments after the tensor lists, which both ops take alike.
+        beta1, beta2 = group["betas"]
+        step_args = (call.step, lr, float(beta1), float(beta2), float(group["eps"]),
+                     float(group["weight_decay"]), bool(group["adam_w_mode"]),
+                     bool(group["bias_correction"]), amsgrad, bool(group["maximize"]),
+                     grad_scale, found_inf)
+        options = {"write_unscaled_grads": bool(group["write_unscaled_grads"]),
+                   **call.master_args(group)}
+        if call.coded is None:
+            ops.fused_adam_(
+                call.op_params(), call.grads, call.state_list("exp_avg"),
+                call.state_list("exp_avg_sq"),
+                call.state_list("max_exp_avg_sq") if amsgrad else [], call.masters(),
+                *step_args, **options)
             return
-        ops.fused_adam_(
-            call.op_params(),
-            call.grads,
-            call.state_list("exp_avg"),
-            call.state_list("exp_avg_sq"),
-            call.state_list("max_exp_avg_sq") if amsgrad else [],
-            call.masters(),
-            call.step,
-            lr,
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            bool(group["adam_w_mode"]),
-            bool(group["bias_correction"]),
-            amsgrad,
-            bool(group["maximize"]),
-            grad_scale,
-            found_inf,
-            write_unscaled_grads=bool(group["write_unscaled_grads"]),
-            **call.master_args(group),
-        )
-
-    def _launch_coded(self, group: dict[str, Any], call: OpCall, lr: torch.Tensor,
-                      grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """The step of params whose moments are block-coded (call.coded, see state_dtype)."""
-        beta1, beta2 = group["betas"]
-        amsgrad = bool(group["amsgrad"])
+        # Block-coded moments (state_dtype); FSDP2: each rank's own shards, as plain tensors.
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg",
                                                                              "exp_avg_sq")
-        # FSDP2: each rank's own shards, codes and scales, as plain tensors.
         params, grads, masters, codes, scales = coded_call_lists(call, keys)
         if not amsgrad:
             codes.append([])
             scales.append([])
         ops.fused_adam_coded_(
-            params,
-            grads,
-            codes[0],
-            scales[0],
-            codes[1],
-            scales[1],
-            codes[2],
-            scales[2],
-            masters,
-            call.step,
-            lr,
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            bool(group["adam_w_mode"]),
-            bool(group["bias_correction"]),
-            amsgrad,
-            bool(group["maximize"]),
-            grad_scale,
-            found_inf,
-            write_unscaled_grads=bool(group["write_unscaled_grads"]),
-            state_dtype=call.coded,
-            **call.master_args(group),
-        )
+            params, grads, codes[0], scales[0], codes[1], scales[1], codes[2], scales[2],
+            masters, *step_args, state_dtype=str(call.coded), **options)
 
     def _export_state(self, group: dict[str, Any], state: dict[str, Any],
                       step_value: torch.Tensor | None) -> dict[str, Any]:
