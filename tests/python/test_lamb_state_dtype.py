@@ -8,7 +8,6 @@ params and every master-mode extra must be equal bit for bit. Then skipped steps
 checkpoints both ways, options and bad values."""
 
 import copy
-import io
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import pytest
@@ -20,40 +19,17 @@ from test_state_dtype import (
     KINDS,
     MODES,
     SHAPES,
-    _assert_same,
     _assert_state_is_coded_reference,
     _hand_decoded_moments,
+    check_resume_is_bit_exact,
+    check_skipped_step_writes_nothing,
 )
+from test_state_dtype import _run_against_reference as run_against_reference
 
 
-def _run_against_reference(kind, dtype, master_weights, steps=4, grad_scale=None, **options):
-    params = make_params(SHAPES, dtype, "cpu")
-    ref_params = clone_params(params)
-    options = dict({"lr": 3e-2, "weight_decay": 0.1}, **options)
-    opt = FusedLAMB(params, state_dtype=kind, master_weights=master_weights, **options)
-    ref = FusedLAMB(ref_params, master_weights=master_weights, **options)
-    for step in range(steps):
-        grads = step_grads(params, step)
-        if step == 2:
-            grads[0] = None  # a param without a grad skips this step, as in torch
-        set_grads(params, grads)
-        set_grads(ref_params, grads)
-        for p, r in zip(params, ref_params):
-            if p in opt.state and p.numel() >= BLOCK:
-                _hand_decoded_moments(opt.state[p], ref.state[r])
-        if grad_scale is None:
-            opt.step()
-            ref.step()
-        else:
-            for group in (params, ref_params):
-                for p in group:
-                    if p.grad is not None:
-                        p.grad.mul_(grad_scale)
-            scale = torch.tensor(grad_scale)
-            opt.step(grad_scale=scale)
-            ref.step(grad_scale=scale)
-        _assert_state_is_coded_reference(opt, ref, params, ref_params, kind, f"step {step}")
-    return opt, params
+def _run_against_reference(kind, dtype, master_weights, **options):
+    return run_against_reference(kind, dtype, master_weights, optimizer_class=FusedLAMB,
+                                 **options)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -94,49 +70,12 @@ def test_which_params_code_their_moments(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_skipped_step_writes_nothing(kind):
-    params = make_params(SHAPES, torch.bfloat16, "cpu")
-    opt = FusedLAMB(params, state_dtype=kind, master_weights="kahan")
-    set_grads(params, step_grads(params, 0))
-    opt.step()
-    before = copy.deepcopy(({i: p.detach().clone() for i, p in enumerate(params)},
-                            {i: opt.state[p] for i, p in enumerate(params)}))
-    set_grads(params, step_grads(params, 1))
-    opt.step(found_inf=torch.tensor(1.0))
-    assert bool(opt.last_step_skipped)
-    for i, p in enumerate(params):
-        _assert_same(p.detach(), before[0][i], f"param {i}")
-        for key, value in before[1][i].items():
-            _assert_same(opt.state[p][key], value, f"param {i} {key}")
+    check_skipped_step_writes_nothing(FusedLAMB, kind, "kahan")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_is_bit_exact(kind):
-    def train(params, opt, steps):
-        for step in steps:
-            set_grads(params, step_grads(params, step))
-            opt.step()
-
-    params = make_params(SHAPES, torch.bfloat16, "cpu")
-    straight = clone_params(params)
-    opt = FusedLAMB(straight, state_dtype=kind, master_weights="stochastic")
-    train(straight, opt, range(6))
-
-    first = clone_params(params)
-    opt1 = FusedLAMB(first, state_dtype=kind, master_weights="stochastic")
-    train(first, opt1, range(3))
-    buffer = io.BytesIO()
-    torch.save(opt1.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    assert "exp_avg_codes" in saved["state"][0] and "exp_avg" not in saved["state"][0]
-    resumed = clone_params(first)
-    opt2 = FusedLAMB(resumed, state_dtype=kind, master_weights="stochastic")
-    opt2.load_state_dict(saved)
-    train(resumed, opt2, range(3, 6))
-    for i, (a, b) in enumerate(zip(resumed, straight)):
-        _assert_same(a.detach(), b.detach(), f"param {i}")
-        for key, value in opt.state[b].items():
-            _assert_same(opt2.state[a][key], value, f"param {i} {key}")
+    check_resume_is_bit_exact(FusedLAMB, kind, "stochastic")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -71,7 +71,9 @@ def _assert_state_is_coded_reference(opt, ref, params, ref_params, kind, where):
 
 
 def _run_against_reference(kind, dtype, master_weights, steps=4, shapes=SHAPES, grad_scale=None,
-                           memory_format=None, **options):
+                           memory_format=None, optimizer_class=FusedAdamW, **options):
+    """`steps` steps of optimizer_class(state_dtype=kind) beside its fp32-moment twin handed the
+    decoded moments before each step (test_lamb_state_dtype.py runs FusedLAMB through it)."""
     params = make_params(shapes, dtype, "cpu")
     if memory_format is not None:
         params = [p.detach().to(memory_format=memory_format).requires_grad_() if p.dim() == 4
@@ -81,8 +83,8 @@ def _run_against_reference(kind, dtype, master_weights, steps=4, shapes=SHAPES, 
         ref_params = [r.detach().to(memory_format=memory_format).requires_grad_() if r.dim() == 4
                       else r for r in ref_params]
     options = dict({"lr": 3e-2, "weight_decay": 0.1}, **options)
-    opt = FusedAdamW(params, state_dtype=kind, master_weights=master_weights, **options)
-    ref = FusedAdamW(ref_params, master_weights=master_weights, **options)
+    opt = optimizer_class(params, state_dtype=kind, master_weights=master_weights, **options)
+    ref = optimizer_class(ref_params, master_weights=master_weights, **options)
     for step in range(steps):
         grads = step_grads(params, step)
         if step == 2:
@@ -195,8 +197,12 @@ def test_bytes_per_param_of_a_bf16_model():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_skipped_step_writes_nothing(kind):
+    check_skipped_step_writes_nothing(FusedAdamW, kind, "split")
+
+
+def check_skipped_step_writes_nothing(optimizer_class, kind, master_weights):
     params = make_params(SHAPES, torch.bfloat16, "cpu")
-    opt = FusedAdamW(params, state_dtype=kind, master_weights="split")
+    opt = optimizer_class(params, state_dtype=kind, master_weights=master_weights)
     set_grads(params, step_grads(params, 0))
     opt.step()
     before = copy.deepcopy(({i: p.detach().clone() for i, p in enumerate(params)},
@@ -212,6 +218,10 @@ def test_skipped_step_writes_nothing(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_is_bit_exact(kind):
+    check_resume_is_bit_exact(FusedAdamW, kind, "stochastic")
+
+
+def check_resume_is_bit_exact(optimizer_class, kind, master_weights):
     def train(params, opt, steps):
         for step in steps:
             set_grads(params, step_grads(params, step))
@@ -219,11 +229,11 @@ def test_resume_is_bit_exact(kind):
 
     params = make_params(SHAPES, torch.bfloat16, "cpu")
     straight = clone_params(params)
-    opt = FusedAdamW(straight, state_dtype=kind, master_weights="stochastic")
+    opt = optimizer_class(straight, state_dtype=kind, master_weights=master_weights)
     train(straight, opt, range(6))
 
     first = clone_params(params)
-    opt1 = FusedAdamW(first, state_dtype=kind, master_weights="stochastic")
+    opt1 = optimizer_class(first, state_dtype=kind, master_weights=master_weights)
     train(first, opt1, range(3))
     buffer = io.BytesIO()
     torch.save(opt1.state_dict(), buffer)
@@ -231,7 +241,7 @@ def test_resume_is_bit_exact(kind):
     saved = torch.load(buffer)
     assert "exp_avg_codes" in saved["state"][0] and "exp_avg" not in saved["state"][0]
     resumed = clone_params(first)
-    opt2 = FusedAdamW(resumed, state_dtype=kind, master_weights="stochastic")
+    opt2 = optimizer_class(resumed, state_dtype=kind, master_weights=master_weights)
     opt2.load_state_dict(saved)
     train(resumed, opt2, range(3, 6))
     for i, (a, b) in enumerate(zip(resumed, straight)):
