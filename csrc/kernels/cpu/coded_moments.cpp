@@ -64,38 +64,44 @@ AMPFUSE_CPU_CLONES void encode_blocks(const float* moment, std::int64_t n, std::
 
 }  // namespace
 
+namespace portable {
+
 void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
                         std::int64_t n, StateCode code, bool second, float* moment) {
-  const std::uint8_t* span_codes = codes + first;
-  const float* span_scales = scales + first / kStateBlock;
-  if (code == StateCode::kFp8) {
-    if (second) {
-      decode_blocks<StateCode::kFp8, true>(span_codes, span_scales, n, moment);
-    } else {
-      decode_blocks<StateCode::kFp8, false>(span_codes, span_scales, n, moment);
-    }
-  } else if (second) {
-    decode_blocks<StateCode::kInt8, true>(span_codes, span_scales, n, moment);
-  } else {
-    decode_blocks<StateCode::kInt8, false>(span_codes, span_scales, n, moment);
-  }
+  with_moment_code(code, second, [&](auto kind, auto is_second) {
+    decode_blocks<kind(), is_second()>(codes + first, scales + first / kStateBlock, n, moment);
+  });
 }
 
 void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
                         bool second, std::uint8_t* codes, float* scales) {
-  std::uint8_t* span_codes = codes + first;
-  float* span_scales = scales + first / kStateBlock;
-  if (code == StateCode::kFp8) {
-    if (second) {
-      encode_blocks<StateCode::kFp8, true>(moment, n, span_codes, span_scales);
-    } else {
-      encode_blocks<StateCode::kFp8, false>(moment, n, span_codes, span_scales);
-    }
-  } else if (second) {
-    encode_blocks<StateCode::kInt8, true>(moment, n, span_codes, span_scales);
-  } else {
-    encode_blocks<StateCode::kInt8, false>(moment, n, span_codes, span_scales);
+  with_moment_code(code, second, [&](auto kind, auto is_second) {
+    encode_blocks<kind(), is_second()>(moment, n, codes + first, scales + first / kStateBlock);
+  });
+}
+
+}  // namespace portable
+
+void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
+                        std::int64_t n, StateCode code, bool second, float* moment) {
+#ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
+  if (avx2_fma::supported()) {
+    avx2_fma::decode_moment_span(codes, scales, first, n, code, second, moment);
+    return;
   }
+#endif
+  portable::decode_moment_span(codes, scales, first, n, code, second, moment);
+}
+
+void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
+                        bool second, std::uint8_t* codes, float* scales) {
+#ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
+  if (avx2_fma::supported()) {
+    avx2_fma::encode_moment_span(moment, first, n, code, second, codes, scales);
+    return;
+  }
+#endif
+  portable::encode_moment_span(moment, first, n, code, second, codes, scales);
 }
 
 }  // namespace ampfuse::kernels::cpu
