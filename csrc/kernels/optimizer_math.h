@@ -161,9 +161,11 @@ AMPFUSE_HOST_DEVICE inline AdamStep make_step_constants(const AdamConfig& c, flo
 // One element: p is the fp32 parameter (the master when there is one), g the
 // unscaled gradient (unscale_grad), m/v the moments, max_v the AMSGrad maximum (used when
 // kAmsgrad). F is float, or eight elements at once as cpu::Lanes8 (each lane rounds as the
-// float code does).
+// float code does). `root` receives the square root the update divides by, sqrt(v) or
+// sqrt(max_v): the CPU's 8-bit moment codes store sqrt(v) and take it from here rather than
+// forming it a second time.
 template <bool kAmsgrad, typename F>
-AMPFUSE_ELEMENT_FN void adam_update(F& p, F g, F& m, F& v, F& max_v, const AdamStep& s) {
+AMPFUSE_ELEMENT_FN void adam_update(F& p, F g, F& m, F& v, F& max_v, const AdamStep& s, F& root) {
   g = choose(s.maximize, -g, g);
   g = choose(s.l2, g + mul(s.l2_decay, p), g);
   p = choose(s.decoupled, mul(p, s.decoupled_decay), p);
@@ -177,8 +179,15 @@ AMPFUSE_ELEMENT_FN void adam_update(F& p, F g, F& m, F& v, F& max_v, const AdamS
     max_v = select_float(max_v > v, max_v, v);
     second = max_v;
   }
-  const F denom = square_root(second) / s.bias_correction2_sqrt + s.eps;
+  root = square_root(second);
+  const F denom = root / s.bias_correction2_sqrt + s.eps;
   p += mul(-s.step_size, m / denom);
+}
+
+template <bool kAmsgrad, typename F>
+AMPFUSE_ELEMENT_FN void adam_update(F& p, F g, F& m, F& v, F& max_v, const AdamStep& s) {
+  F root;
+  adam_update<kAmsgrad>(p, g, m, v, max_v, s, root);
 }
 
 struct SgdConfig {

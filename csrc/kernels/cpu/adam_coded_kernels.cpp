@@ -1,8 +1,11 @@
-// CPU Adam/AdamW with 8-bit block-coded moments (state_dtype "int8" / "fp8"): each block of
-// kStateBlock elements is decoded into fp32 buffers on the stack, stepped by the very span
-// kernels that step fp32 moments (adam_span, adam_bf16_span), and coded again. Running the
+// CPU Adam/AdamW with 8-bit block-coded moments (state_dtype "int8" / "fp8"). portable:: decodes
+// each block of kStateBlock elements into fp32 buffers on the stack, steps it with the very span
+// kernels that step fp32 moments (adam_span, adam_bf16_span), and codes it again. Running the
 // fp32-state kernels on the decoded block is what makes the result equal, bit for bit, to
-// dequantize -> fused_adam_ -> quantize (python/ampfuse/optimizers/_state_codes.py).
+// dequantize -> fused_adam_ -> quantize (python/ampfuse/optimizers/_state_codes.py). Where the
+// processor has AVX2, FMA and F16C, adam_coded_span runs avx2_fma:: instead: the same loops
+// with decoding and coding fused into them (adam_coded_avx2.cpp), the same bits
+// (tests/cpp/test_coded_adam.cpp compares the two).
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -63,6 +66,8 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
 
 }  // namespace
 
+namespace portable {
+
 void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
                      bool write_grad, const CodedMoments& moments, float* master,
                      const Bf16Span* bf16, std::int64_t n, const AdamStep& step) {
@@ -73,6 +78,22 @@ void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtyp
     adam_coded_blocks<StateCode::kInt8>(param, param_dtype, grad, grad_dtype, write_grad, moments,
                                         master, bf16, n, step);
   }
+}
+
+}  // namespace portable
+
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                     bool write_grad, const CodedMoments& moments, float* master,
+                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step) {
+#ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
+  if (avx2_fma::supported()) {
+    avx2_fma::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master,
+                              bf16, n, step);
+    return;
+  }
+#endif
+  portable::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master,
+                            bf16, n, step);
 }
 
 }  // namespace ampfuse::kernels::cpu

@@ -17,35 +17,48 @@ namespace ampfuse::kernels::cpu {
 
 // Each loop takes its step by value, a copy that no store to the arrays can alias (see
 // adam_lanes). Lanes<Storage> moves grads and fp32 state, Words the mode's 16-bit words.
+// Moments as in adam_lanes.
 template <template <typename> class Lanes, typename Words, MasterMode kMode, bool kWriteGrad,
-          bool kAmsgrad, typename Grad>
+          bool kAmsgrad, typename Grad, typename Moments>
 inline __attribute__((always_inline)) void adam_bf16_lanes(
     std::uint16_t* __restrict param, std::uint16_t* __restrict extra, Grad* __restrict grad,
-    float* __restrict exp_avg, float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq,
-    std::int64_t n, const RoundingKey key, std::uint32_t first_lo, const AdamStep step) {
+    Moments& moments, std::int64_t n, const RoundingKey key, std::uint32_t first_lo,
+    const AdamStep step) {
   using Mode = Bf16ModeLanes<kMode, Words>;
   const std::int64_t whole = n - n % 8;
   for (std::int64_t i = 0; i < whole; i += 8) {
     Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
     if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
     Lanes8 p = Mode::load(param, extra, i);
-    Lanes8 m = Lanes<float>::load(exp_avg + i), v = Lanes<float>::load(exp_avg_sq + i);
-    Lanes8 max_v = kAmsgrad ? Lanes<float>::load(max_exp_avg_sq + i) : Lanes8();
-    adam_update<kAmsgrad>(p, g, m, v, max_v, step);
-    Lanes<float>::store(exp_avg + i, m);
-    Lanes<float>::store(exp_avg_sq + i, v);
-    if (kAmsgrad) Lanes<float>::store(max_exp_avg_sq + i, max_v);
+    Lanes8 m, v, max_v, root;
+    moments.template load<Lanes, kAmsgrad>(i, m, v, max_v);
+    adam_update<kAmsgrad>(p, g, m, v, max_v, step, root);
+    moments.template store<Lanes, kAmsgrad>(i, m, v, max_v, root);
     Mode::store(p, param, extra, i, key, first_lo);
   }
+  const FloatMoments tail = moments.scalar_tail(whole, n);
   for (std::int64_t i = whole; i < n; ++i) {
     float g;
     float p =
         load_bf16_param_and_grad<kMode, kWriteGrad>(param, extra, grad, i, step.grad_scale, g);
     float unused = 0.0f;
-    adam_update<kAmsgrad>(p, g, exp_avg[i], exp_avg_sq[i], kAmsgrad ? max_exp_avg_sq[i] : unused,
-                          step);
+    const std::int64_t t = i - whole;
+    adam_update<kAmsgrad>(p, g, tail.exp_avg[t], tail.exp_avg_sq[t],
+                          kAmsgrad ? tail.max_exp_avg_sq[t] : unused, step);
     store_bf16_param<kMode>(p, param, extra, i, key, first_lo);
   }
+  moments.after_scalar_tail(whole, n);
+}
+
+template <template <typename> class Lanes, typename Words, MasterMode kMode, bool kWriteGrad,
+          bool kAmsgrad, typename Grad>
+inline __attribute__((always_inline)) void adam_bf16_lanes(
+    std::uint16_t* __restrict param, std::uint16_t* __restrict extra, Grad* __restrict grad,
+    float* __restrict exp_avg, float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq,
+    std::int64_t n, const RoundingKey key, std::uint32_t first_lo, const AdamStep step) {
+  FloatMoments moments{exp_avg, exp_avg_sq, max_exp_avg_sq};
+  adam_bf16_lanes<Lanes, Words, kMode, kWriteGrad, kAmsgrad>(param, extra, grad, moments, n, key,
+                                                             first_lo, step);
 }
 
 template <template <typename> class Lanes, typename Words, MasterMode kMode, bool kWriteGrad,

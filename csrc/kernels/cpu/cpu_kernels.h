@@ -138,4 +138,20 @@ void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtyp
                      bool write_grad, const CodedMoments& moments, float* master,
                      const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
 
+// The two implementations adam_coded_span picks from (adam_coded_kernels.cpp), the same bits:
+// decode, the fp32-state span kernel and encode per block; and, for processors with AVX2, FMA
+// and F16C (avx2_fma::supported(), coded_moments.h), one fused pass per block.
+namespace portable {
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                     bool write_grad, const CodedMoments& moments, float* master,
+                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
+}  // namespace portable
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace avx2_fma {
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
+                     bool write_grad, const CodedMoments& moments, float* master,
+                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
+}  // namespace avx2_fma
+#endif
+
 }  // namespace ampfuse::kernels::cpu

@@ -76,15 +76,45 @@ inline void adagrad_loop(Param* __restrict param, Grad* __restrict grad, float* 
   }
 }
 
+// Where the 8-lane Adam loops (adam_lanes, adam_bf16_lanes) keep the moments. These are fp32
+// arrays; coded_adam_lanes.h holds them as 8-bit block codes, decoded in load and gathered for
+// coding in store. Lanes<float> moves the fp32 lanes. `root` is the update's sqrt(v) (or
+// sqrt(max_v)), which fp32 moments have no use for.
+struct FloatMoments {
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // null unless kAmsgrad
+
+  template <template <typename> class Lanes, bool kAmsgrad>
+  inline __attribute__((always_inline)) void load(std::int64_t i, Lanes8& m, Lanes8& v,
+                                                  Lanes8& max_v) const {
+    m = Lanes<float>::load(exp_avg + i);
+    v = Lanes<float>::load(exp_avg_sq + i);
+    if (kAmsgrad) max_v = Lanes<float>::load(max_exp_avg_sq + i);
+  }
+  template <template <typename> class Lanes, bool kAmsgrad>
+  inline __attribute__((always_inline)) void store(std::int64_t i, Lanes8 m, Lanes8 v,
+                                                   Lanes8 max_v, Lanes8 /*root*/) const {
+    Lanes<float>::store(exp_avg + i, m);
+    Lanes<float>::store(exp_avg_sq + i, v);
+    if (kAmsgrad) Lanes<float>::store(max_exp_avg_sq + i, max_v);
+  }
+  // The arrays the scalar loop steps for elements [i, n), and what follows that loop.
+  FloatMoments scalar_tail(std::int64_t i, std::int64_t /*n*/) const {
+    return {exp_avg + i, exp_avg_sq + i, max_exp_avg_sq != nullptr ? max_exp_avg_sq + i : nullptr};
+  }
+  void after_scalar_tail(std::int64_t /*i*/, std::int64_t /*n*/) const {}
+};
+
 // The loops above eight elements at a time, on Lanes8 (lanes8.h), then the last n % 8 elements
 // on the scalar loops. Lanes<Storage>::load(p) and store(p, lanes) move eight elements of one
 // storage type: PortableLanes, or the F16C conversions of the AVX2 kernels. A per-step option
 // is a predicted branch per eight elements here, and skips its arithmetic (see choose()).
-// Always inlined, so the lanes are compiled for the instruction set of the caller.
+// Always inlined, so the lanes are compiled for the instruction set of the caller. Moments is
+// FloatMoments, or another holder with its members (coded_adam_lanes.h).
 template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, bool kAmsgrad,
-          typename Param, typename Grad>
-inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, float* exp_avg,
-                                                      float* exp_avg_sq, float* max_exp_avg_sq,
+          typename Param, typename Grad, typename Moments>
+inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, Moments& moments,
                                                       float* master, std::int64_t n,
                                                       const AdamStep& step_in) {
   // A copy: through the reference, every store to the float arrays might change the step
@@ -95,19 +125,28 @@ inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, 
     Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
     if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
     Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
-    Lanes8 m = Lanes<float>::load(exp_avg + i), v = Lanes<float>::load(exp_avg_sq + i);
-    Lanes8 max_v = kAmsgrad ? Lanes<float>::load(max_exp_avg_sq + i) : Lanes8();
-    adam_update<kAmsgrad>(p, g, m, v, max_v, step);
-    Lanes<float>::store(exp_avg + i, m);
-    Lanes<float>::store(exp_avg_sq + i, v);
-    if (kAmsgrad) Lanes<float>::store(max_exp_avg_sq + i, max_v);
+    Lanes8 m, v, max_v, root;
+    moments.template load<Lanes, kAmsgrad>(i, m, v, max_v);
+    adam_update<kAmsgrad>(p, g, m, v, max_v, step, root);
+    moments.template store<Lanes, kAmsgrad>(i, m, v, max_v, root);
     if (kMaster) Lanes<float>::store(master + i, p);
     Lanes<Param>::store(param + i, p);
   }
-  adam_loop<kMaster, kWriteGrad, kAmsgrad>(
-      param + whole, grad + whole, exp_avg + whole, exp_avg_sq + whole,
-      kAmsgrad ? max_exp_avg_sq + whole : nullptr, kMaster ? master + whole : nullptr, n - whole,
-      step);
+  const FloatMoments tail = moments.scalar_tail(whole, n);
+  adam_loop<kMaster, kWriteGrad, kAmsgrad>(param + whole, grad + whole, tail.exp_avg,
+                                           tail.exp_avg_sq, tail.max_exp_avg_sq,
+                                           kMaster ? master + whole : nullptr, n - whole, step);
+  moments.after_scalar_tail(whole, n);
+}
+
+template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, bool kAmsgrad,
+          typename Param, typename Grad>
+inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, float* exp_avg,
+                                                      float* exp_avg_sq, float* max_exp_avg_sq,
+                                                      float* master, std::int64_t n,
+                                                      const AdamStep& step) {
+  FloatMoments moments{exp_avg, exp_avg_sq, max_exp_avg_sq};
+  adam_lanes<Lanes, kMaster, kWriteGrad, kAmsgrad>(param, grad, moments, master, n, step);
 }
 
 template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, bool kMomentum,
