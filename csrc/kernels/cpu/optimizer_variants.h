@@ -77,7 +77,7 @@ inline void adagrad_loop(Param* __restrict param, Grad* __restrict grad, float* 
 }
 
 // Where the 8-lane Adam loops (adam_lanes, adam_bf16_lanes) keep the moments. These are fp32
-// arrays; coded_adam_lanes.h holds them as 8-bit block codes, decoded in load and gathered for
+// arrays; adam_coded_avx2.cpp holds them as 8-bit block codes, decoded in load and gathered for
 // coding in store. Lanes<float> moves the fp32 lanes. `root` is the update's sqrt(v) (or
 // sqrt(max_v)), which fp32 moments have no use for.
 struct FloatMoments {
@@ -111,7 +111,7 @@ struct FloatMoments {
 // storage type: PortableLanes, or the F16C conversions of the AVX2 kernels. A per-step option
 // is a predicted branch per eight elements here, and skips its arithmetic (see choose()).
 // Always inlined, so the lanes are compiled for the instruction set of the caller. Moments is
-// FloatMoments, or another holder with its members (coded_adam_lanes.h).
+// FloatMoments, or another holder with its members (adam_coded_avx2.cpp).
 template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, bool kAmsgrad,
           typename Param, typename Grad, typename Moments>
 inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, Moments& moments,
