@@ -43,14 +43,17 @@ inline bool vector_divisor(float divisor) {
   return divisor >= 0x1p-70f && divisor <= 0x1.fffffep127f;
 }
 
-// x / d rounded to nearest, for a positive d and r = 1/d as in the comment above. A -0
-// dividend would come out +0 (its residual is +0, and +0 + -0 is +0), so x's sign is set on the
-// result; every other quotient has it already.
+// x / d rounded to nearest, for a positive d and r = 1/d as in the comment above. A -0 dividend
+// comes out +0 (its residual is +0, and +0 + -0 is +0); kKeepSign sets x's sign on the result,
+// for the e4m3 codes, whose -0 is a code of its own (every other quotient has its sign already,
+// and the other codes are the same for -0 and +0).
+template <bool kKeepSign>
 AMPFUSE_AVX2_FMA __m256 exact_quotient(__m256 x, __m256 d, __m256 r) {
   const __m256 q0 = _mm256_mul_ps(x, r);
   const __m256 residual = _mm256_fnmadd_ps(q0, d, x);
   const __m256 q = _mm256_fmadd_ps(residual, r, q0);
-  return _mm256_or_ps(q, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
+  if constexpr (kKeepSign) return _mm256_or_ps(q, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
+  return q;
 }
 
 AMPFUSE_AVX2_FMA __m256 broadcast(float x) { return _mm256_set1_ps(x); }
@@ -137,7 +140,8 @@ AMPFUSE_AVX2_FMA __m256 decode8(const std::uint8_t* codes, __m256 scale) {
   } else {
     // code / 127 * scale for the signed code (an integer: never -0).
     const __m256 code = _mm256_cvtepi32_ps(load_codes(codes, true));
-    value = _mm256_mul_ps(exact_quotient(code, broadcast(127.0f), broadcast(1.0f / 127.0f)), scale);
+    value = _mm256_mul_ps(exact_quotient<false>(code, broadcast(127.0f), broadcast(1.0f / 127.0f)),
+                          scale);
   }
   return kSecond ? _mm256_mul_ps(value, value) : value;
 }
@@ -170,30 +174,28 @@ AMPFUSE_AVX2_FMA __m256i code8(__m256 normalised) {
     const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), broadcast_bits(0x80u));
     return _mm256_or_si256(sign, magnitude);
   } else if constexpr (kSecond) {
-    // encode_sqrt_u8: below 2^-14 the code counts steps of 2^-18; above it is the e4m4 code
-    // of the value with a carry-rounded 4-bit mantissa (exponent field - 112, times 16, plus
-    // the mantissa, which is the rounded bits >> 19 less 112 * 16).
-    const __m256 limit = broadcast(0x1p-14f);
-    const __m256 is_subnormal = _mm256_cmp_ps(normalised, limit, _CMP_NGE_UQ);
-    const __m256 steps =
-        _mm256_round_ps(_mm256_mul_ps(_mm256_min_ps(normalised, limit), broadcast(0x1p18f)),
-                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256i subnormal_code = _mm256_cvtps_epi32(steps);
-    const __m256 clamped = _mm256_blendv_ps(normalised, limit, is_subnormal);  // <= 1 already
-    const __m256i bits = as_bits(clamped);
+    // encode_sqrt_u8 of a value in [0, 1] (a -0 has come out +0, whose code is the same).
+    // Below 2^-14 the code counts steps of 2^-18, RNE(x * 2^18): adding 32, whose ulp is 2^-18,
+    // rounds x to that grid, and the sum's bits less 32's count the steps (16 steps, 2^-14, is
+    // the first normal code, as in the scalar function). From 2^-14 on it is the e4m4 code of
+    // x, a carry-rounded 4-bit mantissa: the rounded bits >> 19 are exponent field * 16 +
+    // mantissa, less 112 * 16 for the bias.
+    const __m256i bits = as_bits(normalised);
     const __m256i round =
         _mm256_add_epi32(broadcast_bits(0x3ffffu),
                          _mm256_and_si256(_mm256_srli_epi32(bits, 19), broadcast_bits(1u)));
-    const __m256i rounded =
-        _mm256_and_si256(_mm256_add_epi32(bits, round), broadcast_bits(~0x7ffffu));
-    const __m256i normal_code =
-        _mm256_sub_epi32(_mm256_srli_epi32(rounded, 19), broadcast_bits(112u * 16u));
-    return _mm256_blendv_epi8(normal_code, subnormal_code, as_bits(is_subnormal));
+    const __m256i normal_code = _mm256_sub_epi32(
+        _mm256_srli_epi32(_mm256_add_epi32(bits, round), 19), broadcast_bits(112u * 16u));
+    const __m256 grid = broadcast(32.0f);
+    const __m256i subnormal_code =
+        _mm256_sub_epi32(as_bits(_mm256_add_ps(normalised, grid)), as_bits(grid));
+    // x < 2^-14 as a signed compare of the bits (both below 2^31).
+    const __m256i is_subnormal = _mm256_cmpgt_epi32(broadcast_bits(113u << 23), bits);
+    return _mm256_blendv_epi8(normal_code, subnormal_code, is_subnormal);
   } else {
-    // encode_linear_int8: round half to even of x * 127 (within [-127, 127] already).
-    const __m256 q = _mm256_round_ps(_mm256_mul_ps(normalised, broadcast(127.0f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm256_cvtps_epi32(q);
+    // encode_linear_int8: x * 127 (within [-127, 127] already) rounded as nearbyint rounds, by
+    // the conversion itself (both follow the rounding mode, to nearest even unless changed).
+    return _mm256_cvtps_epi32(_mm256_mul_ps(normalised, broadcast(127.0f)));
   }
 }
 
@@ -226,7 +228,8 @@ __attribute__((target("avx2,fma"))) inline float finish_absmax(__m256i largest, 
 // The codes of values[0, 8) under a block's divisor and its reciprocal.
 template <StateCode kCode, bool kSecond>
 AMPFUSE_AVX2_FMA __m256i code_at(const float* values, __m256 divisor, __m256 reciprocal) {
-  return code8<kCode, kSecond>(exact_quotient(_mm256_loadu_ps(values), divisor, reciprocal));
+  return code8<kCode, kSecond>(
+      exact_quotient<kCode == StateCode::kFp8>(_mm256_loadu_ps(values), divisor, reciprocal));
 }
 
 // Codes one block's `n` coded values (sqrt(v) for the second moment) whose absmax is `absmax`.

@@ -67,7 +67,7 @@ __attribute__((target("avx2,fma"))) void quotients(const float* x, std::int64_t 
   const __m256 reciprocal8 = broadcast(1.0f / divisor);
   const std::int64_t whole = n - n % 8;
   for (std::int64_t i = 0; i < whole; i += 8) {
-    _mm256_storeu_ps(out + i, exact_quotient(_mm256_loadu_ps(x + i), divisor8, reciprocal8));
+    _mm256_storeu_ps(out + i, exact_quotient<true>(_mm256_loadu_ps(x + i), divisor8, reciprocal8));
   }
   for (std::int64_t i = whole; i < n; ++i) out[i] = x[i] / divisor;
 }
