@@ -22,7 +22,9 @@ static_assert(kChunkSize % kStateBlock == 0, "a chunk holds whole code blocks");
 static_assert(kThreadsPerBlock % kStateBlock == 0, "a CTA holds whole code blocks");
 
 // The absmax of a coded value as bits: |x|'s bits order like its values, nan above inf, so
-// an unsigned max keeps a nan, as encode_block's compare does.
+// an unsigned max keeps a nan, as encode_block's compare does. Which nan differs: this keeps
+// the largest bits, encode_block the last one. The scale's nan bits are not part of the
+// contract (tests/python/adam_coded_cases.py's assert_same_bits lets a nan equal any nan).
 __device__ __forceinline__ std::uint32_t magnitude_bits(float x) {
   return __float_as_uint(x) & 0x7fffffffu;
 }

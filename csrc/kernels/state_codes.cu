@@ -14,7 +14,9 @@ static_assert(kStateBlock == 256, "one thread per element of a block, eight warp
 constexpr int kWarps = kStateBlock / 32;
 
 // The larger of two magnitudes, a nan winning whichever side it is on (fmaxf would drop it):
-// encode_block's rule, so a nan anywhere in a block makes its scale nan.
+// encode_block's rule, so a nan anywhere in a block makes its scale nan. Which of several nans
+// the tree keeps is not encode_block's (the last one); a scale's nan bits are not part of the
+// contract, and the tests let a nan equal any nan.
 __device__ __forceinline__ float max_keeping_nan(float a, float b) {
   return (b > a || b != b) ? b : a;
 }

@@ -5,7 +5,10 @@
 //
 // Every value is normalised by its block's absmax and every decode multiplies by the absmax
 // last, in fp32 and with the operations in the reference's order: a division and a multiply,
-// never contracted into an FMA (there is no a*b+c here), rounding to nearest even throughout.
+// rounding to nearest even throughout. The decode's products are mul_rn, never contracted into
+// an FMA: there is no a*b+c here, but the fused CUDA Adam (adam_coded.cu) inlines a decode into
+// adam_update, whose `g - m` and `m + w * (g - m)` nvcc would fuse with a plain `* absmax`
+// (one rounding where the CPU, which stores the decoded moment first, rounds twice).
 #pragma once
 
 #include <cmath>
@@ -51,7 +54,7 @@ AMPFUSE_CODES_HD std::int8_t encode_linear_int8(float normalised) {
 }
 
 AMPFUSE_CODES_HD float decode_linear_int8(std::int8_t code, float absmax) {
-  return static_cast<float>(code) / 127.0f * absmax;
+  return fp8_detail::mul_rn(static_cast<float>(code) / 127.0f, absmax);
 }
 
 // The unsigned e4m4 code (bias 15, subnormals, 1.0 = 0xF0) of sqrt(v)/absmax in [0, 1]. Both
@@ -119,13 +122,14 @@ template <StateCode kCode, bool kSecond>
 AMPFUSE_CODES_HD float decode_moment(std::uint8_t code, float absmax) {
   float value;
   if constexpr (kCode == StateCode::kFp8) {
-    value = decode_e4m3(code) / 448.0f * absmax;
+    value = fp8_detail::mul_rn(decode_e4m3(code) / 448.0f, absmax);
   } else if constexpr (kSecond) {
-    value = decode_sqrt_u8_unit(code) * absmax;
+    value = fp8_detail::mul_rn(decode_sqrt_u8_unit(code), absmax);
   } else {
     value = decode_linear_int8(static_cast<std::int8_t>(code), absmax);
   }
-  return kSecond ? value * value : value;
+  // mul_rn for the square too (see the file comment): the caller may add to v.
+  return kSecond ? fp8_detail::mul_rn(value, value) : value;
 }
 
 // The value a moment element is coded through (sqrt for the second moment), whose absmax is

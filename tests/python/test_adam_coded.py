@@ -255,6 +255,20 @@ def test_cuda_nonfinite_grad_matches_cpu(kind, where):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["fp32", "stochastic"])
+def test_cuda_small_empty_and_many_params_match_cpu(kind, mode):
+    # Launcher paths the other CUDA cases miss: a param under one block (the CTA's second code
+    # block owns nothing), an empty one (no chunk, no launch), and more params than one launch's
+    # 9-list table holds (326), so one prologue is followed by several launches, each with its
+    # own param ids (stochastic rounding is keyed by them).
+    shapes = [(255,), (0,), (1,), (1000,)] + [(3 + i % 300,) for i in range(400)]
+    case = make_case(kind, torch.bfloat16 if mode == "stochastic" else torch.float32,
+                     master_mode=mode, amsgrad=True, shapes=shapes, seed=4)
+    _cuda_equals_cpu(case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
 def test_cuda_skipped_step_writes_nothing(kind):
     case = make_case(kind, torch.bfloat16, amsgrad=True, grad_scale=8.0, device="cuda")
     case["found_inf"] = torch.ones(1, device="cuda")
