@@ -141,7 +141,11 @@ __global__ void __launch_bounds__(kTileThreads) cast_transpose_tile_kernel(TileA
   if constexpr (kMode == ScaleMode::kTensor) {
     if (a.amax != nullptr) {
       largest = block_max_bits(largest);
-      if (threadIdx.x == 0 && largest != 0) atomicMax(reinterpret_cast<unsigned int*>(a.amax), largest);
+      // The first tile folds even a 0, so that the sign of a -0.0 amax is cleared as on the
+      // CPU (fold_amax_bits).
+      if (threadIdx.x == 0 && (largest != 0 || (row0 == 0 && col0 == 0))) {
+        fold_amax_bits(a.amax, largest);
+      }
     }
   } else {
     if (row0 == 0 && threadIdx.x < kTile && col0 + threadIdx.x < a.cols) {
