@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kCastThreads)
     // abs_bits orders values as unsigned integers (nan above inf), so an integer max on
     // the float's bits is the nan-propagating float max. Blocks race; the max is the same
     // whatever the order.
-    atomicMax(reinterpret_cast<unsigned int*>(amax), largest);
+    fold_amax_bits(amax, largest);
   }
 }
 
@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kCastThreads)
     dst[i] = scale_to_fp8<kFormat>(x, scale);
   }
   largest = block_max_bits(largest);
-  if (threadIdx.x == 0 && largest != 0) atomicMax(reinterpret_cast<unsigned int*>(amax), largest);
+  // Block 0 folds even a 0, so that the sign of a -0.0 amax is cleared as on the CPU.
+  if (threadIdx.x == 0 && (largest != 0 || blockIdx.x == 0)) fold_amax_bits(amax, largest);
 }
 
 template <Fp8Format kFormat, typename T>

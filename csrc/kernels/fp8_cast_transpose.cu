@@ -141,7 +141,11 @@ __global__ void __launch_bounds__(kTileThreads) cast_transpose_tile_kernel(TileA
   if constexpr (kMode == ScaleMode::kTensor) {
     if (a.amax != nullptr) {
       largest = block_max_bits(largest);
-      if (threadIdx.x == 0 && largest != 0) atomicMax(reinterpret_cast<unsigned int*>(a.amax), largest);
+      // The first tile folds even a 0, so that the sign of a -0.0 amax is cleared as on the
+      // CPU (fold_amax_bits).
+      if (threadIdx.x == 0 && (largest != 0 || (row0 == 0 && col0 == 0))) {
+        fold_amax_bits(a.amax, largest);
+      }
     }
   } else {
     if (row0 == 0 && threadIdx.x < kTile && col0 + threadIdx.x < a.cols) {
@@ -193,12 +197,15 @@ __global__ void __launch_bounds__(256)
 // One block per row: the row's amax (block max), its scale, then its codes. The row is read
 // twice; the second read mostly hits L2 for the row sizes of a GEMM operand.
 constexpr int kRowThreads = 256;
+// gridDim.x's limit. Below it a block takes one row; a taller input (2^31 rows or more) used to
+// fail to launch, or from 2^32 rows wrap the unsigned grid size and leave rows unwritten:
+// now each block moves on by gridDim.x rows instead.
+constexpr std::int64_t kMaxRowBlocks = 0x7fffffff;
+
 template <Fp8Format kFormat, typename T>
-__global__ void __launch_bounds__(kRowThreads)
-    quantize_row_kernel(const T* src, std::int64_t cols, std::uint8_t* out, float* scale_inv,
-                        bool vector) {
+__device__ __forceinline__ void quantize_row(const T* src, std::int64_t row, std::int64_t cols,
+                                             std::uint8_t* out, float* scale_inv, bool vector) {
   constexpr int kE = kElemsPer16B<T>;
-  const std::int64_t row = blockIdx.x;
   const T* in = src + row * cols;
   std::uint8_t* dst = out + row * cols;
   const std::int64_t vectors = vector ? cols / kE : 0;
@@ -226,6 +233,18 @@ __global__ void __launch_bounds__(kRowThreads)
     dst[i] = scale_to_fp8<kFormat>(to_float(in[i]), scale);
   }
   if (threadIdx.x == 0) scale_inv[row] = fp8_detail::div_rn(1.0f, scale);
+}
+
+template <Fp8Format kFormat, typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    quantize_row_kernel(const T* src, std::int64_t rows, std::int64_t cols, std::uint8_t* out,
+                        float* scale_inv, bool vector) {
+  // Every thread of a block runs the same rows, so all of them reach block_max_bits' barriers
+  // (whose leading barrier also keeps one row's warp maxima from being overwritten by the
+  // next row's while still being read).
+  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    quantize_row<kFormat>(src, row, cols, out, scale_inv, vector);
+  }
 }
 
 template <typename F>
@@ -305,8 +324,9 @@ void fp8_quantize_rowwise(const void* src, DType src_dtype, std::int64_t rows, s
     with_cuda_types(src_dtype, format, [&](auto* typed, auto fmt) {
       using T = std::remove_pointer_t<decltype(typed)>;
       const bool vector = is_aligned_16(src) && is_aligned_16(out) && cols % kElemsPer16B<T> == 0;
-      quantize_row_kernel<decltype(fmt)::value, T><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(
-          static_cast<const T*>(src), cols, out, scale_inv, vector);
+      const auto blocks = static_cast<unsigned>(std::min(rows, kMaxRowBlocks));
+      quantize_row_kernel<decltype(fmt)::value, T><<<blocks, kRowThreads, 0, s>>>(
+          static_cast<const T*>(src), rows, cols, out, scale_inv, vector);
     });
     throw_on_launch_error("fp8_quantize_rowwise");
     return;

@@ -58,6 +58,20 @@ __device__ __forceinline__ void store_codes(std::uint8_t* p, const std::uint8_t*
   }
 }
 
+// Folds `bits` (an abs_bits value: a block's amax) into *amax the way the CPU ops fold, as
+// max(abs_bits(*amax), bits). An integer atomicMax alone compares the old value's raw bits, so
+// an amax that starts as -0.0 (a valid "amax >= 0", e.g. after amax.neg_() or a copy of -0.0)
+// would win every fold (0x80000000 is above every abs_bits value) and the cast would never
+// raise it; a negative nan (x86's default nan) would keep its sign. Each folding block clears
+// the sign bit first: the first atomic on the word is a clear, a clear never sets a bit and
+// every max is at most 0x7fffffff, so no max ever meets a set sign bit, whatever the blocks'
+// order.
+__device__ __forceinline__ void fold_amax_bits(float* amax, std::uint32_t bits) {
+  auto* word = reinterpret_cast<unsigned int*>(amax);
+  atomicAnd(word, 0x7fffffffu);
+  atomicMax(word, bits);
+}
+
 __device__ __forceinline__ bool aligned_16(const void* p) {
   return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
 }

@@ -161,3 +161,29 @@ def test_sparse_and_nested_inputs_get_ampfuse_errors():
                                              [448.0], 0, "max")
     with raises_naming(r"ampfuse\.fp8_gemm: a is a sparse COO tensor"):
         torch.ops.ampfuse.fp8_gemm(sparse, torch.ones(16, 4), one, one, None, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("src", FLOAT_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_cuda_negative_zero_amax_and_misaligned_views(src, offset):
+    """A contiguous view one element into its storage is not 16-byte aligned, so CUDA takes
+    the element-per-thread kernel (whose unrolled and tail loops no other test reaches on
+    CUDA); aligned, the vector kernel. Both must give the CPU's codes and amax bits.
+
+    amax starts at -0.0, a valid "amax >= 0": the CPU folds |amax|, while an integer
+    atomicMax on the raw bits kept -0.0 forever (0x80000000 is above every |x| pattern), so
+    the cast never raised the amax. An all-zero input must leave +0.0, as on the CPU."""
+    n = 5 * CHUNK * 17 + 3
+    base = wide_values(n + offset, src, "cpu", seed=6)
+    scale = torch.tensor([0.5])
+    for values in (base, torch.zeros_like(base)):
+        amax_cpu = torch.tensor([-0.0])
+        amax_gpu = amax_cpu.cuda()
+        y_cpu = fp8_cast_amax(values[offset:], scale, amax_cpu, torch.float8_e4m3fn)
+        view = values.cuda()[offset:]
+        assert (view.data_ptr() % 16 == 0) == (offset == 0)
+        y_gpu = fp8_cast_amax(view, scale.cuda(), amax_gpu, torch.float8_e4m3fn)
+        assert_same_bits(y_gpu, y_cpu)
+        assert amax_gpu.cpu().view(torch.int32).item() == amax_cpu.view(torch.int32).item()
+        assert amax_cpu.item() == values[offset:].float().abs().amax().item()

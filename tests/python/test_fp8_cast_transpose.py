@@ -211,3 +211,28 @@ def test_cuda_gives_the_cpu_bits(src, fp8, shape):
     # Deterministic: a second run gives the same bits.
     _, _, again = fp8_cast_transpose_dbias(x.cuda(), scale.cuda(), amax_gpu, fp8)
     assert torch.equal(again.view(torch.int32), dbias_g.view(torch.int32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cols", [3, 16])
+def test_cuda_taller_than_one_grid(cols):
+    """More tile rows than gridDim.y takes (65535 tiles of 64 rows): CUDA launches the tiles
+    in bands, the second starting at row 65535 * 64, and dbias's workspace rows follow the
+    global tile row. 16 columns (and rows a multiple of 16) take the 16-byte paths, 3 the
+    element ones. amax starts at -0.0 (a valid "amax >= 0"), which the CPU folds as |amax|."""
+    rows = 65535 * 64 + 80
+    x = wide_matrix((rows, cols), torch.bfloat16, "cpu", seed=7)
+    scale = torch.tensor([0.25])
+    amax_cpu = torch.tensor([-0.0])
+    amax_gpu = amax_cpu.cuda()
+    out_c, out_t_c, dbias_c = fp8_cast_transpose_dbias(x, scale, amax_cpu, torch.float8_e5m2)
+    out_g, out_t_g, dbias_g = fp8_cast_transpose_dbias(x.cuda(), scale.cuda(), amax_gpu,
+                                                       torch.float8_e5m2)
+    assert_same_bits(out_g, out_c)
+    assert_same_bits(out_t_g, out_t_c)
+    assert amax_gpu.cpu().view(torch.int32).item() == amax_cpu.view(torch.int32).item()
+    assert amax_cpu.item() == x.float().abs().amax().item()
+    exact = x.double().sum(0)
+    bound = rows * 2.0**-24 * x.double().abs().sum(0)
+    assert ((dbias_g.double().cpu() - exact).abs() <= bound).all()
+    assert ((dbias_c.double() - exact).abs() <= bound).all()

@@ -258,3 +258,39 @@ def test_cuda_rowwise_gives_the_cpu_bits(src, shape, transpose):
 def test_rowwise_device_of_results(device):
     out, scale_inv = fp8_quantize_rowwise(torch.ones(2, 3, device=device), torch.float8_e4m3fn)
     assert out.device.type == scale_inv.device.type == torch.device(device).type
+
+
+@pytest.mark.cuda
+def test_cuda_rowwise_columns_taller_than_one_grid():
+    """Transposed: more tile rows than gridDim.y takes (65535 tiles of 64 rows), so the tiles
+    go in bands; the column amaxes span both."""
+    x = matrix((65535 * 64 + 5, 3), torch.float32, "cpu", seed=8)
+    for fp8 in FP8:
+        out_c, inv_c = fp8_quantize_rowwise(x, fp8, True)
+        out_g, inv_g = fp8_quantize_rowwise(x.cuda(), fp8, True)
+        assert_same_bits(out_g, out_c)
+        assert same_floats(inv_g, inv_c)
+
+
+@pytest.mark.cuda
+def test_cuda_rowwise_more_rows_than_grid_blocks():
+    """2**31 + 5 rows: one block per row would need more blocks than gridDim.x takes
+    (2**31 - 1), and the launch failed; at 2**32 rows and more the grid size wrapped and rows
+    were left unwritten. Each block now moves on by gridDim.x rows; the rows past 2**31 - 1
+    must get their codes and scale_inv. Built on the GPU (about 20 GB in all); skipped on a
+    smaller GPU."""
+    rows = 2**31 + 5
+    if torch.cuda.mem_get_info()[0] < 24 * 2**30:
+        pytest.skip("needs 24 GiB of free GPU memory for a 2**31-row input")
+    special = torch.tensor([[-3.0], [0.0], [math.nan], [5.0]], dtype=torch.bfloat16)
+    x = torch.full((rows, 1), 2.0, dtype=torch.bfloat16, device="cuda")
+    x[-4:] = special.cuda()
+    out, scale_inv = fp8_quantize_rowwise(x, torch.float8_e4m3fn)
+    del x
+    small = torch.cat([torch.tensor([[2.0]], dtype=torch.bfloat16), special])
+    out_c, inv_c = fp8_quantize_rowwise(small, torch.float8_e4m3fn)
+    codes = out.view(torch.uint8).flatten()
+    assert (codes[:-4] == out_c.view(torch.uint8)[0, 0].item()).all()
+    assert torch.equal(codes[-4:].cpu(), out_c.view(torch.uint8).flatten()[1:])
+    assert (scale_inv[:-4] == inv_c[0].item()).all()
+    assert same_floats(scale_inv[-4:], inv_c[1:])

@@ -93,3 +93,11 @@ def test_cuda_gives_the_cpu_bytes(fp8):
     for rows, cols in ((8192 + 17, 3072 + 5), (31, 2049)):
         x = random_codes(rows, cols, fp8, "cpu", seed=rows)
         assert same_bytes(fp8_transpose(x.cuda()), fp8_transpose(x))
+
+
+@pytest.mark.cuda
+def test_cuda_taller_than_one_grid():
+    """More tile rows than gridDim.y takes (65535 tiles of 32 rows): the bands' seam and the
+    last partial tile must land where the CPU puts them."""
+    x = random_codes(65535 * 32 + 7, 5, torch.float8_e4m3fn, "cpu", seed=11)
+    assert same_bytes(fp8_transpose(x.cuda()), fp8_transpose(x))
