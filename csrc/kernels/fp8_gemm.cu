@@ -112,8 +112,9 @@ std::string problem(const PlanKey& key) {
 }
 
 constexpr const char* kRequirements =
-    "FP8 GEMMs need an sm_89 or newer GPU (rowwise scales sm_90 or newer) and a CUDA 12.9 or "
-    "newer cuBLAS. Try tensorwise scales or another out_dtype.";
+    "FP8 GEMMs need an sm_89 or newer GPU (rowwise scales: cuBLASLt has them for Hopper, sm_90, "
+    "not for Blackwell) and a CUDA 12.9 or newer cuBLAS. Try tensorwise scales or another "
+    "out_dtype.";
 
 // The cuBLASLt loaded at run time (it may be older than the headers built against), for the
 // refusals: "cuBLASLt 12.8.4".

@@ -155,8 +155,12 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
                                 " has compute capability ", capability / 10, ".",
                                 capability % 10, "; FP8 GEMMs need 8.9 or newer (Ada, Hopper, "
                                 "Blackwell). Train this model without fp8, or on such a GPU.");
-    // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper and newer (cuBLAS 12.9+);
-    // Ada has tensorwise FP8 only (torch._scaled_mm has its own rowwise kernel there).
+    // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper (cuBLAS 12.9+); Ada has
+    // tensorwise FP8 only (torch._scaled_mm has its own rowwise kernel there). Blackwell
+    // (sm_100, sm_120) passes this check, but its cuBLASLt has no outer-vector kernels either
+    // (torch excludes them, pytorch PRs #160693 and #161236; its heuristic answers
+    // NOT_SUPPORTED, pytorch issue #192707): that refusal comes from the plan's heuristic query
+    // as NotImplementedError, which the rowwise Linear's "auto" reads as "use torch._scaled_mm".
     TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || capability >= 90, "ampfuse.", kGemm, ": rowwise "
                                 "scales need a GPU of compute capability 9.0 or newer "
                                 "(cuBLASLt's outer-vector scaling); CUDA device ", device,
