@@ -112,8 +112,9 @@ std::string problem(const PlanKey& key) {
 }
 
 constexpr const char* kRequirements =
-    "FP8 GEMMs need an sm_89 or newer GPU (rowwise scales sm_90 or newer) and a CUDA 12.9 or "
-    "newer cuBLAS. Try tensorwise scales or another out_dtype.";
+    "FP8 GEMMs need an sm_89 or newer GPU (rowwise scales: cuBLASLt has them for Hopper, sm_90, "
+    "not for Blackwell) and a CUDA 12.9 or newer cuBLAS. Try tensorwise scales or another "
+    "out_dtype.";
 
 // The cuBLASLt loaded at run time (it may be older than the headers built against), for the
 // refusals: "cuBLASLt 12.8.4".
@@ -200,8 +201,34 @@ void describe(Plan& plan, const PlanKey& key, bool with_bias) {
   }
 }
 
-// The heuristic's first algorithm for the plan's descriptors, or false if it has none.
-bool pick_algorithm(Plan& plan, const PlanKey& key, cublasLtHandle_t handle) {
+// The pointer attributes of the descriptor as the heuristic sees them (launch() sets each
+// call's own before it runs). cuBLASLt's header on CUBLASLT_MATMUL_DESC_BIAS_POINTER: routines
+// that do not dereference it, "like cublasLtMatmulAlgoGetHeuristic() depend on its value to
+// determine expected pointer alignment". Left null (aligned to everything), the heuristic may
+// pick a kernel that needs a more aligned bias than a later call of the same plan passes. Every
+// call of a plan has its bias aligned to at least key.alignment (common_alignment includes
+// it), so the heuristic gets an address in the bias's neighbourhood aligned to exactly that;
+// it is never read. The scale pointers are the first call's real ones, set before the query
+// as in NVIDIA's FP8 cuBLASLt sample, so that no algorithm is chosen for "no scales".
+void describe_pointers(Plan& plan, const PlanKey& key, const Fp8GemmArgs& args) {
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, args.b_scale_inv,
+                "setting A's scale");
+  set_attribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, args.a_scale_inv,
+                "setting B's scale");
+  if (plan.fused_bias) {
+    const std::uintptr_t bias = reinterpret_cast<std::uintptr_t>(args.bias);
+    const void* alignment_hint =
+        reinterpret_cast<const void*>((bias & ~std::uintptr_t{255}) | key.alignment);
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, alignment_hint,
+                  "setting the bias alignment for the heuristic");
+  }
+}
+
+// Puts the heuristic's first algorithm for the plan's descriptors into the plan and returns
+// CUBLAS_STATUS_SUCCESS; when it has none, the heuristic's status (CUBLAS_STATUS_NOT_SUPPORTED
+// when it answered but found nothing), which the refusal quotes: an INVALID_VALUE there points
+// at the descriptors, not at the GPU.
+cublasStatus_t pick_algorithm(Plan& plan, const PlanKey& key, cublasLtHandle_t handle) {
   PreferenceOwner p;
   check(cublasLtMatmulPreferenceCreate(&p.preference), "cublasLtMatmulPreferenceCreate");
   const std::size_t workspace_bytes = key.workspace_bytes;
@@ -221,13 +248,19 @@ bool pick_algorithm(Plan& plan, const PlanKey& key, cublasLtHandle_t handle) {
   const cublasStatus_t status =
       cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.out, plan.out,
                                      p.preference, 1, &heuristic, &found);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
-  check(status, "cublasLtMatmulAlgoGetHeuristic");
+  if (status != CUBLAS_STATUS_SUCCESS) return status;
+  if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
   plan.algo = heuristic.algo;
-  return true;
+  return CUBLAS_STATUS_SUCCESS;
 }
 
-std::unique_ptr<Plan> build_plan(const PlanKey& key, cublasLtHandle_t handle) {
+std::string no_algorithm(cublasStatus_t status, const char* what) {
+  return std::string("its heuristic has no algorithm for it") + what + " (" +
+         cublasLtGetStatusString(status) + ")";
+}
+
+std::unique_ptr<Plan> build_plan(const PlanKey& key, const Fp8GemmArgs& args,
+                                 cublasLtHandle_t handle) {
   auto plan = std::make_unique<Plan>();
   const auto k = static_cast<std::uint64_t>(key.k);
   const auto m = static_cast<std::uint64_t>(key.m);
@@ -240,14 +273,18 @@ std::unique_ptr<Plan> build_plan(const PlanKey& key, cublasLtHandle_t handle) {
         "creating D's layout");
   describe(*plan, key, key.bias);
   plan->fused_bias = key.bias;
-  if (pick_algorithm(*plan, key, handle)) return plan;
+  describe_pointers(*plan, key, args);
+  cublasStatus_t status = pick_algorithm(*plan, key, handle);
+  if (status == CUBLAS_STATUS_SUCCESS) return plan;
   if (key.bias) {
     // No kernel with the bias epilogue: run the GEMM alone; the caller adds the bias.
     describe(*plan, key, false);
     plan->fused_bias = false;
-    if (pick_algorithm(*plan, key, handle)) return plan;
+    describe_pointers(*plan, key, args);
+    status = pick_algorithm(*plan, key, handle);
+    if (status == CUBLAS_STATUS_SUCCESS) return plan;
   }
-  unsupported(key, "its heuristic has no algorithm for it");
+  unsupported(key, no_algorithm(status, ""));
 }
 
 // Runs `body`; for rowwise scales turns any cuBLASLt refusal it throws into
@@ -269,7 +306,7 @@ void refusals_of_rowwise(const PlanKey& key, Body&& body) {
 std::atomic<std::int64_t> plans_built{0};
 std::atomic<std::int64_t> plans_reused{0};
 
-Plan& plan_for(const PlanKey& key, cublasLtHandle_t handle) {
+Plan& plan_for(const PlanKey& key, const Fp8GemmArgs& args, cublasLtHandle_t handle) {
   thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans;
   auto found = plans.find(key);
   if (found != plans.end()) {
@@ -277,7 +314,7 @@ Plan& plan_for(const PlanKey& key, cublasLtHandle_t handle) {
     return *found->second;
   }
   std::unique_ptr<Plan> plan;
-  refusals_of_rowwise(key, [&] { plan = build_plan(key, handle); });
+  refusals_of_rowwise(key, [&] { plan = build_plan(key, args, handle); });
   plans_built.fetch_add(1, std::memory_order_relaxed);
   return *plans.emplace(key, std::move(plan)).first->second;
 }
@@ -310,7 +347,7 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
                     args.k,          args.a_format,   args.b_format,
                     args.scale_mode, args.fast_accum, args.bias != nullptr,
                     args.out_dtype,  common_alignment(args), context.workspace_bytes};
-  Plan& plan = plan_for(key, handle);
+  Plan& plan = plan_for(key, args, handle);
   cublasStatus_t status = launch(plan, args, context, handle, stream);
   if (status != CUBLAS_STATUS_SUCCESS && !plan.launched && plan.fused_bias &&
       (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
@@ -320,8 +357,10 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
     refusals_of_rowwise(key, [&] {
       describe(plan, key, false);
       plan.fused_bias = false;
-      if (!pick_algorithm(plan, key, handle)) {
-        unsupported(key, "its heuristic has no algorithm for it without the bias epilogue");
+      describe_pointers(plan, key, args);
+      const cublasStatus_t found = pick_algorithm(plan, key, handle);
+      if (found != CUBLAS_STATUS_SUCCESS) {
+        unsupported(key, no_algorithm(found, " without the bias epilogue"));
       }
       status = launch(plan, args, context, handle, stream);
     });

@@ -68,6 +68,33 @@ kernels::cuda::Fp8ScaleMode scale_mode(const at::Tensor& a_scale_inv,
   return kernels::cuda::Fp8ScaleMode::kRowwise;
 }
 
+// What the GPU computes: exact fp8 products summed in fp32, the sum times the scale_invs'
+// product (one per output, or one per (row of a, row of b)), plus the bias, rounded once to
+// out_dtype. The CPU kernel; on CUDA only for empty problems (m, n or k = 0).
+at::Tensor emulated_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                         const at::Tensor& b_scale_inv, const c10::optional<at::Tensor>& bias,
+                         at::ScalarType out_dtype, bool rowwise) {
+  const std::int64_t m = a.size(0), n = b.size(0);
+  at::Tensor out = at::mm(a.to(at::kFloat), b.to(at::kFloat).t());
+  if (rowwise) {
+    out.mul_(at::mul(a_scale_inv.view({m, 1}), b_scale_inv.view({1, n})));
+  } else {
+    out.mul_(at::mul(a_scale_inv.reshape({}), b_scale_inv.reshape({})));
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  return out.to(out_dtype);
+}
+
+#ifdef AMPFUSE_WITH_CUDA
+// `t` as a dense vector on a 16-byte boundary: itself when it is one (the usual case, no
+// copy), else a fresh copy (the caching allocator's blocks are 512-byte aligned).
+at::Tensor dense_aligned(const at::Tensor& t) {
+  const at::Tensor dense = t.contiguous();
+  if (reinterpret_cast<std::uintptr_t>(dense.data_ptr()) % 16 == 0) return dense;
+  return dense.clone();
+}
+#endif
+
 kernels::DType gemm_out_dtype(at::ScalarType out_dtype) {
   switch (out_dtype) {
     case at::kBFloat16: return kernels::DType::kBFloat16;
@@ -116,19 +143,10 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
                 bias->sizes(), ", dtype ", bias->scalar_type(), " on ", bias->device(), ".");
   }
   if constexpr (kDevice == at::kCPU) {
-    // What the GPU computes: exact fp8 products summed in fp32, the sum times the scale_invs'
-    // product (one per output, or one per (row of a, row of b)), plus the bias, rounded once
-    // to out_dtype. use_fast_accum changes only how a GPU keeps its partial sums, so the
-    // emulation, which is the fp32-accumulated reference, ignores it.
+    // use_fast_accum changes only how a GPU keeps its partial sums, so the emulation, which
+    // is the fp32-accumulated reference, ignores it.
     (void)use_fast_accum;
-    at::Tensor out = at::mm(a.to(at::kFloat), b.to(at::kFloat).t());
-    if (rowwise) {
-      out.mul_(at::mul(a_scale_inv.view({m, 1}), b_scale_inv.view({1, n})));
-    } else {
-      out.mul_(at::mul(a_scale_inv.reshape({}), b_scale_inv.reshape({})));
-    }
-    if (bias.has_value()) out.add_(bias->to(at::kFloat));
-    return out.to(out_dtype);
+    return emulated_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, rowwise);
   } else {
 #ifdef AMPFUSE_WITH_CUDA
     const int device = a.device().index();
@@ -137,8 +155,12 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
                                 " has compute capability ", capability / 10, ".",
                                 capability % 10, "; FP8 GEMMs need 8.9 or newer (Ada, Hopper, "
                                 "Blackwell). Train this model without fp8, or on such a GPU.");
-    // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper and newer (cuBLAS 12.9+);
-    // Ada has tensorwise FP8 only (torch._scaled_mm has its own rowwise kernel there).
+    // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper (cuBLAS 12.9+); Ada has
+    // tensorwise FP8 only (torch._scaled_mm has its own rowwise kernel there). Blackwell
+    // (sm_100, sm_120) passes this check, but its cuBLASLt has no outer-vector kernels either
+    // (torch excludes them, pytorch PRs #160693 and #161236; its heuristic answers
+    // NOT_SUPPORTED, pytorch issue #192707): that refusal comes from the plan's heuristic query
+    // as NotImplementedError, which the rowwise Linear's "auto" reads as "use torch._scaled_mm".
     TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || capability >= 90, "ampfuse.", kGemm, ": rowwise "
                                 "scales need a GPU of compute capability 9.0 or newer "
                                 "(cuBLASLt's outer-vector scaling); CUDA device ", device,
@@ -151,16 +173,28 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
                   "copy (t.clone()) instead of a view into another tensor.");
     }
     const c10::cuda::CUDAGuard guard(a.device());
-    // A strided 1-D scale vector (a view) is copied; contiguous ones (the usual case) are not.
-    const at::Tensor a_scales = rowwise ? a_scale_inv.contiguous() : a_scale_inv;
-    const at::Tensor b_scales = rowwise ? b_scale_inv.contiguous() : b_scale_inv;
+    if (m == 0 || n == 0 || k == 0) {
+      // Nothing for cuBLASLt to do, and it may refuse such layouts (k = 0 makes lda = 0): the
+      // CPU's formula on this device (an empty output, or for k = 0 the empty sum times the
+      // scales plus the bias), a few tiny launches. An empty batch (m = 0) reaches here from
+      // a Linear as the forward's and the dgrad's m and as the wgrad's k.
+      return emulated_gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, rowwise);
+    }
     at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+    // A strided 1-D scale vector (a view) is copied; contiguous ones (the usual case) are not.
+    // So is one that does not start on a 16-byte boundary (a view at an offset): cuBLASLt
+    // does not document the alignment its outer-vector kernels read the scales with.
+    const at::Tensor a_scales = rowwise ? dense_aligned(a_scale_inv) : a_scale_inv;
+    const at::Tensor b_scales = rowwise ? dense_aligned(b_scale_inv) : b_scale_inv;
     // cuBLASLt's FP8 kernels fuse a bias of the output's type for bf16 and fp16 outputs; for
     // an fp32 output they take a bf16 bias only (cuBLASLt's FP8 type table), so an fp32 bias
     // is added after, which keeps its bits.
     const bool fused_bias = bias.has_value() && out_dtype != at::kFloat;
-    // The epilogue reads the bias as a dense vector: a strided view (bias[::2]) is copied.
-    const at::Tensor fused_bias_values = fused_bias ? bias->contiguous() : at::Tensor();
+    // The epilogue reads the bias as a dense vector: a strided view (bias[::2]) is copied. So is
+    // a view that starts off a 16-byte boundary (bias[1:]): the plan's alignment is that of its
+    // least aligned pointer, bias included, and below 16 bytes cuBLASLt has no FP8 kernel for
+    // a and b either, so such a bias would make the whole GEMM a refusal.
+    const at::Tensor fused_bias_values = fused_bias ? dense_aligned(*bias) : at::Tensor();
     const kernels::StreamHandle stream = current_stream(a.device());
     kernels::cuda::Fp8GemmArgs args{
         a.data_ptr(),   a_format,

@@ -104,6 +104,21 @@ def test_strided_bias_and_scales_are_read_as_values(rowwise):
     assert torch.equal(fp8_gemm(a, b, *strided, wide_bias[::2], torch.float16), expected)
 
 
+# (m, n, k) with a zero: an empty batch gives m = 0 in a Linear's forward and dgrad GEMMs and
+# k = 0 in its wgrad GEMM.
+EMPTY_PROBLEMS = [(0, 32, 64), (16, 0, 64), (16, 32, 0)]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), EMPTY_PROBLEMS, ids=["m0", "n0", "k0"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_empty_problems(m, n, k, rowwise):
+    """An empty output, or for k = 0 the empty sum: zeros plus the bias."""
+    a, b, sa, sb, bias = operands(m, n, k, rowwise=rowwise)
+    out = fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.equal(out, bias.bfloat16().expand(m, n))
+
+
 def test_opcheck(device):
     """opcheck's test_schema cannot run on fp8 inputs: its mutation check multiplies the
     inputs, which torch does not implement for float8 dtypes. The other three checks run,

@@ -91,6 +91,74 @@ def test_strided_bias_and_scales_are_read_as_values(rowwise):
     assert torch.equal(got, expected)
 
 
+def _assert_close(got, expected, a, b, sa, sb):
+    """Two bf16 GEMM results of the same operands, maybe by different cuBLASLt algorithms
+    (another alignment is another plan): each within its bound of the exact value."""
+    product = float64_reference(a, b, sa, sb, None)
+    bound = 2 * (error_bound(a, b, sa, sb, product, torch.bfloat16)
+                 + ROUNDING[torch.bfloat16] * product.abs())
+    assert ((got.cpu().double() - expected.cpu().double()).abs() <= bound).all()
+
+
+def _at_offset(t, offset_bytes):
+    """A copy of contiguous `t` that starts `offset_bytes` past a fresh (512-byte aligned)
+    allocation: a view into a bigger buffer, as a slice of a packed parameter is."""
+    nbytes = t.numel() * t.element_size()
+    buffer = torch.zeros(nbytes + offset_bytes, dtype=torch.uint8, device=t.device)
+    view = buffer[offset_bytes:].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 512 == offset_bytes
+    return view
+
+
+@pytest.mark.parametrize("offset_bytes", [2, 16, 64], ids=["2B", "16B", "64B"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_bias_view_at_an_offset(rowwise, offset_bytes):
+    """A fused bias that is a view at an offset (a slice of a packed bias) agrees with its
+    aligned copy. cuBLASLt's heuristic takes the bias's alignment from the pointer it is
+    shown; shown null, it may pick a kernel that reads the bias with wider loads than such a
+    view allows. A bias off a 16-byte boundary is copied (else the plan's alignment would drop
+    below what FP8 kernels take for a and b)."""
+    _need((9, 0) if rowwise else (8, 9))
+    a, b, sa, sb, bias = _on_cuda(operands(64, 128, 256, rowwise=rowwise, seed=13))
+    bias = bias.bfloat16()
+    expected = fp8_gemm(a, b, sa, sb, bias, torch.bfloat16)
+    got = fp8_gemm(a, b, sa, sb, _at_offset(bias, offset_bytes), torch.bfloat16)
+    _assert_close(got, expected, a, b, sa, sb)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_operands_aligned_to_16_bytes_only(rowwise):
+    """a, b and rowwise scales that start 16 bytes (not 256) past an allocation: the plan is
+    built for that alignment (another plan than the aligned call's) and agrees with the aligned
+    call."""
+    _need((9, 0) if rowwise else (8, 9))
+    # A shape no other test uses, so that no plan of it is cached yet.
+    a, b, sa, sb, bias = _on_cuda(operands(80, 144, 256, rowwise=rowwise, seed=14))
+    bias = bias.bfloat16()
+    expected = fp8_gemm(a, b, sa, sb, bias, torch.bfloat16)
+    built, _ = fp8_gemm_plan_stats()
+    scales = [t if t.numel() == 1 else _at_offset(t, 4) for t in (sa, sb)]
+    got = fp8_gemm(_at_offset(a, 16), _at_offset(b, 16), *scales, bias, torch.bfloat16)
+    assert fp8_gemm_plan_stats()[0] == built + 1
+    _assert_close(got, expected, a, b, sa, sb)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(0, 32, 64), (16, 0, 64), (16, 32, 0)],
+                         ids=["m0", "n0", "k0"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_empty_problems_match_the_cpu(m, n, k, rowwise):
+    """m, n or k = 0 (an empty batch through a Linear) never reaches cuBLASLt: the CPU's
+    result, zeros plus the bias for k = 0."""
+    _need((9, 0) if rowwise else (8, 9))
+    cpu_args = operands(m, n, k, rowwise=rowwise)
+    cpu_args[4] = cpu_args[4].bfloat16()
+    expected = fp8_gemm(*cpu_args, torch.bfloat16)
+    got = fp8_gemm(*_on_cuda(cpu_args), torch.bfloat16)
+    assert got.is_cuda and got.shape == (m, n)
+    assert torch.equal(got.cpu(), expected)
+
+
 def test_the_same_problem_reuses_its_plan():
     """The second call of a shape builds no plan (no heuristic query): it reuses the first's."""
     _need((8, 9))
