@@ -112,6 +112,23 @@ def test_update_scales_finds_every_layer_and_skips_with_found_inf():
     assert model[3].fp8_input_scale.item() != 1.0 and model[0].fp8_weight_scale.item() != 1.0
 
 
+@pytest.mark.cuda
+def test_cuda_update_scales_takes_a_found_inf_from_another_device():
+    """A CPU overflow flag with CUDA layers still skips the step: the amaxes are dropped, the
+    histories and scales stay."""
+    layer = make_layer(1).cuda()
+    for role in ("input", "weight", "grad_output"):
+        getattr(layer, f"fp8_{role}_amax").fill_(3.0)
+    before = copy.deepcopy(layer.state_dict())
+    fp8.update_scales(layer, found_inf=torch.ones(1))
+    after = layer.state_dict()
+    for key in before:
+        if key.endswith("_amax"):
+            assert after[key].item() == 0.0
+        else:
+            assert torch.equal(before[key], after[key]), key
+
+
 def test_resume_is_bit_for_bit():
     def train(model, opt, seeds):
         for seed in seeds:

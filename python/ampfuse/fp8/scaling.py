@@ -47,7 +47,9 @@ def update_scales(models: torch.nn.Module | list[torch.nn.Module] | tuple[torch.
     for (device, margin, amax_compute), mods in groups.items():
         lists = {kind: [t for m in mods for t in m.fp8_state(kind)]
                  for kind in ("amax", "amax_history", "scale", "scale_inv")}
-        flag = found_inf if found_inf is not None and found_inf.device == device else None
+        # A flag on another device (a CPU flag with CUDA states, say) is copied over, in stream
+        # order: dropping it would let an overflowed step's amaxes into the history.
+        flag = found_inf.to(device) if found_inf is not None else None
         fp8_ops.fp8_update_scales_(
             lists["amax"], lists["amax_history"], lists["scale"], lists["scale_inv"],
             [v for m in mods for v in m.fp8_maxes()], margin, amax_compute, flag)
