@@ -127,20 +127,7 @@ def test_coded_lamb_takes_fewer_state_bytes(kind):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_steps_as_the_fp32_optimizer_on_decoded_moments(kind):
-    params = make_params(SHAPES, torch.bfloat16, "cuda")
-    ref_params = clone_params(params)
-    opt = FusedLAMB(params, state_dtype=kind, master_weights=True, lr=3e-2)
-    ref = FusedLAMB(ref_params, master_weights=True, lr=3e-2)
-    for step in range(3):
-        grads = step_grads(params, step)
-        set_grads(params, grads)
-        set_grads(ref_params, grads)
-        for p, r in zip(params, ref_params):
-            if p in opt.state and p.numel() >= BLOCK:
-                _hand_decoded_moments(opt.state[p], ref.state[r])
-        opt.step()
-        ref.step()
-        _assert_state_is_coded_reference(opt, ref, params, ref_params, kind, f"step {step}")
+    _run_against_reference(kind, torch.bfloat16, True, steps=3, device="cuda")
 
 
 @pytest.mark.parametrize("kind", KINDS)

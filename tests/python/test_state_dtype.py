@@ -71,10 +71,11 @@ def _assert_state_is_coded_reference(opt, ref, params, ref_params, kind, where):
 
 
 def _run_against_reference(kind, dtype, master_weights, steps=4, shapes=SHAPES, grad_scale=None,
-                           memory_format=None, optimizer_class=FusedAdamW, **options):
+                           memory_format=None, optimizer_class=FusedAdamW, device="cpu",
+                           **options):
     """`steps` steps of optimizer_class(state_dtype=kind) beside its fp32-moment twin handed the
     decoded moments before each step (test_lamb_state_dtype.py runs FusedLAMB through it)."""
-    params = make_params(shapes, dtype, "cpu")
+    params = make_params(shapes, dtype, device)
     if memory_format is not None:
         params = [p.detach().to(memory_format=memory_format).requires_grad_() if p.dim() == 4
                   else p for p in params]
@@ -128,20 +129,8 @@ def test_coded_step_options(kind, options):
 @pytest.mark.parametrize("kind", KINDS)
 def test_coded_adam_l2(kind):
     # FusedAdam(adam_w_mode=False): L2 decay added to the grad, with coded moments.
-    params = make_params(SHAPES, torch.float32, "cpu")
-    ref_params = clone_params(params)
-    opt = FusedAdam(params, lr=1e-2, weight_decay=0.05, adam_w_mode=False, state_dtype=kind)
-    ref = FusedAdam(ref_params, lr=1e-2, weight_decay=0.05, adam_w_mode=False)
-    for step in range(3):
-        grads = step_grads(params, step)
-        set_grads(params, grads)
-        set_grads(ref_params, grads)
-        for p, r in zip(params, ref_params):
-            if p in opt.state and p.numel() >= BLOCK:
-                _hand_decoded_moments(opt.state[p], ref.state[r])
-        opt.step()
-        ref.step()
-        _assert_state_is_coded_reference(opt, ref, params, ref_params, kind, f"step {step}")
+    _run_against_reference(kind, torch.float32, False, steps=3, optimizer_class=FusedAdam,
+                           lr=1e-2, weight_decay=0.05, adam_w_mode=False)
 
 
 @pytest.mark.parametrize("kind", KINDS)
