@@ -4,6 +4,7 @@
 // kernels' comparison, each master-free bf16 mode, both codes, AMSGrad, Adam and AdamW.
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "bf16_modes.h"
@@ -73,9 +74,24 @@ bool same_state(const State& a, const State& b) {
          a.max_exp_avg_sq == b.max_exp_avg_sq;
 }
 
+using CodedSpan = void (*)(void*, DType, void*, DType, bool, const CodedMoments&, float*,
+                           const Bf16Span*, std::int64_t, const AdamStep&);
+
+// The fused steps this processor runs, eight lanes (AVX2) and sixteen (AVX-512).
+std::vector<std::pair<const char*, CodedSpan>> fused_steps() {
+  std::vector<std::pair<const char*, CodedSpan>> steps;
+  if (avx2_fma::supported()) steps.push_back({"avx2_fma", avx2_fma::adam_coded_span});
+  if (avx512::supported()) steps.push_back({"avx512", avx512::adam_coded_span});
+  if (steps.empty()) WARN("this CPU has no AVX2+FMA+F16C: only the portable coded Adam runs here");
+  return steps;
+}
+
+// The fused step under test: set by each test case's loop over fused_steps().
+CodedSpan fused_step = nullptr;
+
 void run(bool fused, State& s, bool master, bool write, const Bf16Span* bf16, bool amsgrad,
          std::int64_t n, const AdamStep& step) {
-  auto* span = fused ? avx2_fma::adam_coded_span : portable::adam_coded_span;
+  CodedSpan span = fused ? fused_step : portable::adam_coded_span;
   span(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.moments(amsgrad),
        master ? s.master.data() : nullptr, bf16, n, step);
 }
@@ -88,57 +104,58 @@ AdamConfig config_for(bool adam_w, bool amsgrad) {
 
 }  // namespace
 
-TEST_CASE("fused AVX2+FMA coded Adam gives the portable coded step's bits") {
-  if (!avx2_fma::supported()) {
-    WARN("this CPU has no AVX2+FMA+F16C: only the portable coded Adam runs here");
-    return;
-  }
-  for (const StateCode code : {StateCode::kInt8, StateCode::kFp8}) {
-    State::code = code;
-    for (bool adam_w : {false, true}) {
-      for (bool amsgrad : {false, true}) {
-        const AdamConfig config = config_for(adam_w, amsgrad);
-        INFO("code " << int(code) << " adam_w " << adam_w << " amsgrad " << amsgrad);
-        compare_variants<State>("coded adam", [&](bool fused, State& s, bool master, bool write,
-                                                  std::int64_t n, int t) {
-          run(fused, s, master, write, nullptr, amsgrad, n,
-              make_step_constants(config, float(t), 1e-3f, 1000.0f));
-        });
+TEST_CASE("fused coded Adam (AVX2, AVX-512) gives the portable coded step's bits") {
+  for (const auto& [name, span] : fused_steps()) {
+    fused_step = span;
+    INFO("fused step " << name);
+    for (const StateCode code : {StateCode::kInt8, StateCode::kFp8}) {
+      State::code = code;
+      for (bool adam_w : {false, true}) {
+        for (bool amsgrad : {false, true}) {
+          const AdamConfig config = config_for(adam_w, amsgrad);
+          INFO("code " << int(code) << " adam_w " << adam_w << " amsgrad " << amsgrad);
+          compare_variants<State>("coded adam", [&](bool fused, State& s, bool master, bool write,
+                                                    std::int64_t n, int t) {
+            run(fused, s, master, write, nullptr, amsgrad, n,
+                make_step_constants(config, float(t), 1e-3f, 1000.0f));
+          });
+        }
       }
     }
   }
 }
 
-TEST_CASE("fused AVX2+FMA coded Adam gives the portable bits in the master-free bf16 modes") {
-  if (!avx2_fma::supported()) {
-    WARN("this CPU has no AVX2+FMA+F16C: only the portable coded Adam runs here");
-    return;
-  }
-  const std::int64_t sizes[] = {1, 9, 255, 256, 257, 1031};
-  for (const StateCode code : {StateCode::kInt8, StateCode::kFp8}) {
-    State::code = code;
-    for (const MasterMode mode :
-         {MasterMode::kStochastic, MasterMode::kKahan, MasterMode::kSplit}) {
-      for (bool amsgrad : {false, true}) {
-        for (const std::int64_t n : sizes) {
-          for (bool nonfinite : {false, true}) {
-            for (bool write : {false, true}) {
-              INFO("code " << int(code) << " mode " << int(mode) << " amsgrad " << amsgrad << " n "
-                           << n << " nonfinite " << nonfinite << " write " << write);
-              State a(DType::kBFloat16, DType::kBFloat16, n, nonfinite), b = a;
-              for (int t = 0; t < 3; ++t) {
-                // A span that starts at element 1000 of its param: stochastic rounding is keyed
-                // by the true indices, block by block in the fused step.
-                const Bf16Span span_a{mode,
-                                      mode == MasterMode::kStochastic ? nullptr : a.extra.data(),
-                                      rounding_key(7, float(t), 3), 1000};
-                Bf16Span span_b = span_a;
-                span_b.extra = mode == MasterMode::kStochastic ? nullptr : b.extra.data();
-                const AdamStep step =
-                    make_step_constants(config_for(true, amsgrad), float(t), 1e-3f, 384.0f);
-                run(true, a, false, write, &span_a, amsgrad, n, step);
-                run(false, b, false, write, &span_b, amsgrad, n, step);
-                REQUIRE(same_state(a, b));
+TEST_CASE(
+    "fused coded Adam (AVX2, AVX-512) gives the portable bits in the master-free bf16 modes") {
+  const std::int64_t sizes[] = {1, 9, 17, 255, 256, 257, 1031};
+  for (const auto& [name, span] : fused_steps()) {
+    fused_step = span;
+    INFO("fused step " << name);
+    for (const StateCode code : {StateCode::kInt8, StateCode::kFp8}) {
+      State::code = code;
+      for (const MasterMode mode :
+           {MasterMode::kStochastic, MasterMode::kKahan, MasterMode::kSplit}) {
+        for (bool amsgrad : {false, true}) {
+          for (const std::int64_t n : sizes) {
+            for (bool nonfinite : {false, true}) {
+              for (bool write : {false, true}) {
+                INFO("code " << int(code) << " mode " << int(mode) << " amsgrad " << amsgrad
+                             << " n " << n << " nonfinite " << nonfinite << " write " << write);
+                State a(DType::kBFloat16, DType::kBFloat16, n, nonfinite), b = a;
+                for (int t = 0; t < 3; ++t) {
+                  // A span that starts at element 1000 of its param: stochastic rounding is keyed
+                  // by the true indices, block by block in the fused step.
+                  const Bf16Span span_a{mode,
+                                        mode == MasterMode::kStochastic ? nullptr : a.extra.data(),
+                                        rounding_key(7, float(t), 3), 1000};
+                  Bf16Span span_b = span_a;
+                  span_b.extra = mode == MasterMode::kStochastic ? nullptr : b.extra.data();
+                  const AdamStep step =
+                      make_step_constants(config_for(true, amsgrad), float(t), 1e-3f, 384.0f);
+                  run(true, a, false, write, &span_a, amsgrad, n, step);
+                  run(false, b, false, write, &span_b, amsgrad, n, step);
+                  REQUIRE(same_state(a, b));
+                }
               }
             }
           }

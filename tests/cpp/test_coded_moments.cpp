@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cpu/coded_moments.h"
@@ -54,6 +55,10 @@ std::vector<Implementation> implementations() {
   if (k::cpu::avx2_fma::supported()) {
     all.push_back({"avx2_fma", k::cpu::avx2_fma::decode_moment_span,
                    k::cpu::avx2_fma::encode_moment_span});
+  }
+  if (k::cpu::avx512::supported()) {
+    all.push_back({"avx512", k::cpu::avx512::decode_moment_span,
+                   k::cpu::avx512::encode_moment_span});
   }
 #endif
   return all;
@@ -188,8 +193,12 @@ TEST_CASE("coded moments: blocks at the edges of the vector path code as encode_
 // (the coded values of a block span many): [0.5, 1), [2^-20, 2^-19) and the binade just above
 // the smallest quotient the path relies on, for divisors with short, long and all-ones
 // significands, and its smallest divisor.
-TEST_CASE("coded moments: avx2_fma's division-free quotients are the rounded quotients") {
-  if (!k::cpu::avx2_fma::supported()) return;  // nothing of avx2_fma runs on this processor
+TEST_CASE("coded moments: the vector paths' division-free quotients are the rounded quotients") {
+  using Quotients = void (*)(const float*, std::int64_t, float, float*);
+  std::vector<std::pair<const char*, Quotients>> paths;
+  if (k::cpu::avx2_fma::supported()) paths.push_back({"avx2_fma", k::cpu::avx2_fma::quotients});
+  if (k::cpu::avx512::supported()) paths.push_back({"avx512", k::cpu::avx512::quotients});
+  if (paths.empty()) return;  // neither vector path runs on this processor
   std::vector<float> x(std::size_t{1} << 23), quotient(x.size());
   for (const int binade : {-1, -20, -33}) {
     for (std::size_t i = 0; i < x.size(); ++i) {
@@ -203,14 +212,16 @@ TEST_CASE("coded moments: avx2_fma's division-free quotients are the rounded quo
       for (std::size_t i = 0; i < x.size(); ++i) dividend[i] = x[i] * dividend_scale;
       for (const float sign : {1.0f, -1.0f}) {
         for (float& d : dividend) d = std::fabs(d) * sign;
-        k::cpu::avx2_fma::quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()),
-                                    divisor, quotient.data());
-        std::size_t wrong = 0;
-        for (std::size_t i = 0; i < x.size(); ++i) {
-          wrong += bits(quotient[i]) != bits(dividend[i] / divisor);
+        for (const auto& [name, quotients] : paths) {
+          quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()), divisor,
+                    quotient.data());
+          std::size_t wrong = 0;
+          for (std::size_t i = 0; i < x.size(); ++i) {
+            wrong += bits(quotient[i]) != bits(dividend[i] / divisor);
+          }
+          INFO(name << " binade " << binade << " divisor " << divisor << " sign " << sign);
+          REQUIRE(wrong == 0);
         }
-        INFO("binade " << binade << " divisor " << divisor << " sign " << sign);
-        REQUIRE(wrong == 0);
       }
     }
   }

@@ -6,11 +6,10 @@
 // processor has AVX2, FMA and F16C, adam_coded_span runs avx2_fma:: instead: the same loops
 // with decoding and coding fused into them (adam_coded_avx2.cpp), the same bits
 // (tests/cpp/test_coded_adam.cpp compares the two).
-#include "cpu_kernels.h"
-
 #include <algorithm>
 
 #include "coded_moments.h"
+#include "cpu_kernels.h"
 #include "storage_dispatch.h"
 
 namespace ampfuse::kernels::cpu {
@@ -32,34 +31,36 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
   float* max_buffer = moments.max_exp_avg_sq != nullptr ? max_exp_avg_sq : nullptr;
   for (std::int64_t first = 0; first < n; first += kStateBlock) {
     const int len = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - first));
-    // coded_moments.h's vectorized loops: decode_block's and encode_block's bits.
-    decode_moment_span(moments.exp_avg, moments.exp_avg_scales, first, len, kCode, false,
-                       exp_avg);
-    decode_moment_span(moments.exp_avg_sq, moments.exp_avg_sq_scales, first, len, kCode, true,
-                       exp_avg_sq);
+    // coded_moments.h's portable loops: decode_block's and encode_block's bits. This step runs
+    // only where the fused ones cannot, and the tests compare those with it: it never borrows
+    // their vector codecs.
+    portable::decode_moment_span(moments.exp_avg, moments.exp_avg_scales, first, len, kCode, false,
+                                 exp_avg);
+    portable::decode_moment_span(moments.exp_avg_sq, moments.exp_avg_sq_scales, first, len, kCode,
+                                 true, exp_avg_sq);
     if (max_buffer != nullptr) {
-      decode_moment_span(moments.max_exp_avg_sq, moments.max_exp_avg_sq_scales, first, len,
-                         kCode, true, max_buffer);
+      portable::decode_moment_span(moments.max_exp_avg_sq, moments.max_exp_avg_sq_scales, first,
+                                   len, kCode, true, max_buffer);
     }
     void* block_grad = advance(grad, grad_dtype, first);
     if (bf16 != nullptr) {
       // The block's elements keep their true indices: stochastic rounding is keyed by them.
       const Bf16Span block_bf16{bf16->mode, bf16->extra != nullptr ? bf16->extra + first : nullptr,
                                 bf16->key, bf16->first_index + first};
-      adam_bf16_span(static_cast<std::uint16_t*>(param) + first, block_bf16, block_grad,
-                     grad_dtype, write_grad, exp_avg, exp_avg_sq, max_buffer, len, step);
+      adam_bf16_span(static_cast<std::uint16_t*>(param) + first, block_bf16, block_grad, grad_dtype,
+                     write_grad, exp_avg, exp_avg_sq, max_buffer, len, step);
     } else {
-      adam_span(advance(param, param_dtype, first), param_dtype, block_grad, grad_dtype,
-                write_grad, exp_avg, exp_avg_sq, max_buffer,
-                master != nullptr ? master + first : nullptr, len, step);
+      adam_span(advance(param, param_dtype, first), param_dtype, block_grad, grad_dtype, write_grad,
+                exp_avg, exp_avg_sq, max_buffer, master != nullptr ? master + first : nullptr, len,
+                step);
     }
-    encode_moment_span(exp_avg, first, len, kCode, false, moments.exp_avg,
-                       moments.exp_avg_scales);
-    encode_moment_span(exp_avg_sq, first, len, kCode, true, moments.exp_avg_sq,
-                       moments.exp_avg_sq_scales);
+    portable::encode_moment_span(exp_avg, first, len, kCode, false, moments.exp_avg,
+                                 moments.exp_avg_scales);
+    portable::encode_moment_span(exp_avg_sq, first, len, kCode, true, moments.exp_avg_sq,
+                                 moments.exp_avg_sq_scales);
     if (max_buffer != nullptr) {
-      encode_moment_span(max_buffer, first, len, kCode, true, moments.max_exp_avg_sq,
-                         moments.max_exp_avg_sq_scales);
+      portable::encode_moment_span(max_buffer, first, len, kCode, true, moments.max_exp_avg_sq,
+                                   moments.max_exp_avg_sq_scales);
     }
   }
 }
@@ -68,9 +69,9 @@ void adam_coded_blocks(void* param, DType param_dtype, void* grad, DType grad_dt
 
 namespace portable {
 
-void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                     bool write_grad, const CodedMoments& moments, float* master,
-                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step) {
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                     const CodedMoments& moments, float* master, const Bf16Span* bf16,
+                     std::int64_t n, const AdamStep& step) {
   if (moments.code == StateCode::kFp8) {
     adam_coded_blocks<StateCode::kFp8>(param, param_dtype, grad, grad_dtype, write_grad, moments,
                                        master, bf16, n, step);
@@ -82,18 +83,23 @@ void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtyp
 
 }  // namespace portable
 
-void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                     bool write_grad, const CodedMoments& moments, float* master,
-                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step) {
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                     const CodedMoments& moments, float* master, const Bf16Span* bf16,
+                     std::int64_t n, const AdamStep& step) {
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
+  if (avx512::supported()) {
+    avx512::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master, bf16,
+                            n, step);
+    return;
+  }
   if (avx2_fma::supported()) {
     avx2_fma::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master,
                               bf16, n, step);
     return;
   }
 #endif
-  portable::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master,
-                            bf16, n, step);
+  portable::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master, bf16,
+                            n, step);
 }
 
 }  // namespace ampfuse::kernels::cpu

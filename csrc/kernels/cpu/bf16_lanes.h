@@ -27,17 +27,35 @@ namespace ampfuse::kernels::cpu {
 typedef std::uint16_t Bf16Words8 __attribute__((vector_size(16)));
 typedef std::int16_t SignedWords8 __attribute__((vector_size(16)));
 typedef std::uint32_t Words8 __attribute__((vector_size(32)));
+typedef std::uint32_t Words16 __attribute__((vector_size(64)));
 
+// The lanes' bits as unsigned words and back, for eight lanes or sixteen (the AVX-512 coded
+// Adam step's, adam_coded_avx512.cpp); the functions below take either width.
 AMPFUSE_BF16_INLINE Words8 lane_bits(Lanes8 x) { return reinterpret_cast<Words8>(x.v); }
+AMPFUSE_BF16_INLINE Words16 lane_bits(Lanes16 x) { return reinterpret_cast<Words16>(x.v); }
 
 AMPFUSE_BF16_INLINE Lanes8 lanes_from_bits(Words8 u) { return reinterpret_cast<Float8>(u); }
+AMPFUSE_BF16_INLINE Lanes16 lanes_from_bits(Words16 u) { return reinterpret_cast<Float16>(u); }
 
 // A comparison's lane mask (all ones where it held) as unsigned words.
 AMPFUSE_BF16_INLINE Words8 mask_of(Int8 comparison) { return reinterpret_cast<Words8>(comparison); }
+AMPFUSE_BF16_INLINE Words16 mask_of(Int16 comparison) {
+  return reinterpret_cast<Words16>(comparison);
+}
+
+// {0, 1, ..., W - 1}: each lane's offset from the vector's first element.
+template <typename Words>
+AMPFUSE_BF16_INLINE Words lane_offsets() {
+  Words lane{};
+  for (int k = 0; k < static_cast<int>(sizeof(Words) / 4); ++k) lane[k] = k;
+  return lane;
+}
 
 // Eight 16-bit words widened with zeros or with their sign, and the low 16 bits of eight lanes
-// stored.
+// stored. Lanes and Vec are the policy's lane and word vectors.
 struct PortableWords {
+  typedef Lanes8 Lanes;
+  typedef Words8 Vec;
   static AMPFUSE_BF16_INLINE Words8 widen(const std::uint16_t* p) {
     Bf16Words8 h;
     __builtin_memcpy(&h, p, sizeof h);
@@ -56,6 +74,8 @@ struct PortableWords {
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
 struct Avx2Words {
+  typedef Lanes8 Lanes;
+  typedef Words8 Vec;
   static AMPFUSE_AVX2 Words8 widen(const std::uint16_t* p) {
     return reinterpret_cast<Words8>(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -77,20 +97,26 @@ struct Avx2Words {
 };
 #endif
 
-AMPFUSE_BF16_INLINE Lanes8 widen_bf16_lanes(Words8 h) { return lanes_from_bits(h << 16); }
+template <typename Words>
+AMPFUSE_BF16_INLINE auto widen_bf16_lanes(Words h) {
+  return lanes_from_bits(h << 16);
+}
 
 // bf16_nearest, in 32-bit lanes (each below 2^16).
-AMPFUSE_BF16_INLINE Words8 bf16_nearest_lanes(Words8 u) {
-  const Words8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const Words8 nan = mask_of((u & 0x7fffffffu) > 0x7f800000u);
+template <typename Words>
+AMPFUSE_BF16_INLINE Words bf16_nearest_lanes(Words u) {
+  const Words rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const Words nan = mask_of((u & 0x7fffffffu) > 0x7f800000u);
   return (rounded & ~nan) | (0x7fc0u & nan);
 }
 
-AMPFUSE_BF16_INLINE Words8 finite_lane_mask(Words8 u) {
+template <typename Words>
+AMPFUSE_BF16_INLINE Words finite_lane_mask(Words u) {
   return mask_of((u & 0x7f800000u) != 0x7f800000u);
 }
 
-AMPFUSE_BF16_INLINE Words8 mix32_lanes(Words8 x) {
+template <typename Words>
+AMPFUSE_BF16_INLINE Words mix32_lanes(Words x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
   x ^= x >> 15;
@@ -106,18 +132,19 @@ struct Bf16ModeLanes;
 
 template <typename Words>
 struct Bf16ModeLanes<MasterMode::kStochastic, Words> {
-  static AMPFUSE_BF16_INLINE Lanes8 load(const std::uint16_t* __restrict param,
-                                         const std::uint16_t* __restrict, std::int64_t i) {
+  typedef typename Words::Vec Vec;
+  static AMPFUSE_BF16_INLINE typename Words::Lanes load(const std::uint16_t* __restrict param,
+                                                        const std::uint16_t* __restrict,
+                                                        std::int64_t i) {
     return widen_bf16_lanes(Words::widen(param + i));
   }
-  static AMPFUSE_BF16_INLINE void store(Lanes8 x, std::uint16_t* __restrict param,
+  static AMPFUSE_BF16_INLINE void store(typename Words::Lanes x, std::uint16_t* __restrict param,
                                         std::uint16_t* __restrict, std::int64_t i,
                                         const RoundingKey& key, std::uint32_t first_lo) {
-    const Words8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    const Words8 index_lo = lane + (first_lo + static_cast<std::uint32_t>(i));
-    const Words8 random16 = mix32_lanes(mix32_lanes(index_lo ^ key.lo) ^ key.hi) >> 16;
-    const Words8 u = lane_bits(x);
-    const Words8 finite = finite_lane_mask(u);
+    const Vec index_lo = lane_offsets<Vec>() + (first_lo + static_cast<std::uint32_t>(i));
+    const Vec random16 = mix32_lanes(mix32_lanes(index_lo ^ key.lo) ^ key.hi) >> 16;
+    const Vec u = lane_bits(x);
+    const Vec finite = finite_lane_mask(u);
     Words::store_low_halves(param + i,
                             (((u + random16) >> 16) & finite) | (bf16_nearest_lanes(u) & ~finite));
   }
@@ -125,17 +152,18 @@ struct Bf16ModeLanes<MasterMode::kStochastic, Words> {
 
 template <typename Words>
 struct Bf16ModeLanes<MasterMode::kKahan, Words> {
-  static AMPFUSE_BF16_INLINE Lanes8 load(const std::uint16_t* __restrict param,
-                                         const std::uint16_t* __restrict compensation,
-                                         std::int64_t i) {
+  typedef typename Words::Vec Vec;
+  static AMPFUSE_BF16_INLINE typename Words::Lanes load(
+      const std::uint16_t* __restrict param, const std::uint16_t* __restrict compensation,
+      std::int64_t i) {
     return widen_bf16_lanes(Words::widen(param + i)) +
            widen_bf16_lanes(Words::widen(compensation + i));
   }
-  static AMPFUSE_BF16_INLINE void store(Lanes8 x, std::uint16_t* __restrict param,
+  static AMPFUSE_BF16_INLINE void store(typename Words::Lanes x, std::uint16_t* __restrict param,
                                         std::uint16_t* __restrict compensation, std::int64_t i,
                                         const RoundingKey&, std::uint32_t) {
-    const Words8 rounded = bf16_nearest_lanes(lane_bits(x));
-    const Lanes8 error = x - lanes_from_bits(rounded << 16);
+    const Vec rounded = bf16_nearest_lanes(lane_bits(x));
+    const typename Words::Lanes error = x - lanes_from_bits(rounded << 16);
     Words::store_low_halves(param + i, rounded);
     Words::store_low_halves(compensation + i,
                             bf16_nearest_lanes(lane_bits(error)) & finite_lane_mask(rounded << 16));
@@ -145,18 +173,20 @@ struct Bf16ModeLanes<MasterMode::kKahan, Words> {
 // join_master and split_master on lanes.
 template <typename Words>
 struct Bf16ModeLanes<MasterMode::kSplit, Words> {
+  typedef typename Words::Vec Vec;
   // (param << 16) + sign_extend(low) mod 2^32, which join_master forms in 16-bit halves.
-  static AMPFUSE_BF16_INLINE Lanes8 load(const std::uint16_t* __restrict param,
-                                         const std::uint16_t* __restrict low, std::int64_t i) {
+  static AMPFUSE_BF16_INLINE typename Words::Lanes load(const std::uint16_t* __restrict param,
+                                                        const std::uint16_t* __restrict low,
+                                                        std::int64_t i) {
     return lanes_from_bits((Words::widen(param + i) << 16) + Words::widen_signed(low + i));
   }
-  static AMPFUSE_BF16_INLINE void store(Lanes8 x, std::uint16_t* __restrict param,
+  static AMPFUSE_BF16_INLINE void store(typename Words::Lanes x, std::uint16_t* __restrict param,
                                         std::uint16_t* __restrict low, std::int64_t i,
                                         const RoundingKey&, std::uint32_t) {
-    const Words8 u = lane_bits(x);
+    const Vec u = lane_bits(x);
     // (u + 0x8000) >> 16 is (u >> 16) + (the low half's top bit) mod 2^16, as split_master
     // forms it; x != x is its NaN test.
-    const Words8 nan = mask_of(x.v != x.v);
+    const Vec nan = mask_of(x.v != x.v);
     Words::store_low_halves(param + i, (((u + 0x8000u) >> 16) & ~nan) | (0x7fc0u & nan));
     Words::store_low_halves(low + i, u);
   }

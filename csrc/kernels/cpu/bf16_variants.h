@@ -25,12 +25,14 @@ inline __attribute__((always_inline)) void adam_bf16_lanes(
     Moments& moments, std::int64_t n, const RoundingKey key, std::uint32_t first_lo,
     const AdamStep step) {
   using Mode = Bf16ModeLanes<kMode, Words>;
-  const std::int64_t whole = n - n % 8;
-  for (std::int64_t i = 0; i < whole; i += 8) {
-    Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
+  using L = typename Words::Lanes;  // eight lanes, or sixteen (adam_coded_avx512.cpp)
+  constexpr int kWidth = L::kWidth;
+  const std::int64_t whole = n - n % kWidth;
+  for (std::int64_t i = 0; i < whole; i += kWidth) {
+    L g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
     if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
-    Lanes8 p = Mode::load(param, extra, i);
-    Lanes8 m, v, max_v, root;
+    L p = Mode::load(param, extra, i);
+    L m, v, max_v, root;
     moments.template load<Lanes, kAmsgrad>(i, m, v, max_v);
     adam_update<kAmsgrad>(p, g, m, v, max_v, step, root);
     moments.template store<Lanes, kAmsgrad>(i, m, v, max_v, root);

@@ -204,15 +204,10 @@ AMPFUSE_AVX2_FMA __m256i magnitude_bits(__m256 x) {
   return _mm256_and_si256(as_bits(x), broadcast_bits(0x7fffffffu));
 }
 
-// A block's absmax as encode_block finds it, from the running max of magnitude_bits over its
-// first `whole` values and the rest one by one: the largest |x|, or the last nan's |nan| when
-// the block holds a nan.
-__attribute__((target("avx2,fma"))) inline float finish_absmax(__m256i largest, const float* values,
-                                                               int whole, int n) {
-  alignas(32) std::uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), largest);
-  std::uint32_t top = 0;
-  for (const std::uint32_t lane : lanes) top = top > lane ? top : lane;
+// A block's absmax as encode_block finds it, given `top`, the largest magnitude_bits of its first
+// `whole` values: the rest are taken one by one, and the result is the largest |x|, or the last
+// nan's |nan| when the block holds a nan. Shared by the eight- and sixteen-lane finish_absmax.
+inline float finish_absmax_from(std::uint32_t top, const float* values, int whole, int n) {
   for (int i = whole; i < n; ++i) {
     const std::uint32_t b = fp8_detail::bits_of(values[i]) & 0x7fffffffu;
     top = top > b ? top : b;
@@ -223,6 +218,16 @@ __attribute__((target("avx2,fma"))) inline float finish_absmax(__m256i largest, 
     }
   }
   return fp8_detail::float_of(top);
+}
+
+// finish_absmax_from with the running max of magnitude_bits over the first `whole` values.
+__attribute__((target("avx2,fma"))) inline float finish_absmax(__m256i largest, const float* values,
+                                                               int whole, int n) {
+  alignas(32) std::uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), largest);
+  std::uint32_t top = 0;
+  for (const std::uint32_t lane : lanes) top = top > lane ? top : lane;
+  return finish_absmax_from(top, values, whole, n);
 }
 
 // The codes of values[0, 8) under a block's divisor and its reciprocal.
@@ -255,6 +260,22 @@ __attribute__((target("avx2,fma"))) inline void code_block(const float* values, 
   }
   for (int i = whole; i < n; ++i) codes[i] = encode_moment<kCode, kSecond>(values[i], absmax);
 }
+
+// The names the loops shared with the sixteen-lane AVX-512 code use (coded_moments_lanes.inc,
+// adam_coded_lanes.inc; coded_lanes_avx512.h defines the same for zmm registers).
+constexpr int kLanes = 8;
+typedef __m256 Vec;
+typedef __m256i VecBits;
+template <StateCode kCode, bool kSecond>
+AMPFUSE_AVX2_FMA __m256 decode_lanes(const std::uint8_t* codes, __m256 scale) {
+  return decode8<kCode, kSecond>(codes, scale);
+}
+AMPFUSE_AVX2_FMA __m256 load_vec(const float* p) { return _mm256_loadu_ps(p); }
+AMPFUSE_AVX2_FMA void store_vec(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+AMPFUSE_AVX2_FMA void store_aligned(float* p, __m256 x) { _mm256_store_ps(p, x); }
+AMPFUSE_AVX2_FMA __m256 sqrt_vec(__m256 x) { return _mm256_sqrt_ps(x); }
+AMPFUSE_AVX2_FMA __m256i zero_bits() { return _mm256_setzero_si256(); }
+AMPFUSE_AVX2_FMA __m256i max_bits(__m256i a, __m256i b) { return _mm256_max_epu32(a, b); }
 
 }  // namespace ampfuse::kernels::cpu::avx2_fma
 

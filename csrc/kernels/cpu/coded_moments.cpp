@@ -85,6 +85,10 @@ void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n,
 void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
                         std::int64_t n, StateCode code, bool second, float* moment) {
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
+  if (avx512::supported()) {
+    avx512::decode_moment_span(codes, scales, first, n, code, second, moment);
+    return;
+  }
   if (avx2_fma::supported()) {
     avx2_fma::decode_moment_span(codes, scales, first, n, code, second, moment);
     return;
@@ -96,6 +100,10 @@ void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int
 void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
                         bool second, std::uint8_t* codes, float* scales) {
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
+  if (avx512::supported()) {
+    avx512::encode_moment_span(moment, first, n, code, second, codes, scales);
+    return;
+  }
   if (avx2_fma::supported()) {
     avx2_fma::encode_moment_span(moment, first, n, code, second, codes, scales);
     return;

@@ -28,8 +28,8 @@ void with_moment_code(StateCode code, bool second, F&& f) {
 // param's (first must be a multiple of kStateBlock; the span then holds whole blocks, the last
 // of the param possibly short). decode writes moment[0, n); encode codes moment[0, n) back,
 // block by block as encode_block does.
-// Each picks the loops of avx2_fma:: where the processor has AVX2, FMA and F16C, else
-// portable::.
+// Each picks the loops of avx512:: where the processor has AVX-512, else those of avx2_fma::
+// where it has AVX2, FMA and F16C, else portable::.
 void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
                         std::int64_t n, StateCode code, bool second, float* moment);
 void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
@@ -56,6 +56,15 @@ void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n,
 // x[i] / divisor by the division-free sequence the loops above use (for the tests).
 void quotients(const float* x, std::int64_t n, float divisor, float* out);
 }  // namespace avx2_fma
+// The same loops sixteen lanes a vector (coded_moments_avx512.cpp), picked before avx2_fma::.
+namespace avx512 {
+bool supported();  // the processor has AVX-512 F, BW, VL and DQ, AVX2, FMA and F16C
+void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
+                        std::int64_t n, StateCode code, bool second, float* moment);
+void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
+                        bool second, std::uint8_t* codes, float* scales);
+void quotients(const float* x, std::int64_t n, float divisor, float* out);
+}  // namespace avx512
 #endif
 
 }  // namespace ampfuse::kernels::cpu

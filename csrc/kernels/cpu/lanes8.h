@@ -1,4 +1,5 @@
-// Eight fp32 lanes for running the shared optimizer math (optimizer_math.h) a vector at a time.
+// Eight (or sixteen) fp32 lanes for running the shared optimizer math (optimizer_math.h) a
+// vector at a time.
 //
 // The element updates are templates over their float type. Instantiated with Lanes8 inside an
 // AVX2 function, each operation below becomes one ymm instruction (vaddps, vmulps, vdivps,
@@ -25,51 +26,77 @@ namespace ampfuse::kernels::cpu {
 
 typedef float Float8 __attribute__((vector_size(32)));
 typedef std::int32_t Int8 __attribute__((vector_size(32)));
+typedef float Float16 __attribute__((vector_size(64)));
+typedef std::int32_t Int16 __attribute__((vector_size(64)));
 
-// A lane mask: all ones where a comparison held.
-struct Mask8 {
-  Int8 bits;
+// The vector types of W fp32 lanes: 8 (a ymm register) or 16 (a zmm register, for the
+// AVX-512 coded Adam step).
+template <int W>
+struct LaneVectors;
+template <>
+struct LaneVectors<8> {
+  typedef Float8 Float;
+  typedef Int8 Int;
+};
+template <>
+struct LaneVectors<16> {
+  typedef Float16 Float;
+  typedef Int16 Int;
 };
 
-struct Lanes8 {
-  Float8 v;
+// A lane mask: all ones where a comparison held.
+template <int W>
+struct MaskN {
+  typename LaneVectors<W>::Int bits;
+};
 
-  AMPFUSE_LANES Lanes8() : v{} {}
-  AMPFUSE_LANES Lanes8(Float8 x) : v(x) {}  // NOLINT: the raw vector converts implicitly
+template <int W>
+struct LanesN {
+  typedef typename LaneVectors<W>::Float FloatV;
+  typedef typename LaneVectors<W>::Int IntV;
+  static constexpr int kWidth = W;
+  FloatV v;
+
+  AMPFUSE_LANES LanesN() : v{} {}
+  AMPFUSE_LANES LanesN(FloatV x) : v(x) {}  // NOLINT: the raw vector converts implicitly
   // A per-step constant in every lane, bit for bit (-0.0 stays -0.0, which a float `{} + x`
   // would not keep). Adding the bits to integer zeros broadcasts with one instruction, where an
-  // initializer list of eight copies builds the vector lane by lane.
-  AMPFUSE_LANES Lanes8(float x)  // NOLINT: implicit, so lanes mix with per-step constants
-      : v(reinterpret_cast<Float8>(Int8{} + __builtin_bit_cast(std::int32_t, x))) {}
+  // initializer list of copies builds the vector lane by lane.
+  AMPFUSE_LANES LanesN(float x)  // NOLINT: implicit, so lanes mix with per-step constants
+      : v(reinterpret_cast<FloatV>(IntV{} + __builtin_bit_cast(std::int32_t, x))) {}
 
-  friend AMPFUSE_LANES Lanes8 operator+(Lanes8 a, Lanes8 b) { return a.v + b.v; }
-  friend AMPFUSE_LANES Lanes8 operator-(Lanes8 a, Lanes8 b) { return a.v - b.v; }
-  friend AMPFUSE_LANES Lanes8 operator/(Lanes8 a, Lanes8 b) { return a.v / b.v; }
-  friend AMPFUSE_LANES Lanes8 operator-(Lanes8 a) { return -a.v; }
-  AMPFUSE_LANES Lanes8& operator+=(Lanes8 b) {
+  friend AMPFUSE_LANES LanesN operator+(LanesN a, LanesN b) { return a.v + b.v; }
+  friend AMPFUSE_LANES LanesN operator-(LanesN a, LanesN b) { return a.v - b.v; }
+  friend AMPFUSE_LANES LanesN operator/(LanesN a, LanesN b) { return a.v / b.v; }
+  friend AMPFUSE_LANES LanesN operator-(LanesN a) { return -a.v; }
+  AMPFUSE_LANES LanesN& operator+=(LanesN b) {
     v += b.v;
     return *this;
   }
   // Ordered, as the scalar `>`: false where either lane is NaN.
-  friend AMPFUSE_LANES Mask8 operator>(Lanes8 a, Lanes8 b) { return {a.v > b.v}; }
+  friend AMPFUSE_LANES MaskN<W> operator>(LanesN a, LanesN b) { return {a.v > b.v}; }
 
   // The overloads the shared math calls by name (found by argument-dependent lookup). Products
   // are only mul(), as in the shared math, and the build keeps them out of FMAs
   // (-ffp-contract=off), as for the scalar mul.
-  friend AMPFUSE_LANES Lanes8 mul(Lanes8 a, Lanes8 b) { return a.v * b.v; }
-  friend AMPFUSE_LANES Lanes8 square_root(Lanes8 a) {
-    // Eight scalar square roots that GCC turns into one vsqrtps (with -fno-math-errno).
-    Lanes8 r;
-    for (int i = 0; i < 8; ++i) r.v[i] = __builtin_sqrtf(a.v[i]);
+  friend AMPFUSE_LANES LanesN mul(LanesN a, LanesN b) { return a.v * b.v; }
+  friend AMPFUSE_LANES LanesN square_root(LanesN a) {
+    // W scalar square roots that GCC turns into one vsqrtps (with -fno-math-errno).
+    LanesN r;
+    for (int i = 0; i < W; ++i) r.v[i] = __builtin_sqrtf(a.v[i]);
     return r;
   }
   // A per-lane choice, on the bits, as the scalar select_float does.
-  friend AMPFUSE_LANES Lanes8 select_float(Mask8 cond, Lanes8 a, Lanes8 b) {
-    const Int8 bits = (reinterpret_cast<Int8>(a.v) & cond.bits) |
-                      (reinterpret_cast<Int8>(b.v) & ~cond.bits);
-    return reinterpret_cast<Float8>(bits);
+  friend AMPFUSE_LANES LanesN select_float(MaskN<W> cond, LanesN a, LanesN b) {
+    const IntV bits = (reinterpret_cast<IntV>(a.v) & cond.bits) |
+                      (reinterpret_cast<IntV>(b.v) & ~cond.bits);
+    return reinterpret_cast<FloatV>(bits);
   }
 };
+
+typedef LanesN<8> Lanes8;
+typedef MaskN<8> Mask8;
+typedef LanesN<16> Lanes16;
 
 // Eight elements of a storage type to and from lanes, converting one element at a time with
 // half_convert.h: the portable counterpart of the AVX2+F16C Vec8 (vec_avx2.h).

@@ -85,16 +85,15 @@ struct FloatMoments {
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // null unless kAmsgrad
 
-  template <template <typename> class Lanes, bool kAmsgrad>
-  inline __attribute__((always_inline)) void load(std::int64_t i, Lanes8& m, Lanes8& v,
-                                                  Lanes8& max_v) const {
+  template <template <typename> class Lanes, bool kAmsgrad, typename L>
+  inline __attribute__((always_inline)) void load(std::int64_t i, L& m, L& v, L& max_v) const {
     m = Lanes<float>::load(exp_avg + i);
     v = Lanes<float>::load(exp_avg_sq + i);
     if (kAmsgrad) max_v = Lanes<float>::load(max_exp_avg_sq + i);
   }
-  template <template <typename> class Lanes, bool kAmsgrad>
-  inline __attribute__((always_inline)) void store(std::int64_t i, Lanes8 m, Lanes8 v,
-                                                   Lanes8 max_v, Lanes8 /*root*/) const {
+  template <template <typename> class Lanes, bool kAmsgrad, typename L>
+  inline __attribute__((always_inline)) void store(std::int64_t i, L m, L v, L max_v,
+                                                   L /*root*/) const {
     Lanes<float>::store(exp_avg + i, m);
     Lanes<float>::store(exp_avg_sq + i, v);
     if (kAmsgrad) Lanes<float>::store(max_exp_avg_sq + i, max_v);
@@ -108,7 +107,8 @@ struct FloatMoments {
 
 // The loops above eight elements at a time, on Lanes8 (lanes8.h), then the last n % 8 elements
 // on the scalar loops. Lanes<Storage>::load(p) and store(p, lanes) move eight elements of one
-// storage type: PortableLanes, or the F16C conversions of the AVX2 kernels. A per-step option
+// storage type: PortableLanes, or the F16C conversions of the AVX2 kernels. adam_lanes takes its
+// width from them: sixteen for the AVX-512 coded step's (adam_coded_avx512.cpp). A per-step option
 // is a predicted branch per eight elements here, and skips its arithmetic (see choose()).
 // Always inlined, so the lanes are compiled for the instruction set of the caller. Moments is
 // FloatMoments, or another holder with its members (adam_coded_avx2.cpp).
@@ -120,12 +120,14 @@ inline __attribute__((always_inline)) void adam_lanes(Param* param, Grad* grad, 
   // A copy: through the reference, every store to the float arrays might change the step
   // constants, so GCC would reload and broadcast each of them in every iteration.
   const AdamStep step = step_in;
-  const std::int64_t whole = n - n % 8;
-  for (std::int64_t i = 0; i < whole; i += 8) {
-    Lanes8 g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
+  using L = decltype(Lanes<float>::load(static_cast<const float*>(nullptr)));
+  constexpr int kWidth = L::kWidth;
+  const std::int64_t whole = n - n % kWidth;
+  for (std::int64_t i = 0; i < whole; i += kWidth) {
+    L g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
     if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
-    Lanes8 p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
-    Lanes8 m, v, max_v, root;
+    L p = kMaster ? Lanes<float>::load(master + i) : Lanes<Param>::load(param + i);
+    L m, v, max_v, root;
     moments.template load<Lanes, kAmsgrad>(i, m, v, max_v);
     adam_update<kAmsgrad>(p, g, m, v, max_v, step, root);
     moments.template store<Lanes, kAmsgrad>(i, m, v, max_v, root);
