@@ -14,6 +14,7 @@
 #include "bf16_modes.h"
 #include "cpu/bf16_variants.h"
 #include "cpu/half_convert.h"
+#include "cpu/lanes_avx512.h"
 #include "variant_test_arrays.h"
 
 using namespace ampfuse::kernels;
@@ -30,10 +31,10 @@ template <MasterMode kMode, typename Words>
 AMPFUSE_BF16_INLINE void lanes_round_trip(const float* x, std::uint16_t* param,
                                           std::uint16_t* extra, float* loaded,
                                           const RoundingKey& key, std::uint32_t first_lo) {
-  Lanes8 p;
+  typename Words::Lanes p;
   __builtin_memcpy(&p.v, x, sizeof p.v);
   Bf16ModeLanes<kMode, Words>::store(p, param, extra, 0, key, first_lo);
-  const Lanes8 back = Bf16ModeLanes<kMode, Words>::load(param, extra, 0);
+  const typename Words::Lanes back = Bf16ModeLanes<kMode, Words>::load(param, extra, 0);
   __builtin_memcpy(loaded, &back.v, sizeof back.v);
 }
 
@@ -49,9 +50,17 @@ AMPFUSE_AVX2 void avx2_round_trip(const float* x, std::uint16_t* param, std::uin
                                   float* loaded, const RoundingKey& key, std::uint32_t first_lo) {
   lanes_round_trip<kMode, Avx2Words>(x, param, extra, loaded, key, first_lo);
 }
+
+template <MasterMode kMode>
+AMPFUSE_AVX512_TARGET void avx512_round_trip(const float* x, std::uint16_t* param,
+                                             std::uint16_t* extra, float* loaded,
+                                             const RoundingKey& key, std::uint32_t first_lo) {
+  lanes_round_trip<kMode, avx512::Avx512Words>(x, param, extra, loaded, key, first_lo);
+}
 #endif
 
-template <MasterMode kMode, typename RoundTrip>
+// kWidth: the lanes round_trip moves at once (8, or 16 for AVX-512's).
+template <MasterMode kMode, int kWidth = 8, typename RoundTrip>
 void compare_with_scalar(RoundTrip&& round_trip) {
   // Every high half with the low halves where rounding turns and a random one: infinities, the
   // values that round to them, NaNs, zeros and subnormals, in groups of eight.
@@ -64,12 +73,12 @@ void compare_with_scalar(RoundTrip&& round_trip) {
     }
   }
   const RoundingKey key = chunk_key(rounding_key(3, 4.0f, 5), 0);
-  for (std::size_t start = 0; start < x.size(); start += 8) {
+  for (std::size_t start = 0; start < x.size(); start += kWidth) {
     const auto first_lo = static_cast<std::uint32_t>(start * 977u);  // wraps past 2^32
-    std::uint16_t param[8], extra[8] = {}, want_param[8], want_extra[8] = {};
-    float loaded[8];
+    std::uint16_t param[kWidth], extra[kWidth] = {}, want_param[kWidth], want_extra[kWidth] = {};
+    float loaded[kWidth];
     round_trip(&x[start], param, extra, loaded, key, first_lo);
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < kWidth; ++k) {
       const std::uint32_t random16 =
           kMode == MasterMode::kStochastic ? rounding_bits(key, first_lo + k) : 0u;
       Bf16Param<kMode>::store(x[start + k], want_param[k], want_extra[k], random16);
@@ -171,6 +180,10 @@ TEST_CASE("bf16 mode lanes give each element's one-element bits") {
   compare_with_scalar<MasterMode::kStochastic>(avx2_round_trip<MasterMode::kStochastic>);
   compare_with_scalar<MasterMode::kKahan>(avx2_round_trip<MasterMode::kKahan>);
   compare_with_scalar<MasterMode::kSplit>(avx2_round_trip<MasterMode::kSplit>);
+  if (!cpu_has_avx512()) return;
+  compare_with_scalar<MasterMode::kStochastic, 16>(avx512_round_trip<MasterMode::kStochastic>);
+  compare_with_scalar<MasterMode::kKahan, 16>(avx512_round_trip<MasterMode::kKahan>);
+  compare_with_scalar<MasterMode::kSplit, 16>(avx512_round_trip<MasterMode::kSplit>);
 #endif
 }
 
@@ -187,7 +200,7 @@ TEST_CASE("bf16 span kernels: lanes equal one element at a time; AVX2 equals por
                            << write_grad);
               State lanes(mode, grad_dtype, n, nonfinite), single = lanes;
 #ifdef AMPFUSE_HAVE_AVX2_PATH
-              State avx2_lanes = lanes;
+              State avx2_lanes = lanes, avx512_lanes = lanes;
 #endif
               for (int t = 0; t < 3; ++t) {
                 const Run run{mode, write_grad, option, t};
@@ -204,6 +217,11 @@ TEST_CASE("bf16 span kernels: lanes equal one element at a time; AVX2 equals por
                   run(avx2_lanes, 0, n, avx2::adam_bf16, avx2::sgd_bf16, avx2::adagrad_bf16,
                       avx2::novograd_bf16);
                   REQUIRE(same_state(mode, lanes, avx2_lanes));
+                }
+                if (cpu_has_avx512()) {  // Adam's sixteen-lane loop, the others' eight-lane ones
+                  run(avx512_lanes, 0, n, avx512::adam_bf16, avx2::sgd_bf16, avx2::adagrad_bf16,
+                      avx2::novograd_bf16);
+                  REQUIRE(same_state(mode, lanes, avx512_lanes));
                 }
 #endif
               }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/lanes_avx512.h"
 #include "cpu/optimizer_variants.h"
 #include "variant_test_arrays.h"
 
@@ -53,6 +54,30 @@ TEST_CASE("AVX2+F16C adam gives the portable kernel's bits") {
                                              std::int64_t n, int t) {
           const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
           auto* run = use_avx2 ? avx2::adam : portable::adam;
+          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.first.data(),
+              s.second.data(), amsgrad ? s.third.data() : nullptr,
+              master ? s.master.data() : nullptr, n, step);
+        });
+      }
+    }
+  }
+}
+
+TEST_CASE("AVX-512 adam (sixteen lanes) gives the portable kernel's bits") {
+  if (!cpu_has_avx512()) {
+    WARN("this CPU has no AVX-512: the sixteen-lane Adam does not run here");
+    return;
+  }
+  for (bool adam_w : {false, true}) {
+    for (bool amsgrad : {false, true}) {
+      for (bool maximize : {false, true}) {
+        const AdamConfig config{adam_w ? 0.9 : 0.3, 0.999, 1e-8, 0.01, adam_w, true, amsgrad,
+                                maximize};
+        INFO("adam_w " << adam_w << " amsgrad " << amsgrad << " maximize " << maximize);
+        compare_variants<State>("adam", [&](bool use_avx512, State& s, bool master, bool write,
+                                             std::int64_t n, int t) {
+          const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
+          auto* run = use_avx512 ? avx512::adam : portable::adam;
           run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.first.data(),
               s.second.data(), amsgrad ? s.third.data() : nullptr,
               master ? s.master.data() : nullptr, n, step);

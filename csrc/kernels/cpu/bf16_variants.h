@@ -174,6 +174,12 @@ void novograd_bf16(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType
                    bool write_grad, float* exp_avg, std::int64_t n, const NovoGradStep& step,
                    float denom);
 }  // namespace avx2
+// Adam sixteen lanes at a time; call only where cpu_has_avx512() (optimizer_kernels_avx512.cpp).
+namespace avx512 {
+void adam_bf16(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+               bool write_grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+               std::int64_t n, const AdamStep& step);
+}  // namespace avx512
 #endif
 
 }  // namespace ampfuse::kernels::cpu

@@ -10,15 +10,7 @@
 
 namespace ampfuse::kernels::cpu::avx512 {
 
-bool supported() {
-  // Byte and word lanes (BW), the narrowing stores, AVX2's and F16C's eight-lane pieces, which
-  // the scalar tails share.
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") &&
-                          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return has;
-}
+bool supported() { return cpu_has_avx512(); }
 
 #define AMPFUSE_CODED_TARGET AMPFUSE_AVX512_TARGET
 #include "coded_moments_lanes.inc"

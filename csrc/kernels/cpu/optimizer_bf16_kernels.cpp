@@ -8,6 +8,7 @@
 // and masked, and with the rounded split the Adam loop took 1.4x master_weights=True's time.)
 #include "bf16_variants.h"
 #include "cpu_kernels.h"
+#include "lanes_avx512.h"
 
 namespace ampfuse::kernels::cpu {
 namespace {
@@ -205,6 +206,32 @@ void novograd_bf16(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType
 }
 
 }  // namespace avx2
+
+namespace avx512 {
+namespace {
+
+// Adam's loop at sixteen lanes (lanes_avx512.h); run only where cpu_has_avx512().
+struct Kernels {
+  template <MasterMode kMode, bool kWriteGrad, bool kAmsgrad, typename Grad>
+  AMPFUSE_AVX512_TARGET static void adam(std::uint16_t* param, std::uint16_t* extra, Grad* grad,
+                                         float* exp_avg, float* exp_avg_sq,
+                                         float* max_exp_avg_sq, std::int64_t n, RoundingKey key,
+                                         std::uint32_t first_lo, AdamStep step) {
+    adam_bf16_lanes<Lanes512, Avx512Words, kMode, kWriteGrad, kAmsgrad>(
+        param, extra, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, n, key, first_lo, step);
+  }
+};
+
+}  // namespace
+
+void adam_bf16(std::uint16_t* param, const Bf16Span& bf16, void* grad, DType grad_dtype,
+               bool write_grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+               std::int64_t n, const AdamStep& step) {
+  Bf16Spans<Kernels>::adam(param, bf16, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                           max_exp_avg_sq, n, step);
+}
+
+}  // namespace avx512
 #endif
 
 // The modes convert bf16 with shifts, and fp16 grads convert with F16C: the AVX2 loops run
@@ -213,6 +240,11 @@ void adam_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, DTyp
                     bool write_grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                     std::int64_t n, const AdamStep& step) {
 #ifdef AMPFUSE_HAVE_AVX2_PATH
+  if (cpu_has_avx512()) {
+    avx512::adam_bf16(param, bf16, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                      max_exp_avg_sq, n, step);
+    return;
+  }
   if (cpu_has_avx2_f16c()) {
     avx2::adam_bf16(param, bf16, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
                     n, step);

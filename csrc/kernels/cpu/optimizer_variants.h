@@ -292,6 +292,12 @@ void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool writ
 void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
              float* sum, float* master, std::int64_t n, const AdagradStep& step);
 }  // namespace avx2
+// Adam sixteen lanes at a time; call only where cpu_has_avx512() (optimizer_kernels_avx512.cpp).
+namespace avx512 {
+void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
+          std::int64_t n, const AdamStep& step);
+}  // namespace avx512
 #endif
 
 }  // namespace ampfuse::kernels::cpu
