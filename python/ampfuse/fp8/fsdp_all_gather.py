@@ -113,11 +113,6 @@ class FP8AllGatherWeight(torch.Tensor):
                              outer_size: Any, outer_stride: Any) -> FP8AllGatherWeight:
         return FP8AllGatherWeight(inner_tensors["_inner"], fp8_format)
 
-    def data_ptr(self) -> int:
-        # Caches keyed on (version, data_ptr) (the FP8 weight cache, master weights) must see
-        # a new storage: a wrapper has none of its own.
-        return self._inner.data_ptr()
-
     @property
     def data(self) -> torch.Tensor:
         return _TENSOR_DATA.__get__(self)
@@ -129,6 +124,7 @@ class FP8AllGatherWeight(torch.Tensor):
             value = FP8AllGatherWeight(value.detach(), self.fp8_format)
         _TENSOR_DATA.__set__(self, value)
         self._inner = value._inner
+        mark_replaced(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Pickled (torch.save of a whole module) as what it wraps, and wrapped again on load.
@@ -178,6 +174,13 @@ class FP8AllGatherWeight(torch.Tensor):
             return None
         codes = gathered[: size[0]].view(self.fp8_format).view(size)
         return FP8GatheredWeight(codes, scale_inv, param_dtype), (gathered,)
+
+
+def mark_replaced(weight: FP8AllGatherWeight) -> None:
+    """Tells the caches keyed on (version, data_ptr) (the FP8 weight cache, master weights)
+    that `weight` holds a new tensor: a wrapper's data_ptr is always 0 (it has no storage of
+    its own; torch's deepcopy and checkpoint code rely on that), so its version moves."""
+    torch.autograd.graph.increment_version(weight)
 
 
 def _rebuild(inner: torch.Tensor, fp8_format: torch.dtype, requires_grad: bool,

@@ -183,6 +183,8 @@ class Linear(torch.nn.Linear):
             for n, t in saved.items():
                 # (the fp8_ buffers are tensors, never None)
                 self._buffers[n] = t.to(device=fn(t[:0]).device)  # type: ignore[union-attr,index]
+        if isinstance(self.weight, fsdp_all_gather.FP8AllGatherWeight):
+            fsdp_all_gather.mark_replaced(self.weight)
         return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
