@@ -3,8 +3,9 @@ each rank casts its shard to FP8 with the whole weight's scale, FSDP2 all-gather
 codes, and the layer trains bit for bit like FSDP2's all-gather of the bf16 weight, and like
 the unsharded FP8 layer: on an even split (2 ranks), an uneven one (3 ranks: 16 rows split
 6/6/4, 32 rows 11/11/10, so FSDP2 pads), an fp32 model under MixedPrecisionPolicy(param_dtype=
-bf16), and gradients accumulated unsharded over the micro-batches (no gradient sync but the
-last)."""
+bf16), gradients accumulated unsharded over the micro-batches (no gradient sync but the
+last), and a model made on the meta device, sharded, to_empty and loaded from a full state
+dict."""
 
 import itertools
 import os
@@ -26,12 +27,14 @@ FEATURES = (32, 16, 32)  # Linear(32, 16), ReLU, Linear(16, 32)
 
 
 # name: (world size, model dtype, FSDP2's MixedPrecisionPolicy param_dtype, sync every
-# micro-batch's gradients)
+# micro-batch's gradients, made on the meta device then to_empty and loaded from a full state
+# dict)
 CASES = {
-    "even": (2, torch.bfloat16, None, True),
-    "uneven": (3, torch.bfloat16, None, True),
-    "mixed_precision": (2, torch.float32, torch.bfloat16, True),
-    "no_sync": (2, torch.bfloat16, None, False),
+    "even": (2, torch.bfloat16, None, True, False),
+    "uneven": (3, torch.bfloat16, None, True, False),
+    "mixed_precision": (2, torch.float32, torch.bfloat16, True, False),
+    "no_sync": (2, torch.bfloat16, None, False, False),
+    "meta_init": (2, torch.bfloat16, None, True, True),
 }
 
 
@@ -79,12 +82,13 @@ def _expected_all_gather_bytes(world_size, weight_bytes):
 def _train_sharded(all_gather_fp8, case):
     """Losses, full state and the bytes of each all-gather this rank sent."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
     )
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    _, dtype, param_dtype, sync = CASES[case]
+    _, dtype, param_dtype, sync, on_meta = CASES[case]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype)
 
     sent = []
@@ -94,9 +98,14 @@ def _train_sharded(all_gather_fp8, case):
         sent.append(input.numel() * input.element_size())
         return all_gather(output, input, *args, **kwargs)
 
-    model = _model(all_gather_fp8, dtype)
+    with torch.device("meta" if on_meta else "cpu"):
+        model = _model(all_gather_fp8, dtype)
     for module in (model[0], model[2], model):
         fully_shard(module, mp_policy=policy)
+    if on_meta:
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, _model(all_gather_fp8, dtype).state_dict(),
+                             options=StateDictOptions(full_state_dict=True))
     local = model[0].weight.to_local()
     assert isinstance(local, FP8AllGatherWeight) == all_gather_fp8, type(local)
     dist.all_gather_into_tensor = recording_all_gather
@@ -131,7 +140,7 @@ def _worker(rank, world_size, port, out_dir, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
-    world_size, dtype, _, _ = CASES[case]
+    world_size, dtype = CASES[case][:2]
     spawn_ranks(_worker, (world_size, free_port(), str(tmp_path), case), world_size, TIMEOUT_S)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     reference = _model(False, dtype)

@@ -261,6 +261,24 @@ def wrap_weight(param: torch.nn.Parameter, fp8_format: torch.dtype) -> None:
     torch.utils.swap_tensors(param, wrapped)
 
 
+def wrapped_like(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """`after` (what nn.Module._apply's function made of `before`: ``.to(dtype)``,
+    ``to_empty``) wrapped again if `before` was an FP8AllGatherWeight, directly or as the local
+    tensor of FSDP2's sharded DTensor (a model made on the meta device, sharded, then
+    ``to_empty``)."""
+    if isinstance(before, FP8AllGatherWeight) and type(after) is torch.Tensor:
+        return FP8AllGatherWeight(after.detach(), before.fp8_format)
+    local_before = getattr(before, "_local_tensor", None)
+    local_after = getattr(after, "_local_tensor", None)
+    if isinstance(local_before, FP8AllGatherWeight) and type(local_after) is torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        local = FP8AllGatherWeight(local_after.detach(), local_before.fp8_format)
+        return DTensor(local, after._spec,  # type: ignore[attr-defined]
+                       requires_grad=after.requires_grad)
+    return after
+
+
 def plain(value: torch.Tensor) -> torch.Tensor:
     """`value` with an FP8AllGatherWeight inside it (directly or as a DTensor's local tensor)
     replaced by the tensor it wraps: what a state_dict holds."""

@@ -172,10 +172,7 @@ class Linear(torch.nn.Linear):
         def keep_wrapper(t: torch.Tensor) -> torch.Tensor:
             # .to(dtype) of the FP8AllGatherWeight is a plain copy (as for an optimizer's
             # masters); the module's own weight stays wrapped, and the same Parameter.
-            out = fn(t)
-            if isinstance(t, fsdp_all_gather.FP8AllGatherWeight) and type(out) is torch.Tensor:
-                out = fsdp_all_gather.FP8AllGatherWeight(out.detach(), t.fp8_format)
-            return out
+            return fsdp_all_gather.wrapped_like(t, fn(t))
 
         try:
             super()._apply(keep_wrapper, recurse)
