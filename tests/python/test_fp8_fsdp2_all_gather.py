@@ -173,3 +173,34 @@ def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
             for name, want in expected_state.items():
                 torch.testing.assert_close(fp8_gather["state"][name], want, rtol=2**-8,
                                            atol=1e-6, msg=name)
+
+
+def _ddp_worker(rank, world_size, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        results = {}
+        for flag in (False, True):
+            model = _model(flag)
+            with torch.no_grad():  # unlike inits: DDP's broadcast of rank 0's params must work
+                model[0].weight.add_(rank)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            losses = _train(ddp)
+            results[flag] = {"losses": losses, "params": [p.detach() for p in model.parameters()]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_group()
+
+
+def test_ddp_trains_like_without_it(tmp_path):
+    """Outside FSDP2 the option changes nothing: DDP broadcasts and all-reduces the wrapped
+    weight like a plain one."""
+    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), 2, TIMEOUT_S)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert torch.equal(result[True]["losses"], result[False]["losses"])
+        for got, want in zip(result[True]["params"], result[False]["params"]):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
