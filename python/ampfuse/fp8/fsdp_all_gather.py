@@ -33,6 +33,9 @@ from torch.utils import _pytree as pytree
 
 from ampfuse.fp8.tensorwise import TensorwiseWeight
 
+# The two tensor types; the functions below are fp8.Linear's helpers.
+__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight"]
+
 _ops = torch.ops.ampfuse
 _aten = torch.ops.aten
 
