@@ -292,3 +292,10 @@ def test_gathered_weight_reads_as_its_values_and_refuses_writes(monkeypatch):
     with pytest.raises(TypeError, match="expected the FP8GatheredWeight"):
         local.fsdp_post_all_gather((torch.empty(0),), (new_scale, weight.shape),
                                    torch.bfloat16, out=torch.empty(48, 32))
+
+
+def test_a_shard_by_columns_is_refused():
+    weight = torch.randn(32, 32)
+    with pytest.raises(NotImplementedError, match="shards the weight by rows"):
+        FP8AllGatherWeight(weight[:, :16], E4M3).fsdp_pre_all_gather(
+            _Mesh(2), weight.shape, weight.stride(), None, None)

@@ -48,9 +48,9 @@ _KEEP_WRAPPER = frozenset({
     _aten.as_strided.default, _aten.new_zeros.default, _aten.new_empty.default,
     _aten.clone.default, _aten._pin_memory.default,
 })
-# Ops on the gathered weight that need no values: FSDP2 makes its unsharded Parameter with them.
 # torch.Tensor's own .data (get: a detached alias; set: swap the tensor's contents).
 _TENSOR_DATA: Any = torch._C.TensorBase.__dict__["data"]
+# Ops on the gathered weight that need no values: FSDP2 makes its unsharded Parameter with them.
 _GATHERED_VIEWS = frozenset({_aten.detach.default, _aten.alias.default,
                              _aten.as_strided.default, _aten.view.default})
 
@@ -143,6 +143,11 @@ class FP8AllGatherWeight(torch.Tensor):
         gather bytes), padded with zero rows to FSDP2's padded shard size; the metadata is the
         scale_inv."""
         shard = self._inner
+        if tuple(shard.shape[1:]) != tuple(outer_size[1:]):
+            raise NotImplementedError(
+                f"ampfuse.fp8: fsdp_fp8_all_gather shards the weight by rows (FSDP2's default "
+                f"Shard(0)); this shard is {tuple(shard.shape)} of {tuple(outer_size)}. Drop "
+                "the shard_placement_fn for this weight or turn fsdp_fp8_all_gather off.")
         param_dtype = getattr(mp_policy, "param_dtype", None)
         if param_dtype is not None and param_dtype != shard.dtype:
             shard = shard.to(param_dtype)  # what the layer would see all-gathered
