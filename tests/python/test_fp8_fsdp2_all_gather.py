@@ -4,11 +4,12 @@ codes, and the layer trains bit for bit like FSDP2's all-gather of the bf16 weig
 the unsharded FP8 layer: on an even split (2 ranks), an uneven one (3 ranks: 16 rows split
 6/6/4, 32 rows 11/11/10, so FSDP2 pads), an fp32 model under MixedPrecisionPolicy(param_dtype=
 bf16), gradients accumulated unsharded over the micro-batches (no gradient sync but the
-last), and a model made on the meta device, sharded, to_empty and loaded from a full state
-dict."""
+last), a model made on the meta device, sharded, to_empty and loaded from a full state dict,
+and one fully_shard unit holding both Linears. DDP with the option trains like without it."""
 
 import itertools
 import os
+from typing import NamedTuple
 
 import ampfuse
 import pytest
@@ -26,15 +27,22 @@ TIMEOUT_S = 90
 FEATURES = (32, 16, 32)  # Linear(32, 16), ReLU, Linear(16, 32)
 
 
-# name: (world size, model dtype, FSDP2's MixedPrecisionPolicy param_dtype, sync every
-# micro-batch's gradients, made on the meta device then to_empty and loaded from a full state
-# dict)
+class Case(NamedTuple):
+    world_size: int = 2
+    dtype: torch.dtype = torch.bfloat16
+    param_dtype: torch.dtype | None = None  # FSDP2's MixedPrecisionPolicy
+    sync_each_micro_batch: bool = True
+    on_meta: bool = False  # made on the meta device, then to_empty and a full state dict
+    each_layer: bool = True  # fully_shard on each Linear, else on the model only
+
+
 CASES = {
-    "even": (2, torch.bfloat16, None, True, False),
-    "uneven": (3, torch.bfloat16, None, True, False),
-    "mixed_precision": (2, torch.float32, torch.bfloat16, True, False),
-    "no_sync": (2, torch.bfloat16, None, False, False),
-    "meta_init": (2, torch.bfloat16, None, True, True),
+    "even": Case(),
+    "uneven": Case(world_size=3),
+    "mixed_precision": Case(dtype=torch.float32, param_dtype=torch.bfloat16),
+    "no_sync": Case(sync_each_micro_batch=False),
+    "meta_init": Case(on_meta=True),
+    "root_only": Case(each_layer=False),  # both Linears in one all-gather
 }
 
 
@@ -69,14 +77,15 @@ def _train(model, sync_each_micro_batch=True):
     return torch.stack(losses)
 
 
-def _expected_all_gather_bytes(world_size, weight_bytes):
-    """Bytes each rank puts into one all-gather of each Linear: its padded weight shard at
-    `weight_bytes` an element, its padded bias shard at 2 (bf16)."""
-    sizes = set()
+def _expected_all_gather_bytes(case, weight_bytes):
+    """Bytes each rank puts into one all-gather: per Linear its padded weight shard at
+    `weight_bytes` an element and its padded bias shard at 2 (bf16); one all-gather per Linear,
+    or one of both."""
+    sizes = []
     for k, n in itertools.pairwise(FEATURES):
-        rows = -(-n // world_size)
-        sizes.add(rows * k * weight_bytes + rows * 2)
-    return sizes
+        rows = -(-n // case.world_size)
+        sizes.append(rows * k * weight_bytes + rows * 2)
+    return set(sizes) if case.each_layer else {sum(sizes)}
 
 
 def _train_sharded(all_gather_fp8, case):
@@ -88,8 +97,8 @@ def _train_sharded(all_gather_fp8, case):
     )
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    _, dtype, param_dtype, sync, on_meta = CASES[case]
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    case = CASES[case]
+    policy = MixedPrecisionPolicy(param_dtype=case.param_dtype)
 
     sent = []
     all_gather = dist.all_gather_into_tensor
@@ -98,19 +107,19 @@ def _train_sharded(all_gather_fp8, case):
         sent.append(input.numel() * input.element_size())
         return all_gather(output, input, *args, **kwargs)
 
-    with torch.device("meta" if on_meta else "cpu"):
-        model = _model(all_gather_fp8, dtype)
-    for module in (model[0], model[2], model):
+    with torch.device("meta" if case.on_meta else "cpu"):
+        model = _model(all_gather_fp8, case.dtype)
+    for module in (model[0], model[2], model) if case.each_layer else (model,):
         fully_shard(module, mp_policy=policy)
-    if on_meta:
+    if case.on_meta:
         model.to_empty(device="cpu")
-        set_model_state_dict(model, _model(all_gather_fp8, dtype).state_dict(),
+        set_model_state_dict(model, _model(all_gather_fp8, case.dtype).state_dict(),
                              options=StateDictOptions(full_state_dict=True))
     local = model[0].weight.to_local()
     assert isinstance(local, FP8AllGatherWeight) == all_gather_fp8, type(local)
     dist.all_gather_into_tensor = recording_all_gather
     try:
-        losses = _train(model, sync)
+        losses = _train(model, case.sync_each_micro_batch)
     finally:
         dist.all_gather_into_tensor = all_gather
     # torch.distributed.checkpoint's view of the model: plain local tensors; loading it back
@@ -140,7 +149,7 @@ def _worker(rank, world_size, port, out_dir, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
-    world_size, dtype = CASES[case][:2]
+    world_size, dtype = CASES[case].world_size, CASES[case].dtype
     spawn_ranks(_worker, (world_size, free_port(), str(tmp_path), case), world_size, TIMEOUT_S)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     reference = _model(False, dtype)
@@ -156,8 +165,8 @@ def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
         # Each all-gather moved the weight shard at 1 byte an element (2 without the option)
         # and the bf16 bias.
         assert fp8_gather["sent"] and len(fp8_gather["sent"]) == len(bf16_gather["sent"])
-        assert set(fp8_gather["sent"]) == _expected_all_gather_bytes(world_size, 1)
-        assert set(bf16_gather["sent"]) == _expected_all_gather_bytes(world_size, 2)
+        assert set(fp8_gather["sent"]) == _expected_all_gather_bytes(CASES[case], 1)
+        assert set(bf16_gather["sent"]) == _expected_all_gather_bytes(CASES[case], 2)
         # A checkpoint of the sharded model holds plain local tensors.
         assert fp8_gather["local_types"] == {torch.Tensor}
         # And both train like the unsharded FP8 model (a bf16 one: the fp32 model under FSDP2's
