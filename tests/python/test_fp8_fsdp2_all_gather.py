@@ -128,8 +128,16 @@ def _train_sharded(all_gather_fp8, case):
     local_types = {type(v.to_local()) for v in state.values()}
     set_model_state_dict(model, state)
     assert isinstance(model[0].weight.to_local(), FP8AllGatherWeight) == all_gather_fp8
+    model.load_state_dict(state, assign=True)  # new DTensors of plain local tensors
+    assert isinstance(model[0].weight.to_local(), FP8AllGatherWeight) == all_gather_fp8
     inputs, targets = _batch(STEPS, 0)
-    losses = torch.cat([losses, F.mse_loss(model(inputs).float(), targets).detach()[None]])
+    before = len(sent)
+    dist.all_gather_into_tensor = recording_all_gather
+    try:
+        losses = torch.cat([losses, F.mse_loss(model(inputs).float(), targets).detach()[None]])
+    finally:
+        dist.all_gather_into_tensor = all_gather
+    assert len(sent) > before  # the loaded model all-gathers (the sizes are checked with all)
     return {"losses": losses, "state": {k: v.full_tensor() for k, v in state.items()},
             "sent": sent, "local_types": local_types}
 

@@ -259,11 +259,21 @@ def _gathered_view(func: Any, args: Any, kwargs: dict[str, Any]) -> FP8GatheredW
     return FP8GatheredWeight(weight._codes, weight._scale_inv, weight.dtype)
 
 
-def wrap_weight(param: torch.nn.Parameter, fp8_format: torch.dtype) -> None:
+def wrap_weight(param: torch.Tensor, fp8_format: torch.dtype) -> None:
     """Makes `param` (in place: the same object, so optimizers keep it) an FP8AllGatherWeight
-    Parameter; a no-op if it is one."""
+    Parameter, or, for FSDP2's sharded DTensor parameter (after ``load_state_dict(...,
+    assign=True)`` of a sharded model), its local tensor one; a no-op where it is one."""
     if isinstance(param, FP8AllGatherWeight):
         return
+    local = getattr(param, "_local_tensor", None)
+    if local is not None:
+        if type(local) is torch.Tensor:
+            # FSDP2 itself swaps _local_tensor so (reset_sharded_param, after the load).
+            param._local_tensor = FP8AllGatherWeight(  # type: ignore[attr-defined]
+                local.detach(), fp8_format)
+        return
+    if type(param) not in (torch.Tensor, torch.nn.Parameter):
+        return  # another subclass: not ours to change
     wrapped = torch.nn.Parameter(FP8AllGatherWeight(param.detach(), fp8_format),
                                  requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, wrapped)

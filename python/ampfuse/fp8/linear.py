@@ -137,10 +137,9 @@ class Linear(torch.nn.Linear):
         return isinstance(r, CurrentScaling) and r.fsdp_fp8_all_gather
 
     def _wrap_weight_if_needed(self) -> None:
-        # A sharded (DTensor) weight is FSDP2's: it is wrapped already or stays as it is.
-        weight = self.weight
-        if self._all_gathers_fp8() and type(weight) in (torch.Tensor, torch.nn.Parameter):
-            fsdp_all_gather.wrap_weight(weight, self.fp8_recipe.fwd_format)  # type: ignore[arg-type]
+        if self._all_gathers_fp8():
+            fsdp_all_gather.wrap_weight(self.weight,
+                                        self.fp8_recipe.fwd_format)  # type: ignore[arg-type]
 
     def invalidate(self) -> None:
         """Drops the cached FP8 weight: the next forward quantizes the weight again."""
