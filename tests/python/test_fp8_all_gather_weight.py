@@ -204,7 +204,8 @@ def _gather(weight, world_size, monkeypatch):
     answers the max over all ranks."""
     shards = list(weight.chunk(world_size))
     shards += [weight[:0]] * (world_size - len(shards))  # ranks past the last chunk: 0 rows
-    local_amaxes = [s.float().abs().amax() if s.numel() else torch.tensor(0.0) for s in shards]
+    local_amaxes = [s.float().abs().amax() if s.numel() else weight.new_zeros((), dtype=torch.float32)
+                    for s in shards]
     local_amaxes = [torch.where(a.isnan(), float("inf"), a) for a in local_amaxes]
     calls = []
 
@@ -233,8 +234,9 @@ def _gather(weight, world_size, monkeypatch):
 
 @pytest.mark.parametrize("rows,world_size", [(48, 2), (48, 5), (16, 5)],
                          ids=["even", "padded", "empty_shard"])
-def test_gathered_codes_are_the_whole_weights(rows, world_size, monkeypatch):
-    weight = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+def test_gathered_codes_are_the_whole_weights(rows, world_size, device, monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(rows, 32, generator=generator).bfloat16().to(device)
     gathered, inputs, shards = _gather(weight, world_size, monkeypatch)
     assert isinstance(gathered, FP8GatheredWeight)
     assert gathered.shape == weight.shape and gathered.dtype == weight.dtype
@@ -247,8 +249,8 @@ def test_gathered_codes_are_the_whole_weights(rows, world_size, monkeypatch):
         assert not codes[shard.shape[0]:].any()  # FSDP2's padding rows: zero codes
 
 
-def test_a_nan_in_one_shard_makes_every_scale_nan(monkeypatch):
-    weight = torch.randn(48, 32).bfloat16()
+def test_a_nan_in_one_shard_makes_every_scale_nan(device, monkeypatch):
+    weight = torch.randn(48, 32).bfloat16().to(device)
     weight[40, 3] = float("nan")
     gathered, _, _ = _gather(weight, 2, monkeypatch)
     assert gathered._scale_inv.isnan().all()
@@ -266,14 +268,14 @@ def test_fp32_model_under_bf16_policy_casts_the_shard_first(monkeypatch):
     assert torch.equal(scale_inv, want.scale_inv)
 
 
-def test_gathered_weight_reads_as_its_values_and_refuses_writes(monkeypatch):
-    weight = torch.randn(48, 32).bfloat16()
+def test_gathered_weight_reads_as_its_values_and_refuses_writes(device, monkeypatch):
+    weight = torch.randn(48, 32).bfloat16().to(device)
     gathered, _, _ = _gather(weight, 2, monkeypatch)
     want = tensorwise.quantize_weight_current(weight, E4M3)
     values = (want.w8.float() * want.scale_inv).bfloat16()
     assert torch.equal(gathered.dequantize(), values)
     assert torch.equal(gathered + 1, values + 1)
-    x = torch.randn(4, 32).bfloat16()
+    x = torch.randn(4, 32).bfloat16().to(device)
     assert torch.equal(F.linear(x, gathered), F.linear(x, values))
     # FSDP2 makes its unsharded Parameter with these: they keep the codes.
     param = nn.Parameter(torch.as_strided(gathered, weight.shape, weight.stride(), 0))
@@ -284,14 +286,14 @@ def test_gathered_weight_reads_as_its_values_and_refuses_writes(monkeypatch):
     with pytest.raises(RuntimeError, match="only the whole weight can be viewed"):
         gathered.view(32, 48)
     # FSDP2's next all-gather refills the same codes and hands over the new scale.
-    new_scale = torch.tensor([2.0])
+    new_scale = torch.tensor([2.0], device=device)
     local = FP8AllGatherWeight(weight[:24], E4M3)
     assert local.fsdp_post_all_gather((torch.empty(0),), (new_scale, weight.shape),
                                       torch.bfloat16, out=param) is None
     assert param._scale_inv is new_scale
     with pytest.raises(TypeError, match="expected the FP8GatheredWeight"):
         local.fsdp_post_all_gather((torch.empty(0),), (new_scale, weight.shape),
-                                   torch.bfloat16, out=torch.empty(48, 32))
+                                   torch.bfloat16, out=torch.empty(48, 32, device=device))
 
 
 def test_a_shard_by_columns_is_refused():

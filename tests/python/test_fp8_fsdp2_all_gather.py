@@ -34,6 +34,7 @@ class Case(NamedTuple):
     sync_each_micro_batch: bool = True
     on_meta: bool = False  # made on the meta device, then to_empty and a full state dict
     each_layer: bool = True  # fully_shard on each Linear, else on the model only
+    device: str = "cpu"  # "cuda": NCCL, one rank per GPU
 
 
 CASES = {
@@ -43,6 +44,8 @@ CASES = {
     "no_sync": Case(sync_each_micro_batch=False),
     "meta_init": Case(on_meta=True),
     "root_only": Case(each_layer=False),  # both Linears in one all-gather
+    "one_gpu": Case(world_size=1, device="cuda"),  # NCCL and CUDA streams
+    "one_rank": Case(world_size=1),  # FSDP2 calls the hooks but skips the collective
 }
 
 
@@ -60,13 +63,13 @@ def _batch(step, micro):
             torch.randn(16, FEATURES[2], generator=generator))
 
 
-def _train(model, sync_each_micro_batch=True):
+def _train(model, sync_each_micro_batch=True, device="cpu"):
     optimizer = ampfuse.optimizers.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1,
                                               master_weights=True)
     losses = []
     for step in range(STEPS):
         for micro in range(MICRO_BATCHES):
-            inputs, targets = _batch(step, micro)
+            inputs, targets = (t.to(device) for t in _batch(step, micro))
             if not sync_each_micro_batch:
                 model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)
             loss = F.mse_loss(model(inputs).float(), targets)
@@ -75,6 +78,11 @@ def _train(model, sync_each_micro_batch=True):
         optimizer.step()
         optimizer.zero_grad()
     return torch.stack(losses)
+
+
+def _codes_bytes(case):
+    """Bytes of the codes each rank's pre-all-gather hook returns, per Linear."""
+    return {-(-n // case.world_size) * k for k, n in itertools.pairwise(FEATURES)}
 
 
 def _expected_all_gather_bytes(case, weight_bytes):
@@ -107,19 +115,19 @@ def _train_sharded(all_gather_fp8, case):
         sent.append(input.numel() * input.element_size())
         return all_gather(output, input, *args, **kwargs)
 
-    with torch.device("meta" if case.on_meta else "cpu"):
+    with torch.device("meta" if case.on_meta else case.device):
         model = _model(all_gather_fp8, case.dtype)
     for module in (model[0], model[2], model) if case.each_layer else (model,):
         fully_shard(module, mp_policy=policy)
     if case.on_meta:
-        model.to_empty(device="cpu")
+        model.to_empty(device=case.device)
         set_model_state_dict(model, _model(all_gather_fp8, case.dtype).state_dict(),
                              options=StateDictOptions(full_state_dict=True))
     local = model[0].weight.to_local()
     assert isinstance(local, FP8AllGatherWeight) == all_gather_fp8, type(local)
     dist.all_gather_into_tensor = recording_all_gather
     try:
-        losses = _train(model, case.sync_each_micro_batch)
+        losses = _train(model, case.sync_each_micro_batch, case.device)
     finally:
         dist.all_gather_into_tensor = all_gather
     # torch.distributed.checkpoint's view of the model: plain local tensors; loading it back
@@ -130,24 +138,47 @@ def _train_sharded(all_gather_fp8, case):
     assert isinstance(model[0].weight.to_local(), FP8AllGatherWeight) == all_gather_fp8
     model.load_state_dict(state, assign=True)  # new DTensors of plain local tensors
     assert isinstance(model[0].weight.to_local(), FP8AllGatherWeight) == all_gather_fp8
-    inputs, targets = _batch(STEPS, 0)
+    inputs, targets = (t.to(case.device) for t in _batch(STEPS, 0))
     before = len(sent)
     dist.all_gather_into_tensor = recording_all_gather
     try:
         losses = torch.cat([losses, F.mse_loss(model(inputs).float(), targets).detach()[None]])
     finally:
         dist.all_gather_into_tensor = all_gather
-    assert len(sent) > before  # the loaded model all-gathers (the sizes are checked with all)
+    # The loaded model all-gathers (the sizes are checked with all).
+    assert len(sent) > before or case.world_size == 1
     return {"losses": losses, "state": {k: v.full_tensor() for k, v in state.items()},
             "sent": sent, "local_types": local_types}
 
 
+def _count_hook_calls():
+    """Records the bytes each call of the pre-all-gather hook returns (with FSDP2's signature:
+    FSDP2 checks it). FSDP2 calls the hook on one rank too, where it skips the collective."""
+    calls = []
+    hook = FP8AllGatherWeight.fsdp_pre_all_gather
+
+    def counting_hook(self, mesh, outer_size, outer_stride, module, mp_policy):
+        inputs, metadata = hook(self, mesh, outer_size, outer_stride, module, mp_policy)
+        calls.append(sum(t.numel() * t.element_size() for t in inputs))
+        return inputs, metadata
+
+    FP8AllGatherWeight.fsdp_pre_all_gather = counting_hook
+    return calls
+
+
 def _worker(rank, world_size, port, out_dir, case):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    hook_calls = _count_hook_calls()
+    on_gpu = CASES[case].device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
-        results = {flag: _train_sharded(flag, case) for flag in (False, True)}
+        results = {}
+        for flag in (False, True):
+            hook_calls.clear()
+            results[flag] = {**_train_sharded(flag, case), "hooked": list(hook_calls)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
         dist.destroy_process_group()
@@ -155,9 +186,13 @@ def _worker(rank, world_size, port, out_dir, case):
     leave_group()
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.cuda)
+                                  if case.device == "cuda" else name
+                                  for name, case in CASES.items()])
 def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
-    world_size, dtype = CASES[case].world_size, CASES[case].dtype
+    world_size, dtype, device = CASES[case].world_size, CASES[case].dtype, CASES[case].device
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8.Linear's GEMMs need compute capability 8.9 or newer")
     spawn_ranks(_worker, (world_size, free_port(), str(tmp_path), case), world_size, TIMEOUT_S)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     reference = _model(False, dtype)
@@ -170,11 +205,14 @@ def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
         assert torch.equal(fp8_gather["losses"], bf16_gather["losses"])
         for name, value in fp8_gather["state"].items():
             assert torch.equal(value, bf16_gather["state"][name]), name
-        # Each all-gather moved the weight shard at 1 byte an element (2 without the option)
-        # and the bf16 bias.
-        assert fp8_gather["sent"] and len(fp8_gather["sent"]) == len(bf16_gather["sent"])
-        assert set(fp8_gather["sent"]) == _expected_all_gather_bytes(CASES[case], 1)
-        assert set(bf16_gather["sent"]) == _expected_all_gather_bytes(CASES[case], 2)
+        # The hook made the FP8 codes, 1 byte an element; each all-gather moved them and the
+        # bf16 bias (the weight at 2 bytes without the option). One rank gathers nothing.
+        assert set(fp8_gather["hooked"]) == _codes_bytes(CASES[case])
+        assert bf16_gather["hooked"] == []
+        assert len(fp8_gather["sent"]) == len(bf16_gather["sent"])
+        if world_size > 1:
+            assert set(fp8_gather["sent"]) == _expected_all_gather_bytes(CASES[case], 1)
+            assert set(bf16_gather["sent"]) == _expected_all_gather_bytes(CASES[case], 2)
         # A checkpoint of the sharded model holds plain local tensors.
         assert fp8_gather["local_types"] == {torch.Tensor}
         # And both train like the unsharded FP8 model (a bf16 one: the fp32 model under FSDP2's
@@ -183,10 +221,11 @@ def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
         # test_fp8_fsdp2). On 5 ranks FSDP2's averaged bf16 gradient (a sum of 5 divided by 5)
         # rounds apart from the single-process one, with or without the option, so there the
         # bit-exact match above is the check.
-        if dtype == torch.bfloat16:
+        # (On a GPU, cuBLASLt's GEMMs sum in another order than the CPU reference.)
+        if dtype == torch.bfloat16 and device == "cpu":
             torch.testing.assert_close(fp8_gather["losses"][:-1], expected_losses, rtol=1e-6,
                                        atol=1e-7)
-        if dtype == torch.bfloat16 and world_size == 2:
+        if dtype == torch.bfloat16 and device == "cpu" and world_size == 2:
             for name, want in expected_state.items():
                 torch.testing.assert_close(fp8_gather["state"][name], want, rtol=2**-8,
                                            atol=1e-6, msg=name)

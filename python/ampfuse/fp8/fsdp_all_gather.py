@@ -174,6 +174,10 @@ class FP8AllGatherWeight(torch.Tensor):
         in place) only its scale_inv is replaced."""
         (gathered,) = all_gather_outputs
         scale_inv, size = metadata
+        if scale_inv.is_cuda:
+            # Made on FSDP2's copy-in stream, read by the forward on this one: its memory must
+            # not be reused on the copy-in stream before this stream is done with it.
+            scale_inv.record_stream(torch.cuda.current_stream(scale_inv.device))
         if out is not None:
             if not isinstance(out, FP8GatheredWeight):
                 raise TypeError(f"ampfuse.fp8: FSDP2 passed out={type(out).__qualname__}, "
