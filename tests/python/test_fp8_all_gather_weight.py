@@ -101,6 +101,7 @@ def test_state_dict_is_plain_and_round_trips(tmp_path):
     state = model.state_dict()
     assert list(state) == list(_model(fp8.CurrentScaling()).state_dict())
     assert {type(v) for v in state.values()} == {torch.Tensor}
+    assert model.state_dict(keep_vars=True)["0.weight"] is model[0].weight  # the live one
     torch.save(state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     other = _model(FLAG)

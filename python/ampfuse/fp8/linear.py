@@ -54,8 +54,10 @@ def _is_fsdp_module(module: torch.nn.Module) -> bool:
 def _plain_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
                       local_metadata: Any) -> None:
     key = prefix + "weight"
-    if key in state_dict:
-        state_dict[key] = fsdp_all_gather.plain(state_dict[key])
+    value = state_dict.get(key)
+    if value is None or value is module._parameters.get("weight"):
+        return  # state_dict(keep_vars=True) asked for the live Parameter itself
+    state_dict[key] = fsdp_all_gather.plain(value)
 
 
 class Linear(torch.nn.Linear):
