@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ampfuse.fp8 import rowwise, rowwise_gemm, tensorwise
+from ampfuse.fp8 import fsdp_all_gather, rowwise, rowwise_gemm, tensorwise
 from ampfuse.fp8.recipe import (
     CurrentScaling,
     DelayedScaling,
@@ -51,6 +51,15 @@ def _is_fsdp_module(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
+def _plain_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                      local_metadata: Any) -> None:
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is None or value is module._parameters.get("weight"):
+        return  # state_dict(keep_vars=True) asked for the live Parameter itself
+    state_dict[key] = fsdp_all_gather.plain(value)
+
+
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` computing its GEMMs in FP8 (see the module docstring).
 
@@ -61,6 +70,11 @@ class Linear(torch.nn.Linear):
     checkpoints carry, moved by ``ampfuse.fp8.update_scales(model)`` once per optimizer step
     (amp.initialize does it for you); in eval mode it uses the current scales and records
     nothing. With the other recipes the state_dict is exactly nn.Linear's.
+
+    ``CurrentScaling(fsdp_fp8_all_gather=True)`` makes the weight an
+    ``ampfuse.fp8.fsdp_all_gather.FP8AllGatherWeight`` Parameter (the same Parameter object),
+    which FSDP2's ``fully_shard`` all-gathers as FP8 codes; outside FSDP2 it computes, trains,
+    saves and loads exactly like the plain weight.
     """
 
     fp8_recipe: Recipe
@@ -105,6 +119,10 @@ class Linear(torch.nn.Linear):
         check_shape(self)
         self.fp8_recipe = recipe
         self._fp8_weight_cache = WeightCache()
+        if self._all_gathers_fp8():
+            self._wrap_weight_if_needed()
+            # The wrapper never reaches a checkpoint: state_dict holds the plain weight.
+            self.register_state_dict_post_hook(_plain_state_dict)
         if not isinstance(recipe, DelayedScaling):
             return
         device = self.weight.device
@@ -115,6 +133,15 @@ class Linear(torch.nn.Linear):
                                  torch.zeros(recipe.amax_history_len, device=device))
             self.register_buffer(f"fp8_{role}_scale", torch.ones(1, device=device))
             self.register_buffer(f"fp8_{role}_scale_inv", torch.ones(1, device=device))
+
+    def _all_gathers_fp8(self) -> bool:
+        r = self.fp8_recipe
+        return isinstance(r, CurrentScaling) and r.fsdp_fp8_all_gather
+
+    def _wrap_weight_if_needed(self) -> None:
+        if self._all_gathers_fp8():
+            fsdp_all_gather.wrap_weight(self.weight,
+                                        self.fp8_recipe.fwd_format)  # type: ignore[arg-type]
 
     def invalidate(self) -> None:
         """Drops the cached FP8 weight: the next forward quantizes the weight again."""
@@ -142,20 +169,32 @@ class Linear(torch.nn.Linear):
         self.invalidate()
         names = [n for n in self._buffers if n.startswith("fp8_")]
         saved = {n: self._buffers.pop(n) for n in names}
+
+        def keep_wrapper(t: torch.Tensor) -> torch.Tensor:
+            # .to(dtype) of the FP8AllGatherWeight is a plain copy (as for an optimizer's
+            # masters); the module's own weight stays wrapped, and the same Parameter.
+            return fsdp_all_gather.wrapped_like(t, fn(t))
+
         try:
-            super()._apply(fn, recurse)
+            super()._apply(keep_wrapper, recurse)
         finally:
             for n, t in saved.items():
                 # (the fp8_ buffers are tensors, never None)
                 self._buffers[n] = t.to(device=fn(t[:0]).device)  # type: ignore[union-attr,index]
+        if isinstance(self.weight, fsdp_all_gather.FP8AllGatherWeight):
+            fsdp_all_gather.mark_replaced(self.weight)
         return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.invalidate()
         super()._load_from_state_dict(*args, **kwargs)
+        self._wrap_weight_if_needed()  # load_state_dict(assign=True) put a plain Parameter
 
     def _quantized_weight(self) -> Any:
         r = self.fp8_recipe
+        if isinstance(self.weight, fsdp_all_gather.FP8GatheredWeight):
+            # FSDP2 all-gathered the FP8 codes: nothing left to quantize.
+            return self.weight.tensorwise_weight()
         cache = self._fp8_weight_cache
         if _is_fsdp_module(self):
             # fully_shard: the weight here is the all-gathered one, freed after the forward;

@@ -97,12 +97,20 @@ class CurrentScaling:
     fast_accum_fwd / fast_accum_bwd: cuBLASLt's fast FP8 accumulation for the forward GEMM
     (on by default, as TransformerEngine and torchao do) and for the two backward GEMMs (off:
     gradients sum over many more products). The CPU emulation ignores them.
+    fsdp_fp8_all_gather: under FSDP2's ``fully_shard``, all-gather the weight's FP8 codes (1
+    byte per element) instead of its high-precision values (see ampfuse.fp8.fsdp_all_gather);
+    off by default. Each rank casts its own shard with the scale of the whole weight (one
+    all-reduce of the shard amaxes per weight), so the numbers are those of the unsharded layer.
+    Only current scaling offers it: rowwise scaling's weight scales are per output feature and
+    the backward's per input feature, which a row shard cannot give alone, and delayed scaling
+    is the legacy recipe.
     """
 
     fwd_format: str | torch.dtype = "e4m3"
     bwd_format: str | torch.dtype = "e5m2"
     fast_accum_fwd: bool = True
     fast_accum_bwd: bool = False
+    fsdp_fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         name = "ampfuse.fp8.CurrentScaling"
@@ -115,6 +123,7 @@ class CurrentScaling:
         object.__setattr__(self, "bwd_format", _format("bwd_format", self.bwd_format, name))
         _check_flag(name, "fast_accum_fwd", self.fast_accum_fwd)
         _check_flag(name, "fast_accum_bwd", self.fast_accum_bwd)
+        _check_flag(name, "fsdp_fp8_all_gather", self.fsdp_fp8_all_gather)
 
 
 @dataclasses.dataclass(frozen=True)
