@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu/lanes_avx512.h"
@@ -41,47 +42,34 @@ bool same_state(const State& a, const State& b) {
 
 }  // namespace
 
-TEST_CASE("AVX2+F16C adam gives the portable kernel's bits") {
-  if (!cpu_runs_avx2_kernels()) return;
-  for (bool adam_w : {false, true}) {
-    for (bool amsgrad : {false, true}) {
-      for (bool maximize : {false, true}) {
-        // beta1 0.9 and 0.3 take the two lerp formulas.
-        const AdamConfig config{adam_w ? 0.9 : 0.3, 0.999, 1e-8, 0.01, adam_w, true, amsgrad,
-                                maximize};
-        INFO("adam_w " << adam_w << " amsgrad " << amsgrad << " maximize " << maximize);
-        compare_variants<State>("adam", [&](bool use_avx2, State& s, bool master, bool write,
-                                             std::int64_t n, int t) {
-          const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
-          auto* run = use_avx2 ? avx2::adam : portable::adam;
-          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.first.data(),
-              s.second.data(), amsgrad ? s.third.data() : nullptr,
-              master ? s.master.data() : nullptr, n, step);
-        });
-      }
-    }
-  }
-}
+using AdamKernel = void (*)(void*, DType, void*, DType, bool, float*, float*, float*, float*,
+                            std::int64_t, const AdamStep&);
 
-TEST_CASE("AVX-512 adam (sixteen lanes) gives the portable kernel's bits") {
-  if (!cpu_has_avx512()) {
+TEST_CASE("AVX2+F16C and AVX-512 adam give the portable kernel's bits") {
+  std::vector<std::pair<const char*, AdamKernel>> kernels;
+  if (cpu_runs_avx2_kernels()) kernels.push_back({"avx2", avx2::adam});
+  if (cpu_has_avx512()) {
+    kernels.push_back({"avx512", avx512::adam});
+  } else {
     WARN("this CPU has no AVX-512: the sixteen-lane Adam does not run here");
-    return;
   }
-  for (bool adam_w : {false, true}) {
-    for (bool amsgrad : {false, true}) {
-      for (bool maximize : {false, true}) {
-        const AdamConfig config{adam_w ? 0.9 : 0.3, 0.999, 1e-8, 0.01, adam_w, true, amsgrad,
-                                maximize};
-        INFO("adam_w " << adam_w << " amsgrad " << amsgrad << " maximize " << maximize);
-        compare_variants<State>("adam", [&](bool use_avx512, State& s, bool master, bool write,
-                                             std::int64_t n, int t) {
-          const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
-          auto* run = use_avx512 ? avx512::adam : portable::adam;
-          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.first.data(),
-              s.second.data(), amsgrad ? s.third.data() : nullptr,
-              master ? s.master.data() : nullptr, n, step);
-        });
+  for (const auto& [name, kernel] : kernels) {
+    for (bool adam_w : {false, true}) {
+      for (bool amsgrad : {false, true}) {
+        for (bool maximize : {false, true}) {
+          // beta1 0.9 and 0.3 take the two lerp formulas.
+          const AdamConfig config{
+              adam_w ? 0.9 : 0.3, 0.999, 1e-8, 0.01, adam_w, true, amsgrad, maximize};
+          INFO(name << " adam_w " << adam_w << " amsgrad " << amsgrad << " maximize " << maximize);
+          compare_variants<State>("adam", [&](bool vector, State& s, bool master, bool write,
+                                               std::int64_t n, int t) {
+            const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
+            AdamKernel run = vector ? kernel : portable::adam;
+            run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.first.data(),
+                s.second.data(), amsgrad ? s.third.data() : nullptr,
+                master ? s.master.data() : nullptr, n, step);
+          });
+        }
       }
     }
   }
