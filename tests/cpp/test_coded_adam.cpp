@@ -9,6 +9,7 @@
 
 #include "bf16_modes.h"
 #include "cpu/coded_moments.h"
+#include "cpu/lanes_avx512.h"
 #include "cpu/cpu_kernels.h"
 #include "variant_test_arrays.h"
 
@@ -81,7 +82,7 @@ using CodedSpan = void (*)(void*, DType, void*, DType, bool, const CodedMoments&
 std::vector<std::pair<const char*, CodedSpan>> fused_steps() {
   std::vector<std::pair<const char*, CodedSpan>> steps;
   if (avx2_fma::supported()) steps.push_back({"avx2_fma", avx2_fma::adam_coded_span});
-  if (avx512::supported()) steps.push_back({"avx512", avx512::adam_coded_span});
+  if (cpu_has_avx512()) steps.push_back({"avx512", avx512::adam_coded_span});
   if (steps.empty()) WARN("this CPU has no AVX2+FMA+F16C: only the portable coded Adam runs here");
   return steps;
 }

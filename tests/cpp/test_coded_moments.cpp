@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/coded_moments.h"
+#include "cpu/lanes_avx512.h"
 #include "state_codes.h"
 
 using ampfuse::kernels::StateCode;
@@ -56,7 +57,7 @@ std::vector<Implementation> implementations() {
     all.push_back({"avx2_fma", k::cpu::avx2_fma::decode_moment_span,
                    k::cpu::avx2_fma::encode_moment_span});
   }
-  if (k::cpu::avx512::supported()) {
+  if (k::cpu::cpu_has_avx512()) {
     all.push_back({"avx512", k::cpu::avx512::decode_moment_span,
                    k::cpu::avx512::encode_moment_span});
   }
@@ -197,7 +198,7 @@ TEST_CASE("coded moments: the vector paths' division-free quotients are the roun
   using Quotients = void (*)(const float*, std::int64_t, float, float*);
   std::vector<std::pair<const char*, Quotients>> paths;
   if (k::cpu::avx2_fma::supported()) paths.push_back({"avx2_fma", k::cpu::avx2_fma::quotients});
-  if (k::cpu::avx512::supported()) paths.push_back({"avx512", k::cpu::avx512::quotients});
+  if (k::cpu::cpu_has_avx512()) paths.push_back({"avx512", k::cpu::avx512::quotients});
   if (paths.empty()) return;  // neither vector path runs on this processor
   std::vector<float> x(std::size_t{1} << 23), quotient(x.size());
   for (const int binade : {-1, -20, -33}) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "coded_moments.h"
+#include "lanes_avx512.h"
 #include "cpu_kernels.h"
 #include "storage_dispatch.h"
 
@@ -87,7 +88,7 @@ void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtyp
                      const CodedMoments& moments, float* master, const Bf16Span* bf16,
                      std::int64_t n, const AdamStep& step) {
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
-  if (avx512::supported()) {
+  if (cpu_has_avx512()) {
     avx512::adam_coded_span(param, param_dtype, grad, grad_dtype, write_grad, moments, master, bf16,
                             n, step);
     return;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "lanes_avx512.h"
 #include "storage_dispatch.h"
 
 namespace ampfuse::kernels::cpu {
@@ -85,7 +86,7 @@ void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n,
 void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
                         std::int64_t n, StateCode code, bool second, float* moment) {
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
-  if (avx512::supported()) {
+  if (cpu_has_avx512()) {
     avx512::decode_moment_span(codes, scales, first, n, code, second, moment);
     return;
   }
@@ -100,7 +101,7 @@ void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int
 void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,
                         bool second, std::uint8_t* codes, float* scales) {
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
-  if (avx512::supported()) {
+  if (cpu_has_avx512()) {
     avx512::encode_moment_span(moment, first, n, code, second, codes, scales);
     return;
   }

@@ -57,8 +57,8 @@ void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n,
 void quotients(const float* x, std::int64_t n, float divisor, float* out);
 }  // namespace avx2_fma
 // The same loops sixteen lanes a vector (coded_moments_avx512.cpp), picked before avx2_fma::.
+// Call them only where cpu_has_avx512() (lanes_avx512.h).
 namespace avx512 {
-bool supported();  // the processor has AVX-512 F, BW, VL and DQ, AVX2, FMA and F16C
 void decode_moment_span(const std::uint8_t* codes, const float* scales, std::int64_t first,
                         std::int64_t n, StateCode code, bool second, float* moment);
 void encode_moment_span(const float* moment, std::int64_t first, std::int64_t n, StateCode code,

@@ -10,8 +10,6 @@
 
 namespace ampfuse::kernels::cpu::avx512 {
 
-bool supported() { return cpu_has_avx512(); }
-
 #define AMPFUSE_CODED_TARGET AMPFUSE_AVX512_TARGET
 #include "coded_moments_lanes.inc"
 #undef AMPFUSE_CODED_TARGET

@@ -152,7 +152,7 @@ void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtyp
                      bool write_grad, const CodedMoments& moments, float* master,
                      const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
 }  // namespace avx2_fma
-// Sixteen lanes, for processors with AVX-512 (avx512::supported(), coded_moments.h;
+// Sixteen lanes, for processors with AVX-512 (cpu_has_avx512(), lanes_avx512.h;
 // adam_coded_avx512.cpp).
 namespace avx512 {
 void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
