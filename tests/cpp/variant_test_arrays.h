@@ -122,12 +122,14 @@ inline bool cpu_runs_avx2_kernels() {
 // non-finite grads, masters and grad write-back. Three steps, each reading what the last wrote:
 // step(use_avx2, state, master, write_grad, n, t) for t = 0, 1, 2; after each, the test's
 // same_state(a, b) must hold.
+// Around the 8-lane vectors and the 512-element block the F16C kernels once staged through:
+// none but 8 and 512 multiples of 8.
+inline const std::vector<std::int64_t> kVariantSizes = {1, 7, 8, 9, 23, 511, 512, 513, 1031};
+
 template <typename State, typename Step>
-void compare_variants(const char* what, Step&& step) {
+void compare_variants(const char* what, Step&& step,
+                      const std::vector<std::int64_t>& sizes = kVariantSizes) {
   const DType dtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
-  // Around the 8-lane vectors and the 512-element block the F16C kernels once staged through:
-  // none but 8 and 512 multiples of 8.
-  const std::int64_t sizes[] = {1, 7, 8, 9, 23, 511, 512, 513, 1031};
   for (DType param_dtype : dtypes) {
     for (DType grad_dtype : dtypes) {
       for (std::int64_t n : sizes) {
