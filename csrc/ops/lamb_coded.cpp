@@ -7,7 +7,9 @@
 // Instead the first pass only forms each tensor's sums of squares from the decoded moments and
 // writes nothing, and the second forms the new moments again from the same codes, grads and
 // params (the same arithmetic, so the same bits), steps the params with them, codes them and
-// writes the unscaled grads. No fp32 copy of the moments outlives a span on the CPU.
+// writes the unscaled grads. On the CPU both passes are kernels/cpu/lamb_coded.h's, which decode
+// and code inside their loops where the processor has AVX2 or AVX-512 (and through an fp32 span
+// that lives for one span elsewhere).
 // part="moments" is the first pass alone (it leaves only tensor_sums); part="apply" is the
 // second, which therefore takes the grads and, when clipping, grad_norm as well.
 #include <ATen/ops/empty.h>
@@ -17,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "../kernels/cpu/coded_moments.h"
 #include "../kernels/cpu/cpu_kernels.h"
+#include "../kernels/cpu/lamb_coded.h"
 #include "../kernels/cuda_kernels.h"
 #include "../kernels/state_codes.h"
 #include "../ops.h"
@@ -113,62 +115,47 @@ CodedMoment coded_moment(at::TensorList codes, const char* codes_name, at::Tenso
   return m;
 }
 
-// A thread's fp32 moments of one span, decoded: made once per thread, reused for every span.
-struct SpanMoments {
-  std::vector<float> exp_avg, exp_avg_sq;
-  SpanMoments() : exp_avg(kernels::kChunkSize), exp_avg_sq(kernels::kChunkSize) {}
-};
-
-SpanMoments& thread_span_moments() {
-  thread_local SpanMoments moments;
-  return moments;
+// The span's codes as the CPU kernels take them (kernels/cpu/lamb_coded.h): its first code and
+// its first block's scale, for both moments.
+kernels::cpu::CodedMoments span_moments(const LambCodedArgs& a, const Span& span) {
+  const std::int64_t block = span.offset / kernels::kStateBlock;
+  return {a.code,
+          a.exp_avg.codes[span.tensor] + span.offset,
+          a.exp_avg.scales[span.tensor] + block,
+          a.exp_avg_sq.codes[span.tensor] + span.offset,
+          a.exp_avg_sq.scales[span.tensor] + block,
+          nullptr,
+          nullptr};
 }
 
-void decode_span(const LambCodedArgs& a, const CodedMoment& m, const Span& span, float* out) {
-  kernels::cpu::decode_moment_span(m.codes[span.tensor], m.scales[span.tensor], span.offset,
-                                   span.size, a.code, m.second, out);
-}
-
-void encode_span(const LambCodedArgs& a, const CodedMoment& m, const Span& span,
-                 const float* moment) {
-  kernels::cpu::encode_moment_span(moment, span.offset, span.size, a.code, m.second,
-                                   m.codes[span.tensor], m.scales[span.tensor]);
-}
-
-// fused_lamb_'s first pass over one span on its decoded moments (updated in place in `m`):
-// the sums of squares are added in the fp32 op's order, so its trust ratios come out.
-void moments_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
-                  bool write_grad, SpanMoments& m, double* param_sq, double* update_sq) {
+// LAMB's first pass over one span (sums only, nothing written) and its second (moments, params,
+// codes and, when asked, the unscaled grads), as kernels/cpu/lamb_coded.h runs them.
+void sums_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
+               double* param_sq, double* update_sq) {
   const kernels::TensorRef& param = a.params[span.tensor];
   const kernels::TensorRef& grad = a.grads[span.tensor];
-  if (a.masters.is_bf16_mode()) {
-    kernels::cpu::lamb_moments_bf16_span(
-        static_cast<const std::uint16_t*>(element_ptr(param, span.offset)),
-        a.masters.span(span, lamb_step.steps_taken), element_ptr(grad, span.offset), grad.dtype,
-        write_grad, m.exp_avg.data(), m.exp_avg_sq.data(), span.size, lamb_step, param_sq,
-        update_sq);
-    return;
-  }
-  kernels::cpu::lamb_moments_span(element_ptr(param, span.offset), param.dtype,
-                                  element_ptr(grad, span.offset), grad.dtype, write_grad,
-                                  m.exp_avg.data(), m.exp_avg_sq.data(),
-                                  optional_fp32_ptr(a.masters.list, span), span.size, lamb_step,
-                                  param_sq, update_sq);
+  const bool bf16_mode = a.masters.is_bf16_mode();
+  const kernels::cpu::Bf16Span bf16 =
+      bf16_mode ? a.masters.span(span, lamb_step.steps_taken) : kernels::cpu::Bf16Span{};
+  kernels::cpu::lamb_coded_sums_span(
+      element_ptr(param, span.offset), param.dtype, bf16_mode ? &bf16 : nullptr,
+      bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
+      element_ptr(grad, span.offset), grad.dtype, span_moments(a, span), span.size, lamb_step,
+      param_sq, update_sq);
 }
 
-void apply_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
-                const SpanMoments& m, float ratio) {
+void step_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
+               float ratio) {
   const kernels::TensorRef& param = a.params[span.tensor];
-  if (a.masters.is_bf16_mode()) {
-    kernels::cpu::lamb_apply_bf16_span(
-        static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
-        a.masters.span(span, lamb_step.steps_taken), m.exp_avg.data(), m.exp_avg_sq.data(),
-        span.size, lamb_step, ratio);
-    return;
-  }
-  kernels::cpu::lamb_apply_span(element_ptr(param, span.offset), param.dtype, m.exp_avg.data(),
-                                m.exp_avg_sq.data(), optional_fp32_ptr(a.masters.list, span),
-                                span.size, lamb_step, ratio);
+  const kernels::TensorRef& grad = a.grads[span.tensor];
+  const bool bf16_mode = a.masters.is_bf16_mode();
+  const kernels::cpu::Bf16Span bf16 =
+      bf16_mode ? a.masters.span(span, lamb_step.steps_taken) : kernels::cpu::Bf16Span{};
+  kernels::cpu::lamb_coded_step_span(
+      element_ptr(param, span.offset), param.dtype, bf16_mode ? &bf16 : nullptr,
+      bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
+      element_ptr(grad, span.offset), grad.dtype, a.write_grads, span_moments(a, span),
+      span.size, lamb_step, ratio);
 }
 
 // The CPU step from the checked arguments (see the file comment for the two passes).
@@ -191,10 +178,7 @@ void lamb_coded_cpu(const LambCodedArgs& a) {
     // First pass: each span's sums, from its decoded moments; nothing is written.
     std::vector<double> param_sq(spans.size(), 0.0), update_sq(spans.size(), 0.0);
     for_each_span(spans, [&](std::size_t s) {
-      SpanMoments& m = thread_span_moments();
-      decode_span(a, a.exp_avg, spans[s], m.exp_avg.data());
-      decode_span(a, a.exp_avg_sq, spans[s], m.exp_avg_sq.data());
-      moments_span(a, spans[s], lamb_step, /*write_grad=*/false, m, &param_sq[s], &update_sq[s]);
+      sums_span(a, spans[s], lamb_step, &param_sq[s], &update_sq[s]);
     });
     for (std::size_t s = 0; s < spans.size(); ++s) {
       sums[2 * spans[s].tensor] += param_sq[s];
@@ -210,15 +194,7 @@ void lamb_coded_cpu(const LambCodedArgs& a) {
   }
   // Second pass: the new moments again, the params from them, the moments coded.
   for_each_span(spans, [&](std::size_t s) {
-    const Span& span = spans[s];
-    SpanMoments& m = thread_span_moments();
-    decode_span(a, a.exp_avg, span, m.exp_avg.data());
-    decode_span(a, a.exp_avg_sq, span, m.exp_avg_sq.data());
-    double unused_param_sq = 0.0, unused_update_sq = 0.0;
-    moments_span(a, span, lamb_step, a.write_grads, m, &unused_param_sq, &unused_update_sq);
-    apply_span(a, span, lamb_step, m, ratios[span.tensor]);
-    encode_span(a, a.exp_avg, span, m.exp_avg.data());
-    encode_span(a, a.exp_avg_sq, span, m.exp_avg_sq.data());
+    step_span(a, spans[s], lamb_step, ratios[spans[s].tensor]);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;

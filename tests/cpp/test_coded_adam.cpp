@@ -11,6 +11,7 @@
 #include "cpu/coded_moments.h"
 #include "cpu/lanes_avx512.h"
 #include "cpu/cpu_kernels.h"
+#include "coded_test_values.h"
 #include "variant_test_arrays.h"
 
 using namespace ampfuse::kernels;
@@ -19,26 +20,6 @@ using namespace ampfuse::kernels::test;
 
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
 namespace {
-
-// One coded moment: codes and one scale per block, coded from fp32 values.
-struct Coded {
-  std::vector<std::uint8_t> codes;
-  std::vector<float> scales;
-
-  Coded(const std::vector<float>& values, StateCode code, bool second)
-      : codes(values.size()), scales((values.size() + kStateBlock - 1) / kStateBlock) {
-    portable::encode_moment_span(values.data(), 0, static_cast<std::int64_t>(values.size()), code,
-                                 second, codes.data(), scales.data());
-  }
-  bool operator==(const Coded& other) const {
-    return codes == other.codes && same(scales, other.scales);
-  }
-};
-
-std::vector<float> squares(std::vector<float> x) {
-  for (float& v : x) v *= v;  // second moments are not negative
-  return x;
-}
 
 // One copy of everything a step touches; two of them, one per implementation, start equal.
 // The moments are coded with `code`, fixed per test case through State::code.

@@ -24,8 +24,6 @@
 
 namespace ampfuse::kernels::cpu::avx2_fma {
 
-AMPFUSE_AVX2_FMA __m256 to_vec(Lanes8 x) { return reinterpret_cast<__m256>(x.v); }
-AMPFUSE_AVX2_FMA Lanes8 to_lanes(__m256 x) { return Lanes8(reinterpret_cast<Float8>(x)); }
 template <typename Storage>
 using StorageLanes = avx2::F16cLanes<Storage>;
 typedef Avx2Words Words;

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "../state_codes.h"
+#include "lanes8.h"
 
 // Inlined into callers compiled for AVX2+FMA (their own target attribute).
 #define AMPFUSE_AVX2_FMA __attribute__((target("avx2,fma"), always_inline)) inline
@@ -276,6 +277,9 @@ AMPFUSE_AVX2_FMA void store_aligned(float* p, __m256 x) { _mm256_store_ps(p, x);
 AMPFUSE_AVX2_FMA __m256 sqrt_vec(__m256 x) { return _mm256_sqrt_ps(x); }
 AMPFUSE_AVX2_FMA __m256i zero_bits() { return _mm256_setzero_si256(); }
 AMPFUSE_AVX2_FMA __m256i max_bits(__m256i a, __m256i b) { return _mm256_max_epu32(a, b); }
+// Between Vec and the lanes the fused loops run on (lanes8.h).
+AMPFUSE_AVX2_FMA __m256 to_vec(Lanes8 x) { return reinterpret_cast<__m256>(x.v); }
+AMPFUSE_AVX2_FMA Lanes8 to_lanes(__m256 x) { return Lanes8(reinterpret_cast<Float8>(x)); }
 
 }  // namespace ampfuse::kernels::cpu::avx2_fma
 
