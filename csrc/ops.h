@@ -54,8 +54,8 @@ OpKernels fused_novograd_kernels();                 // csrc/ops/novograd.cpp
 OpKernels fp8_cast_amax_kernels();                  // csrc/ops/fp8.cpp
 OpKernels fp8_update_scales_kernels();              // csrc/ops/fp8.cpp
 OpKernels fp8_gemm_kernels();                       // csrc/ops/fp8_gemm.cpp
-// {plans built, plans reused} of fp8_gemm's cuBLASLt plan cache ({0, 0} without CUDA): a
-// host-side catch-all function, not a tensor op.
+// {plans built, plans reused, plans evicted, per-thread capacity} of fp8_gemm's cuBLASLt plan
+// cache (all 0 without CUDA): a host-side catch-all function, not a tensor op.
 std::vector<std::int64_t> fp8_gemm_plan_stats();    // csrc/ops/fp8_gemm.cpp
 OpKernels fp8_transpose_kernels();                  // csrc/ops/fp8_transpose.cpp
 OpKernels fp8_tensor_scale_kernels();               // csrc/ops/fp8_quantize.cpp

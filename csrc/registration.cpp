@@ -201,8 +201,9 @@ TORCH_LIBRARY(ampfuse, m) {
       "fp8_gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor? bias, "
       "ScalarType out_dtype, bool use_fast_accum=False) -> Tensor",
       ops::fp8_gemm_kernels());
-  // {plans built, plans reused} of fp8_gemm's cuBLASLt plan cache, over the process: a debug
-  // counter for tests and benchmarks (host-side, no tensors, like the o1_ helpers).
+  // {plans built, plans reused, plans evicted, per-thread capacity} of fp8_gemm's cuBLASLt
+  // plan cache, over the process: debug counters for tests and benchmarks (host-side, no
+  // tensors, like the o1_ helpers).
   m.def("fp8_gemm_plan_stats() -> int[]", &ops::fp8_gemm_plan_stats);
   // A contiguous [k, m] copy of a 2-D fp8 tensor [m, k]: the K-contiguous operands an FP8
   // layer's backward GEMMs take.

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -236,7 +237,9 @@ void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_fa
   }
 }
 
-int compute_capability(int device) {
+namespace {
+
+int read_compute_capability(int device) {
   int major = 0;
   int minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -246,6 +249,26 @@ int compute_capability(int device) {
                              cudaGetErrorString(cudaGetLastError()));
   }
   return major * 10 + minor;
+}
+
+// Device indices whose capability is remembered: more GPUs than any one node has. A device
+// past it (or a bad index, which read_compute_capability refuses) is asked every time.
+constexpr int kRememberedDevices = 64;
+// 0: not read yet (no real device has capability 0). Two threads that both find 0 both ask the
+// driver and store the same answer, which is harmless, so no lock or call_once is needed.
+std::atomic<int> remembered_capability[kRememberedDevices];
+
+}  // namespace
+
+int compute_capability(int device) {
+  if (device < 0 || device >= kRememberedDevices) return read_compute_capability(device);
+  std::atomic<int>& slot = remembered_capability[device];
+  int capability = slot.load(std::memory_order_relaxed);
+  if (capability == 0) {
+    capability = read_compute_capability(device);
+    slot.store(capability, std::memory_order_relaxed);
+  }
+  return capability;
 }
 
 }  // namespace ampfuse::kernels::cuda

@@ -25,7 +25,8 @@ void fp8_cast_amax(const TensorRef& src, std::uint8_t* dst, const float* scale, 
 void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_factor,
                        bool use_max, const float* skip, StreamHandle stream);
 
-// major * 10 + minor of a device (89 for Ada, 90 for Hopper).
+// major * 10 + minor of a device (89 for Ada, 90 for Hopper). Asked of the driver once per
+// device and process (the op layer checks it on every FP8 GEMM), then remembered.
 int compute_capability(int device);
 
 // How fp8_gemm's scale_invs apply: one each for all of out (tensorwise), or a_scale_inv[i] for
@@ -68,10 +69,11 @@ struct Fp8GemmContext {
 
 // Runs the GEMM on `stream`. The matmul descriptor, the three layouts and the algorithm
 // cuBLASLt's heuristic picks are built once per problem (device, m, n, k, formats, scale
-// mode, fast_accum, bias, out dtype, pointer alignment, workspace size) and cached for the
-// process, per host thread: a cached plan is only touched by its own thread. Returns whether
-// the bias was fused into the epilogue; when cuBLASLt has no kernel with the bias epilogue for
-// a problem (its heuristic finds none, or it refuses the first launch; possible for rowwise
+// mode, fast_accum, bias, out dtype, pointer alignment, workspace size) and cached per host
+// thread (a cached plan is only touched by its own thread), up to a fixed number of plans per
+// thread, the least recently used dropped first (the key holds m, so variable sequence lengths
+// would otherwise grow the cache without end). Returns whether the bias was fused into the
+// epilogue; when cuBLASLt has no kernel with the bias epilogue for a problem (its heuristic finds none, or it refuses the first launch; possible for rowwise
 // scaling, whose kernels are newer), the plan runs without it from then on and returns false,
 // and the caller adds the bias.
 //
@@ -91,11 +93,14 @@ class Fp8GemmUnsupported : public std::runtime_error {
 };
 
 // Counters of fp8_gemm's plan cache over the process (all threads): plans built (one
-// heuristic query each) and calls that found their plan cached. Tests read them through the
-// op fp8_gemm_plan_stats.
+// heuristic query each), calls that found their plan cached, and plans evicted (dropped as the
+// least recently used of a full per-thread cache); and the number of plans one thread's cache
+// holds at most. Tests read them through the op fp8_gemm_plan_stats, in this order.
 struct Fp8GemmPlanStats {
   std::int64_t built;
   std::int64_t reused;
+  std::int64_t evicted;
+  std::int64_t capacity;
 };
 Fp8GemmPlanStats fp8_gemm_plan_stats();
 

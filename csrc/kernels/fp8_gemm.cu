@@ -12,7 +12,9 @@
 // so each problem's plan is built once and kept. The scale and bias pointers change per call
 // and are attributes of the matmul descriptor, so a plan is set and launched by one thread
 // only: the cache is per host thread (the autograd engine's backward thread gets its own), and
-// no lock is taken on the hot path.
+// no lock is taken on the hot path. The key holds m (the batch's tokens), so variable sequence
+// lengths make new keys without end: the cache is bounded (kPlanCacheCapacity, below) and
+// drops its least recently used plan when full.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -21,9 +23,9 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 
 #include "fp8_cuda.h"
+#include "lru_cache.h"
 
 namespace ampfuse::kernels::cuda {
 namespace {
@@ -303,20 +305,35 @@ void refusals_of_rowwise(const PlanKey& key, Body&& body) {
   }
 }
 
+// Plans one host thread keeps. An FP8 Linear makes three problems per distinct token count
+// (forward, input grad, weight grad: m or k is the tokens), so a transformer block of four to
+// six Linear shapes needs 12 to 18 plans per token count: 256 holds a dozen or more token
+// counts of such a model at once (bucketed or padded sequence lengths), where a fixed-shape
+// run needs a few dozen plans and never evicts. Each plan is a few cuBLASLt descriptors of
+// host memory; what a miss costs is the heuristic query again. Bounded so that a run whose
+// sequence length varies freely does not grow the cache for as long as it runs. Evicting a
+// plan whose GEMM may still be running is fine: cuBLASLt reads the descriptors on the host
+// inside cublasLtMatmul (torch's own cuBLASLt GEMMs destroy theirs as soon as it returns).
+constexpr std::size_t kPlanCacheCapacity = 256;
+
 std::atomic<std::int64_t> plans_built{0};
 std::atomic<std::int64_t> plans_reused{0};
+std::atomic<std::int64_t> plans_evicted{0};
 
+// The returned plan stays valid until this thread's next plan_for call (which may evict it).
 Plan& plan_for(const PlanKey& key, const Fp8GemmArgs& args, cublasLtHandle_t handle) {
-  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans;
-  auto found = plans.find(key);
-  if (found != plans.end()) {
+  thread_local LruCache<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans(kPlanCacheCapacity);
+  if (std::unique_ptr<Plan>* found = plans.find(key)) {
     plans_reused.fetch_add(1, std::memory_order_relaxed);
-    return *found->second;
+    return **found;
   }
   std::unique_ptr<Plan> plan;
   refusals_of_rowwise(key, [&] { plan = build_plan(key, args, handle); });
   plans_built.fetch_add(1, std::memory_order_relaxed);
-  return *plans.emplace(key, std::move(plan)).first->second;
+  const std::int64_t evictions_before = plans.evictions();
+  Plan& cached = *plans.insert(key, std::move(plan));
+  plans_evicted.fetch_add(plans.evictions() - evictions_before, std::memory_order_relaxed);
+  return cached;
 }
 
 }  // namespace
@@ -383,7 +400,9 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
 
 Fp8GemmPlanStats fp8_gemm_plan_stats() {
   return {plans_built.load(std::memory_order_relaxed),
-          plans_reused.load(std::memory_order_relaxed)};
+          plans_reused.load(std::memory_order_relaxed),
+          plans_evicted.load(std::memory_order_relaxed),
+          static_cast<std::int64_t>(kPlanCacheCapacity)};
 }
 
 }  // namespace ampfuse::kernels::cuda

@@ -231,9 +231,9 @@ OpKernels fp8_gemm_kernels() { return AMPFUSE_KERNELS(fp8_gemm); }
 std::vector<std::int64_t> fp8_gemm_plan_stats() {
 #ifdef AMPFUSE_WITH_CUDA
   const kernels::cuda::Fp8GemmPlanStats stats = kernels::cuda::fp8_gemm_plan_stats();
-  return {stats.built, stats.reused};
+  return {stats.built, stats.reused, stats.evicted, stats.capacity};
 #else
-  return {0, 0};
+  return {0, 0, 0, 0};
 #endif
 }
 

@@ -14,6 +14,7 @@ from fp8_gemm_cases import (
     OUT_DTYPES,
     OUT_IDS,
     ROUNDING,
+    assert_matches,
     error_bound,
     float64_reference,
     operands,
@@ -137,10 +138,10 @@ def test_operands_aligned_to_16_bytes_only(rowwise):
     a, b, sa, sb, bias = _on_cuda(operands(80, 144, 256, rowwise=rowwise, seed=14))
     bias = bias.bfloat16()
     expected = fp8_gemm(a, b, sa, sb, bias, torch.bfloat16)
-    built, _ = fp8_gemm_plan_stats()
+    built = fp8_gemm_plan_stats().built
     scales = [t if t.numel() == 1 else _at_offset(t, 4) for t in (sa, sb)]
     got = fp8_gemm(_at_offset(a, 16), _at_offset(b, 16), *scales, bias, torch.bfloat16)
-    assert fp8_gemm_plan_stats()[0] == built + 1
+    assert fp8_gemm_plan_stats().built == built + 1
     _assert_close(got, expected, a, b, sa, sb)
 
 
@@ -164,12 +165,53 @@ def test_the_same_problem_reuses_its_plan():
     _need((8, 9))
     a, b, sa, sb, bias = _on_cuda(operands(64, 96, 128, seed=2))
     fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
-    built, reused = fp8_gemm_plan_stats()
+    built, reused = fp8_gemm_plan_stats()[:2]
     fp8_gemm(a, b, sa, sb, bias.bfloat16(), torch.bfloat16)
-    assert fp8_gemm_plan_stats() == (built, reused + 1)
+    assert fp8_gemm_plan_stats()[:2] == (built, reused + 1)
     # Another problem (here: the output type) is another plan.
     fp8_gemm(a, b, sa, sb, None, torch.float32)
-    assert fp8_gemm_plan_stats() == (built + 1, reused + 1)
+    assert fp8_gemm_plan_stats()[:2] == (built + 1, reused + 1)
+
+
+def test_more_shapes_than_the_plan_cache_holds():
+    """More distinct m (as variable sequence lengths give) than one thread's plan cache holds:
+    the least recently used plans are evicted, the cache stops growing, and every result,
+    including those of problems whose plan was evicted and built again, stays within the error
+    bound of the CPU emulation."""
+    _need((8, 9))
+    capacity = fp8_gemm_plan_stats().capacity
+    assert capacity > 0
+    # n and k no other test uses, so that none of these problems is cached yet. Rows are
+    # independent, so the first m rows of one big operand are the m-row problem, and the
+    # emulation of the big one holds every expected result.
+    shapes = capacity + 8
+    n, k = 48, 112
+    a, b, sa, sb, _ = operands(16 * shapes, n, k, seed=15)
+    expected = fp8_gemm(a, b, sa, sb, None, torch.bfloat16).double()
+    # As _assert_close: each side (another algorithm per m, maybe) within its bound.
+    product = float64_reference(a, b, sa, sb, None)
+    bound = 2 * (error_bound(a, b, sa, sb, product, torch.bfloat16)
+                 + ROUNDING[torch.bfloat16] * product.abs())
+    a, b, sa, sb = _on_cuda([a, b, sa, sb])
+    before = fp8_gemm_plan_stats()
+
+    def run(rows):
+        got = fp8_gemm(a[:rows], b, sa, sb, None, torch.bfloat16)
+        assert got.shape == (rows, n)
+        assert_matches(got, expected[:rows], bound[:rows])
+
+    for i in range(1, shapes + 1):
+        run(16 * i)
+    after = fp8_gemm_plan_stats()
+    assert after.built - before.built == shapes
+    # This thread's cache held at most `capacity` plans, some possibly of earlier tests: at
+    # least the surplus of these problems over the capacity went.
+    assert after.evicted - before.evicted >= shapes - capacity
+    # The newest plan is still cached; the oldest of this test was evicted and is built again.
+    run(16 * shapes)
+    assert fp8_gemm_plan_stats().reused == after.reused + 1
+    run(16)
+    assert fp8_gemm_plan_stats().built == after.built + 1
 
 
 def test_no_workspace_is_allocated_per_call():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -65,12 +66,29 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                                       use_fast_accum)
 
 
-def fp8_gemm_plan_stats() -> tuple[int, int]:
-    """``(built, reused)``: how many cuBLASLt plans (descriptors, layouts and the heuristic's
-    algorithm) ``fp8_gemm`` has built in this process, and how many CUDA calls found theirs
-    cached. Both stay 0 without CUDA calls. For tests and benchmarks."""
-    built, reused = torch.ops.ampfuse.fp8_gemm_plan_stats()
-    return int(built), int(reused)
+class Fp8GemmPlanStats(NamedTuple):
+    """Counters of ``fp8_gemm``'s cuBLASLt plan cache over the process (all threads)."""
+
+    built: int
+    """Plans (descriptors, layouts and the heuristic's algorithm) built."""
+    reused: int
+    """CUDA calls that found their plan cached."""
+    evicted: int
+    """Plans dropped as the least recently used of a full cache (a later call of that problem
+    builds it again)."""
+    capacity: int
+    """The most plans one host thread keeps (0 in a build without CUDA)."""
+
+
+def fp8_gemm_plan_stats() -> Fp8GemmPlanStats:
+    """``(built, reused, evicted, capacity)`` of ``fp8_gemm``'s plan cache: how many cuBLASLt
+    plans it has built in this process, how many CUDA calls found theirs cached, how many
+    plans it dropped, and how many one thread keeps. Each host thread caches up to
+    ``capacity`` plans and drops the least recently used when full: a plan's key holds the
+    problem's m (the tokens of a batch), so variable sequence lengths would otherwise grow the
+    cache without end. The counters stay 0 without CUDA calls. For tests and benchmarks."""
+    built, reused, evicted, capacity = torch.ops.ampfuse.fp8_gemm_plan_stats()
+    return Fp8GemmPlanStats(int(built), int(reused), int(evicted), int(capacity))
 
 
 def fp8_transpose(input: torch.Tensor) -> torch.Tensor:
