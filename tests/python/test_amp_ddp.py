@@ -12,17 +12,15 @@ step and back the scale off together.
 """
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
-
 from amp_models import TinyMLP, assert_same_snapshot, make_model, make_optimizer, snapshot
 from ampfuse import amp
 from helpers import raises_naming
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
+from torch.nn.parallel import DistributedDataParallel
 
 WORLD_SIZE = 2
 STEPS = 12
@@ -67,25 +65,16 @@ def _train_rank(rank, optimizer_name):
     }
 
 
-def _worker(rank, port, out_dir, train):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        results = {name: train(rank, name) for name in OPTIMIZERS}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
+def _each_optimizer(train):
+    rank = dist.get_rank()
+    return {name: train(rank, name) for name in OPTIMIZERS}
 
 
 def _run_ranks(train, tmp_path):
     """Runs train(rank, optimizer name) for every optimizer on WORLD_SIZE processes; returns
     each rank's results."""
-    spawn_ranks(_worker, (free_port(), str(tmp_path), train), WORLD_SIZE, TIMEOUT_S)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return run_on_ranks(_each_optimizer, train, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S,
+                        out_dir=tmp_path)
 
 
 def test_ddp_two_ranks_stay_identical_and_skip_together(tmp_path):
@@ -105,19 +94,13 @@ def test_ddp_two_ranks_stay_identical_and_skip_together(tmp_path):
             assert result["scales"] == expected, f"{name}: rank {r}"
 
 
-def test_initialize_after_ddp_wrapping_is_an_error(tmp_path):
+def test_initialize_after_ddp_wrapping_is_an_error(one_rank):
     """amp.initialize on a model already wrapped in DistributedDataParallel names the fix."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        model = TinyMLP()
-        optimizer = make_optimizer("FusedAdam", model.parameters())
-        with raises_naming("DistributedDataParallel", "amp.initialize"):
-            amp.initialize(DistributedDataParallel(model), optimizer, opt_level="O2")
-        assert model.fc1.weight.dtype == torch.float32
-    finally:
-        dist.destroy_process_group()
+    model = TinyMLP()
+    optimizer = make_optimizer("FusedAdam", model.parameters())
+    with raises_naming("DistributedDataParallel", "amp.initialize"):
+        amp.initialize(DistributedDataParallel(model), optimizer, opt_level="O2")
+    assert model.fc1.weight.dtype == torch.float32
 
 
 def _local_grads_rank(rank, optimizer_name):
@@ -192,25 +175,16 @@ def _no_sync_rank(rank, variant):
             "skipped": amp.skipped_steps(optimizer)}
 
 
-def _no_sync_worker(rank, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        results = {variant: _no_sync_rank(rank, variant) for variant in ACCUMULATION_VARIANTS}
-        results["refusal"] = {level: _unsynced_unscale_rank(rank, level)
-                              for level in ("O1", "O2")}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
+def _no_sync_scenarios():
+    rank = dist.get_rank()
+    results = {variant: _no_sync_rank(rank, variant) for variant in ACCUMULATION_VARIANTS}
+    results["refusal"] = {level: _unsynced_unscale_rank(rank, level) for level in ("O1", "O2")}
+    return results
 
 
 def test_no_sync_accumulation_with_an_overflow_on_one_rank_keeps_ranks_identical(tmp_path):
-    spawn_ranks(_no_sync_worker, (free_port(), str(tmp_path)), WORLD_SIZE, TIMEOUT_S)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    r0, r1 = run_on_ranks(_no_sync_scenarios, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S,
+                          out_dir=tmp_path)
     for variant in ACCUMULATION_VARIANTS:
         assert r0[variant]["skipped"] == r1[variant]["skipped"] == 1, variant
         assert r0[variant]["scales"] == r1[variant]["scales"] == [2.0**16] * 2 + [2.0**15] * 2

@@ -2,15 +2,11 @@
 NVIDIA's BERT scripts use them (``flat_dist_call([p.data for p in model.parameters()],
 dist.broadcast, (0,))`` to start every rank from rank 0's weights), on two gloo ranks."""
 
-import datetime
-import os
-
 import torch
 import torch.distributed as dist
-
 from ampfuse.apex_compat.apex import parallel as apex_parallel
 from ampfuse.apex_compat.apex.parallel import distributed as apex_distributed
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 
 
 def _values(rank):
@@ -38,39 +34,33 @@ def _model(rank):
     return _TwoDtypes()
 
 
-def _worker(rank, world_size, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
-    try:
-        results = {}
-        reduced = _values(rank)
-        apex_distributed.flat_dist_call(reduced, dist.all_reduce)
-        results["all_reduce"] = reduced
-        broadcast = _values(rank)
-        apex_distributed.flat_dist_call(broadcast, dist.broadcast, (0,))
-        results["broadcast"] = broadcast
+def _reduce_and_broadcast():
+    rank = dist.get_rank()
+    results = {}
+    reduced = _values(rank)
+    apex_distributed.flat_dist_call(reduced, dist.all_reduce)
+    results["all_reduce"] = reduced
+    broadcast = _values(rank)
+    apex_distributed.flat_dist_call(broadcast, dist.broadcast, (0,))
+    results["broadcast"] = broadcast
 
-        model = _model(rank)
-        reducer = apex_parallel.Reducer(model)  # broadcasts rank 0's weights
-        results["weights"] = [p.detach().clone() for p in model.parameters()]
-        model(torch.full((2, 4), float(rank + 1))).float().sum().backward()
-        results["local_grads"] = [p.grad.clone() for p in model.parameters()]
-        reducer.reduce()
-        results["reduced_grads"] = [p.grad.clone() for p in model.parameters()]
+    model = _model(rank)
+    reducer = apex_parallel.Reducer(model)  # broadcasts rank 0's weights
+    results["weights"] = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((2, 4), float(rank + 1))).float().sum().backward()
+    results["local_grads"] = [p.grad.clone() for p in model.parameters()]
+    reducer.reduce()
+    results["reduced_grads"] = [p.grad.clone() for p in model.parameters()]
 
-        listed = _values(rank)
-        apex_distributed.Reducer([listed[:2], (listed[2], [listed[3:]])]).reduce()
-        results["reducer_list"] = listed
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()  # see ranks.leave_group
+    listed = _values(rank)
+    apex_distributed.Reducer([listed[:2], (listed[2], [listed[3:]])]).reduce()
+    results["reducer_list"] = listed
+    return results
 
 
 def test_flat_dist_call_and_reducer_on_two_ranks(tmp_path):
-    spawn_ranks(_worker, (2, free_port(), str(tmp_path)), nprocs=2, timeout_s=90)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = run_on_ranks(_reduce_and_broadcast, world_size=2, timeout_s=90, out_dir=tmp_path,
+                         collective_timeout_s=30)
     mean = [(a + b) / 2 for a, b in zip(_values(0), _values(1))]
     for result in ranks:
         # all_reduce averages (apex divided by the world size after it), dtype by dtype.

@@ -4,15 +4,12 @@ fully_shard unit caches no FP8 weight: that would keep the whole layer alive bet
 micro-batches) and its FP8 GEMMs see the same values as the single-process run. Every rank trains on the same batches, so FSDP2's
 averaged gradients are the single-process ones."""
 
-import os
-
 import ampfuse
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from ampfuse import fp8
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -62,23 +59,11 @@ def _train(recipe, sharded):
     return {"params": params, "losses": torch.stack(losses)}
 
 
-def _worker(rank, port, out_dir, recipe):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
-    try:
-        torch.save(_train(recipe, sharded=True), os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
-
-
 @pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.RowwiseScaling()],
                          ids=["current", "rowwise"])
 def test_fully_shard_fp8_linear_trains_like_unsharded(tmp_path, recipe):
-    spawn_ranks(_worker, (free_port(), str(tmp_path), recipe), WORLD_SIZE, TIMEOUT_S)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    ranks = run_on_ranks(_train, recipe, True, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S,
+                         out_dir=tmp_path)  # _train(recipe, sharded=True) on each rank
     expected = _train(recipe, sharded=False)
     for result in ranks:
         torch.testing.assert_close(result["losses"], expected["losses"], rtol=1e-6, atol=1e-7)

@@ -8,7 +8,6 @@ last), a model made on the meta device, sharded, to_empty and loaded from a full
 and one fully_shard unit holding both Linears. DDP with the option trains like without it."""
 
 import itertools
-import os
 from typing import NamedTuple
 
 import ampfuse
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ampfuse import fp8
 from ampfuse.fp8.fsdp_all_gather import FP8AllGatherWeight
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from torch import nn
 
 STEPS = 2
@@ -166,24 +165,14 @@ def _count_hook_calls():
     return calls
 
 
-def _worker(rank, world_size, port, out_dir, case):
-    torch.set_num_threads(1)
+def _both_all_gathers(case):
+    """_train_sharded without and with the option, and the bytes each hook call returned."""
     hook_calls = _count_hook_calls()
-    on_gpu = CASES[case].device == "cuda"
-    if on_gpu:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    try:
-        results = {}
-        for flag in (False, True):
-            hook_calls.clear()
-            results[flag] = {**_train_sharded(flag, case), "hooked": list(hook_calls)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
+    results = {}
+    for flag in (False, True):
+        hook_calls.clear()
+        results[flag] = {**_train_sharded(flag, case), "hooked": list(hook_calls)}
+    return results
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.cuda)
@@ -193,8 +182,8 @@ def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
     world_size, dtype, device = CASES[case].world_size, CASES[case].dtype, CASES[case].device
     if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8.Linear's GEMMs need compute capability 8.9 or newer")
-    spawn_ranks(_worker, (world_size, free_port(), str(tmp_path), case), world_size, TIMEOUT_S)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    ranks = run_on_ranks(_both_all_gathers, case, world_size=world_size, timeout_s=TIMEOUT_S,
+                         out_dir=tmp_path, backend="nccl" if device == "cuda" else "gloo")
     reference = _model(False, dtype)
     expected_losses = _train(reference)
     expected_state = reference.state_dict()
@@ -231,32 +220,22 @@ def test_fp8_all_gather_trains_like_bf16_all_gather(tmp_path, case):
                                            atol=1e-6, msg=name)
 
 
-def _ddp_worker(rank, world_size, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    try:
-        results = {}
-        for flag in (False, True):
-            model = _model(flag)
-            with torch.no_grad():  # unlike inits: DDP's broadcast of rank 0's params must work
-                model[0].weight.add_(rank)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            losses = _train(ddp)
-            results[flag] = {"losses": losses, "params": [p.detach() for p in model.parameters()]}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
+def _ddp_runs():
+    results = {}
+    for flag in (False, True):
+        model = _model(flag)
+        with torch.no_grad():  # unlike inits: DDP's broadcast of rank 0's params must work
+            model[0].weight.add_(dist.get_rank())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        losses = _train(ddp)
+        results[flag] = {"losses": losses, "params": [p.detach() for p in model.parameters()]}
+    return results
 
 
 def test_ddp_trains_like_without_it(tmp_path):
     """Outside FSDP2 the option changes nothing: DDP broadcasts and all-reduces the wrapped
     weight like a plain one."""
-    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), 2, TIMEOUT_S)
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for result in run_on_ranks(_ddp_runs, world_size=2, timeout_s=TIMEOUT_S, out_dir=tmp_path):
         assert torch.equal(result[True]["losses"], result[False]["losses"])
         for got, want in zip(result[True]["params"], result[False]["params"]):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))

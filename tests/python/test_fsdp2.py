@@ -7,15 +7,13 @@ gradients and a sharded run must equal an unsharded single-process run of the sa
 fp32 rounding: the ops run on each rank's local shards with no gather.
 """
 
-import os
-
 import ampfuse
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import raises_naming
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -234,26 +232,6 @@ def _attribution():
     return report.param_names, report.kinds
 
 
-def _worker(rank, port, out_dir, scenario, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        result = globals()[scenario](*args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
-
-
-def _run_ranks(tmp_path, scenario, *args):
-    """Runs scenario(*args) on WORLD_SIZE processes; returns each rank's result."""
-    spawn_ranks(_worker, (free_port(), str(tmp_path), scenario, args), WORLD_SIZE, TIMEOUT_S)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
-
-
 def _assert_fp32_close(actual, expected, what, rtol=4e-7):
     # fp32 rounding: a few ulps of the values (more where the order of operations differs).
     torch.testing.assert_close(
@@ -426,7 +404,8 @@ def _all_scenarios():
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _run_ranks(tmp_path_factory.mktemp("fsdp2"), "_all_scenarios")
+    return run_on_ranks(_all_scenarios, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S,
+                        out_dir=tmp_path_factory.mktemp("fsdp2"))
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))

@@ -6,8 +6,6 @@ cast_model_type=False) for loss scaling with ampfuse's fused optimizer; O1 (auto
 forward) works as it does unsharded. Levels that cast the model are refused.
 """
 
-import os
-
 import ampfuse
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ampfuse import amp
 from helpers import raises_naming
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -90,24 +88,10 @@ def _scenarios():
     }
 
 
-def _worker(rank, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        torch.save(_scenarios(), os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2_amp")
-    spawn_ranks(_worker, (free_port(), str(out)), WORLD_SIZE, TIMEOUT_S)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return run_on_ranks(_scenarios, world_size=WORLD_SIZE, timeout_s=TIMEOUT_S,
+                        out_dir=tmp_path_factory.mktemp("fsdp2_amp"))
 
 
 def _assert_same_run(actual, expected, what):
@@ -137,7 +121,7 @@ def test_o1_with_fsdp2_equals_o1_unsharded(ranks):
         assert (sharded["skipped"], sharded["scale"]) == (1, 1.0), f"rank {rank}"
         for i, (a, b) in enumerate(zip(sharded["params"], unsharded["params"])):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7,
-                                       msg=lambda m, i=i: f"rank {rank} param {i}: {m}")
+                                       msg=lambda m, i=i, rank=rank: f"rank {rank} param {i}: {m}")
 
 
 @pytest.mark.parametrize("opt_level", ["O2", "O3"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from torch import nn
 
 WORLD_SIZE = 2
@@ -155,25 +155,11 @@ def _save_and_resume(checkpoint_root):
     return results
 
 
-def _worker(rank, port, checkpoint_root, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        result = _save_and_resume(checkpoint_root)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp2_checkpoint")
-    spawn_ranks(_worker, (free_port(), str(root / "dcp"), str(root)), WORLD_SIZE, TIMEOUT_S)
-    results = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    results = run_on_ranks(_save_and_resume, str(root / "dcp"), world_size=WORLD_SIZE,
+                           timeout_s=TIMEOUT_S, out_dir=root)
     return root / "dcp", results
 
 

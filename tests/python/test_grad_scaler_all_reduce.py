@@ -4,15 +4,12 @@ group, or a group of ours) both ranks skip that step and back off, so params and
 identical; without it (the control) the ranks diverge. The model and loop are
 test_grad_scaler's."""
 
-import datetime
 import math
-import os
 
 import torch
 import torch.distributed as dist
-
 from ampfuse.scaling.grad_scaler import GradScaler
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from test_grad_scaler import OPTIMIZERS, make_batches, make_model, train
 from tolerances import assert_close_report
 
@@ -20,40 +17,33 @@ DIST_STEPS = 6
 DIST_OVERFLOW_STEP = 3
 
 
-def _dist_worker(rank, world_size, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
-    try:
-        results = {}
-        variants = {
-            "sgd_default_group": (OPTIMIZERS["sgd"], dict(all_reduce_found_inf=True)),
-            "fused_adam_group": (OPTIMIZERS["ampfuse_fused_adam"],
-                                 dict(process_group=dist.new_group([0, 1]))),
-            "sgd_not_reduced": (OPTIMIZERS["sgd"], {}),
-        }
-        batches = make_batches("cpu", DIST_STEPS)  # the same data on both ranks
-        for name, (make_optimizer, extra) in variants.items():
-            model = make_model("cpu")
-            opt = make_optimizer(list(model.parameters()))
-            scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100, **extra)
-            # Only rank 1 sees an overflow.
-            overflows = {DIST_OVERFLOW_STEP: (0, 0, math.inf)} if rank == 1 else {}
-            scales = train(model, opt, scaler, batches, overflows)
-            results[name] = (scales, [p.detach().clone() for p in model.parameters()])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()  # see ranks.leave_group: gloo's teardown can abort a finished rank
+def _found_inf_variants():
+    rank = dist.get_rank()
+    results = {}
+    variants = {
+        "sgd_default_group": (OPTIMIZERS["sgd"], {"all_reduce_found_inf": True}),
+        "fused_adam_group": (OPTIMIZERS["ampfuse_fused_adam"],
+                             {"process_group": dist.new_group([0, 1])}),
+        "sgd_not_reduced": (OPTIMIZERS["sgd"], {}),
+    }
+    batches = make_batches("cpu", DIST_STEPS)  # the same data on both ranks
+    for name, (make_optimizer, extra) in variants.items():
+        model = make_model("cpu")
+        opt = make_optimizer(list(model.parameters()))
+        scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100, **extra)
+        # Only rank 1 sees an overflow.
+        overflows = {DIST_OVERFLOW_STEP: (0, 0, math.inf)} if rank == 1 else {}
+        scales = train(model, opt, scaler, batches, overflows)
+        results[name] = (scales, [p.detach().clone() for p in model.parameters()])
+    return results
 
 
 def test_found_inf_is_all_reduced_across_ranks(tmp_path):
     """2 gloo processes, same data and model; rank 1 alone injects an inf. With the flag
     all-reduced both ranks skip that step and back off, so params and scales stay identical;
     without it (the control) the ranks diverge."""
-    spawn_ranks(_dist_worker, (2, free_port(), str(tmp_path)), nprocs=2, timeout_s=60)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = run_on_ranks(_found_inf_variants, world_size=2, timeout_s=60, out_dir=tmp_path,
+                         collective_timeout_s=30)
     backed_off = [2.0**10] * DIST_OVERFLOW_STEP + [2.0**9] * (DIST_STEPS - DIST_OVERFLOW_STEP)
     for name in ("sgd_default_group", "fused_adam_group"):
         (scales0, params0), (scales1, params1) = ranks[0][name], ranks[1][name]

@@ -6,7 +6,6 @@ every param into NaN; with a scaler driving the step, the scaler's found_inf is 
 the grads are not checked a second time. The default is off (False); None is the bf16 guard."""
 
 import copy
-import os
 import pickle
 
 import ampfuse
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 from ampfuse.optimizers import FusedAdam, FusedAdamW, FusedSGD
 from helpers import raises_naming
-from ranks import free_port, leave_group, spawn_ranks
+from ranks import run_on_ranks
 from torch import nn
 
 OPTIMIZERS = {
@@ -334,43 +333,33 @@ def test_compiled_step_skips_like_the_eager_one():
 # ---- FSDP2: an inf in one rank's shard skips the step on every rank ---------------------------
 
 
-def _fsdp2_worker(rank, port, out_dir):
+def _fsdp2_skips():
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    try:
-        model = make_model()
-        for layer in (model[0], model[2], model):
-            fully_shard(layer)
-        optimizer = FusedAdamW(model.named_parameters(), lr=1e-2, skip_nonfinite=None)
-        unchanged, named = [], []
-        for step in range(3):
-            backward(model, step)
-            if step == 1 and rank == 1:  # the reduce-scatter gave the inf to this rank only
-                next(model.parameters()).grad.to_local()[0, 0] = float("inf")
-            before = [p.to_local().clone() for p in model.parameters()]
-            optimizer.step()
-            optimizer.zero_grad()
-            unchanged.append(all(torch.equal(p.to_local(), b)
-                                 for p, b in zip(model.parameters(), before)))
-            report = optimizer.last_overflow()
-            named.append(report.param_names if report is not None else None)
-        result = {"unchanged": unchanged, "skipped": optimizer.get_skipped_steps(),
-                  "named": named}
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()  # FSDP2 under gloo: see ranks.leave_group for the teardown abort it avoids
+    rank = dist.get_rank()
+    model = make_model()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    optimizer = FusedAdamW(model.named_parameters(), lr=1e-2, skip_nonfinite=None)
+    unchanged, named = [], []
+    for step in range(3):
+        backward(model, step)
+        if step == 1 and rank == 1:  # the reduce-scatter gave the inf to this rank only
+            next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        unchanged.append(all(torch.equal(p.to_local(), b)
+                             for p, b in zip(model.parameters(), before)))
+        report = optimizer.last_overflow()
+        named.append(report.param_names if report is not None else None)
+    return {"unchanged": unchanged, "skipped": optimizer.get_skipped_steps(), "named": named}
 
 
 def test_fsdp2_inf_in_one_shard_skips_every_rank(tmp_path):
     """...and both ranks name the sharded grad that held it (last_overflow(): the per-tensor
     flags are OR-ed over the shards in the collective that decides the step)."""
-    spawn_ranks(_fsdp2_worker, (free_port(), str(tmp_path)), 2, 60)
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+    ranks = run_on_ranks(_fsdp2_skips, world_size=2, timeout_s=60, out_dir=tmp_path)
+    for rank, result in enumerate(ranks):
         assert result == {"unchanged": [False, True, False], "skipped": 1,
                           "named": [None, ["0.weight"], None]}, f"rank {rank}"
