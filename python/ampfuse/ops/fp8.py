@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from ampfuse.ops._checks import check_scalar
 from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
+from ampfuse.ops._checks import check_scalar
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The largest finite value of each format: the cast saturates to it.
