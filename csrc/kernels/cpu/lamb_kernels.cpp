@@ -1,13 +1,10 @@
-// The CPU LAMB span kernels (cpu_kernels.h): the two passes of lamb_math.h, eight elements at a
-// time on Lanes8 with the last n % 8 elements in scalar loops, as the Adam and SGD kernels of
-// optimizer_variants.h run. fp16/bf16 reach the lanes through F16C where the processor has it
-// (avx2::) and through software conversions elsewhere (portable::, cloned for AVX2 so fp32 runs
-// on AVX registers everywhere); both give the same bits (lamb_variants.h).
-// bf16 params of the master-free modes (master_weights "stochastic", "kahan", "split") run
-// the same loops, reading and writing the param through bf16_lanes.h (and bf16_span.h for the
-// last n % 8 elements).
-#include <algorithm>
-
+// The CPU LAMB span kernels (cpu_kernels.h) at eight lanes, and the choice between them and the
+// sixteen-lane ones (lamb_kernels_avx512.cpp). The loops are lamb_lanes.h's, the two passes of
+// lamb_math.h; fp16/bf16 reach the lanes through F16C where the processor has it (avx2::) and
+// through software conversions elsewhere (portable::, cloned for AVX2 so fp32 runs on AVX
+// registers everywhere); all give the same bits (lamb_variants.h). bf16 params of the
+// master-free modes (master_weights "stochastic", "kahan", "split") run the same loops, reading
+// and writing the param through bf16_lanes.h (and bf16_span.h for the scalar end).
 #include "cpu_kernels.h"
 #include "lamb_dispatch.h"
 #include "lamb_variants.h"
@@ -54,8 +51,9 @@ void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* g
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
                        std::int64_t n, const LambStep& step, double* param_sq,
                        double* update_sq) {
-  lamb_moments_bf16_any<Kernels, PortableWords>(param, bf16, grad, grad_dtype, write_grad, exp_avg,
-                                          exp_avg_sq, n, step, param_sq, update_sq);
+  lamb_moments_bf16_any<Kernels, PortableWords>(param, bf16, grad, grad_dtype, write_grad,
+                                                exp_avg, exp_avg_sq, n, step, param_sq,
+                                                update_sq);
 }
 
 void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
@@ -103,7 +101,7 @@ void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* g
                        std::int64_t n, const LambStep& step, double* param_sq,
                        double* update_sq) {
   lamb_moments_bf16_any<Kernels, Avx2Words>(param, bf16, grad, grad_dtype, write_grad, exp_avg,
-                                          exp_avg_sq, n, step, param_sq, update_sq);
+                                            exp_avg_sq, n, step, param_sq, update_sq);
 }
 
 void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,

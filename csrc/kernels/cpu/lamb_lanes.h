@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../lamb_math.h"
+#include "../state_codes.h"
 #include "bf16_lanes.h"
 #include "bf16_span.h"
 #include "half_convert.h"
@@ -23,7 +24,10 @@ namespace ampfuse::kernels::cpu {
 
 // Squares accumulate in fp32 lanes for kFoldElements elements at most, then move into double
 // lanes, so a 64K-element span's sum stays within ~1e-7 of float64 (as sum_of_squares_span).
+// The loops tell their moment holder where each fold starts; a coded holder starts its blocks
+// there, so a block must hold whole folds.
 constexpr std::int64_t kFoldElements = 128;
+static_assert(kStateBlock % kFoldElements == 0, "a coded block holds whole folds");
 
 struct SquareSums {
   double param = 0.0;
@@ -190,6 +194,33 @@ struct FloatLambMoments {
   void after_scalar_tail(std::int64_t /*i*/, std::int64_t /*n*/) const {}
 };
 
+// The first pass's work on the vector of elements from i, which the second pass of the coded
+// step repeats: the grad unscaled (and stored back with kWriteGrad), the moments updated through
+// the holder. `p` receives the param's value; the update is returned.
+template <template <typename> class Lanes, bool kWriteGrad, typename L, typename Source,
+          typename Grad, typename Moments>
+AMPFUSE_BF16_INLINE L update_lanes(const Source& param, Grad* grad, Moments& moments,
+                                   std::int64_t i, const LambStep& step, L& p) {
+  L g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
+  if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
+  p = param.template lanes<Lanes>(i);
+  L m, v;
+  moments.template load<Lanes>(i, m, v);
+  const L u = lamb_moments(g, p, m, v, step);
+  moments.template store<Lanes>(i, m, v);
+  return u;
+}
+
+// The same for element i, whose moments are m and v.
+template <bool kWriteGrad, typename Source, typename Grad>
+AMPFUSE_BF16_INLINE float update_element(const Source& param, Grad* grad, std::int64_t i,
+                                         float& m, float& v, const LambStep& step, float& p) {
+  const float g = unscale_grad(Element<Grad>::load(grad[i]), step.grad_scale);
+  if (kWriteGrad) grad[i] = Element<Grad>::store(g);
+  p = param.at(i);
+  return lamb_moments(g, p, m, v, step);
+}
+
 // The first pass over a span of n elements: unscales (and with kWriteGrad stores) the grads,
 // updates the moments, and adds the squares of the params and of the updates to `sums`. The
 // vector loop runs over whole folds; the elements after the last whole vector run one at a time,
@@ -212,13 +243,8 @@ inline __attribute__((always_inline)) void lamb_moments_lanes(const Source& para
     const std::int64_t end = std::min(wide_end, start + kFoldElements);
     moments.enter(start);
     for (std::int64_t i = start; i < end; i += kWidth) {
-      L g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
-      if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
-      const L p = param.template lanes<Lanes>(i);
-      L m, v;
-      moments.template load<Lanes>(i, m, v);
-      const L u = lamb_moments(g, p, m, v, step);
-      moments.template store<Lanes>(i, m, v);
+      L p;
+      const L u = update_lanes<Lanes, kWriteGrad>(param, grad, moments, i, step, p);
       order.add(p, u);
     }
     if (end % kFoldElements == 0) order.fold();  // else the fold goes on below
@@ -227,11 +253,9 @@ inline __attribute__((always_inline)) void lamb_moments_lanes(const Source& para
   const LambMomentPointers tail = moments.scalar_tail(wide_end, n);
   float param_sq = 0.0f, update_sq = 0.0f;
   for (std::int64_t i = wide_end; i < n; ++i) {
-    const float g = unscale_grad(Element<Grad>::load(grad[i]), step.grad_scale);
-    if (kWriteGrad) grad[i] = Element<Grad>::store(g);
-    const float p = param.at(i);
-    const float u =
-        lamb_moments(g, p, tail.exp_avg[i - wide_end], tail.exp_avg_sq[i - wide_end], step);
+    float p;
+    const float u = update_element<kWriteGrad>(param, grad, i, tail.exp_avg[i - wide_end],
+                                               tail.exp_avg_sq[i - wide_end], step, p);
     if (i < whole8) {
       order.add_lane(static_cast<int>(i % 8), p, u);
     } else {
@@ -288,13 +312,8 @@ inline __attribute__((always_inline)) void lamb_step_lanes(const Source& param, 
     const std::int64_t end = std::min(whole, start + kFoldElements);
     moments.enter(start);
     for (std::int64_t i = start; i < end; i += kWidth) {
-      L g = unscale_grad(Lanes<Grad>::load(grad + i), step.grad_scale);
-      if (kWriteGrad) Lanes<Grad>::store(grad + i, g);
-      L p = param.template lanes<Lanes>(i);
-      L m, v;
-      moments.template load<Lanes>(i, m, v);
-      const L u = lamb_moments(g, p, m, v, step);
-      moments.template store<Lanes>(i, m, v);
+      L p;
+      const L u = update_lanes<Lanes, kWriteGrad>(param, grad, moments, i, step, p);
       p = p - mul(L(ratio), u);
       param.template store_lanes<Lanes>(i, p);
     }
@@ -302,10 +321,9 @@ inline __attribute__((always_inline)) void lamb_step_lanes(const Source& param, 
   }
   const LambMomentPointers tail = moments.scalar_tail(whole, n);
   for (std::int64_t i = whole; i < n; ++i) {
-    const float g = unscale_grad(Element<Grad>::load(grad[i]), step.grad_scale);
-    if (kWriteGrad) grad[i] = Element<Grad>::store(g);
-    float p = param.at(i);
-    const float u = lamb_moments(g, p, tail.exp_avg[i - whole], tail.exp_avg_sq[i - whole], step);
+    float p;
+    const float u = update_element<kWriteGrad>(param, grad, i, tail.exp_avg[i - whole],
+                                               tail.exp_avg_sq[i - whole], step, p);
     p = p - mul(ratio, u);
     param.store_at(i, p);
   }
