@@ -118,10 +118,17 @@ AMPFUSE_HOST_DEVICE inline float lamb_ratio(float param_norm, float update_norm,
   return s.lr * (param_norm / update_norm);
 }
 
+// The second pass for one element given its update: what lamb_moments returned for these
+// moments and this p, or lamb_direction of them (the same bits).
+template <typename F>
+AMPFUSE_ELEMENT_FN void lamb_apply_update(F& p, F update, float ratio) {
+  p = p - mul(ratio, update);
+}
+
 // The second pass for one element: m, v are the moments the first pass stored.
 template <typename F>
 AMPFUSE_ELEMENT_FN void lamb_apply(F& p, F m, F v, float ratio, const LambStep& s) {
-  p = p - mul(ratio, lamb_direction(m, v, p, s));
+  lamb_apply_update(p, lamb_direction(m, v, p, s), ratio);
 }
 
 }  // namespace ampfuse::kernels

@@ -298,7 +298,7 @@ inline __attribute__((always_inline)) void lamb_apply_lanes(const Source& param,
 // Both halves of the second pass for moments that the first pass could not store (8-bit codes,
 // lamb_coded_lanes.inc): the first pass's moment update again from the same moments, grads and
 // params (so the same bits), then the param step with the update that gave, which is the
-// lamb_direction() that lamb_apply_lanes would form from the stored moments.
+// lamb_direction() that lamb_apply_lanes would form from the stored moments (lamb_apply_update).
 template <template <typename> class Lanes, bool kWriteGrad, typename Source, typename Grad,
           typename Moments>
 inline __attribute__((always_inline)) void lamb_step_lanes(const Source& param, Grad* grad,
@@ -314,7 +314,7 @@ inline __attribute__((always_inline)) void lamb_step_lanes(const Source& param, 
     for (std::int64_t i = start; i < end; i += kWidth) {
       L p;
       const L u = update_lanes<Lanes, kWriteGrad>(param, grad, moments, i, step, p);
-      p = p - mul(L(ratio), u);
+      lamb_apply_update(p, u, ratio);
       param.template store_lanes<Lanes>(i, p);
     }
     moments.leave(end);
@@ -324,7 +324,7 @@ inline __attribute__((always_inline)) void lamb_step_lanes(const Source& param, 
     float p;
     const float u = update_element<kWriteGrad>(param, grad, i, tail.exp_avg[i - whole],
                                                tail.exp_avg_sq[i - whole], step, p);
-    p = p - mul(ratio, u);
+    lamb_apply_update(p, u, ratio);
     param.store_at(i, p);
   }
   moments.after_scalar_tail(whole, n);
