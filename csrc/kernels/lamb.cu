@@ -22,8 +22,9 @@
 // norm, and only the second pass writes the param (and its compensation or low half).
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
-#include "optimizer_step.cuh"
+#include "lamb_passes.cuh"
 
 namespace ampfuse::kernels::cuda {
 namespace {
@@ -48,60 +49,7 @@ __global__ void lamb_prologue_kernel(LambConfig config, StepScalars scalars,
   if (advance && !step_is_skipped(scalars)) *scalars.step += 1.0f;
 }
 
-// The first pass over one chunk: element i's fp32 param value is load(i), and load_pack(i) that
-// of elements i..i+3 (i a multiple of 4). The walk, and so each thread's order of adding its
-// squares, is the same however the param is held: "split", whose value is the master, gets
-// the fp32 master's chunk sums bit for bit.
-template <bool kWrite, typename Grad, typename Load, typename LoadPack>
-__device__ __forceinline__ void lamb_moments_chunk(Grad* grad, float* m, float* v, int n,
-                                                   bool aligned, const LambStep& step, Load load,
-                                                   LoadPack load_pack, float& param_sq,
-                                                   float& update_sq) {
-  constexpr int kPack = 4;
-  using F4 = Pack<float, kPack>;
-  // A thread adds at most 64K / 512 = 128 squares of each in fp32, each in one FMA, as
-  // l2norm does (and for its reason).
-  const auto element = [&](int i) {
-    const float g = unscaled_grad<kWrite>(grad, i, step.grad_scale);
-    const float p = load(i);
-    float mi = m[i];
-    float vi = v[i];
-    const float u = lamb_moments(g, p, mi, vi, step);
-    m[i] = mi;
-    v[i] = vi;
-    param_sq = __fmaf_rn(p, p, param_sq);
-    update_sq = __fmaf_rn(u, u, update_sq);
-  };
-  // As update_chunk: the grad pack is unscaled (and stored back) before the rest is loaded.
-  const auto pack = [&](int i) {
-    Pack<Grad, kPack> gg = *reinterpret_cast<const Pack<Grad, kPack>*>(grad + i);
-    float g[kPack];
-#pragma unroll
-    for (int j = 0; j < kPack; ++j) {
-      g[j] = unscale_grad(DeviceElement<Grad>::load(gg.v[j]), step.grad_scale);
-      if (kWrite) gg.v[j] = DeviceElement<Grad>::store(g[j]);
-    }
-    if (kWrite) *reinterpret_cast<Pack<Grad, kPack>*>(grad + i) = gg;
-    const F4 pp = load_pack(i);
-    F4 mm = *reinterpret_cast<const F4*>(m + i);
-    F4 vv = *reinterpret_cast<const F4*>(v + i);
-#pragma unroll
-    for (int j = 0; j < kPack; ++j) {
-      const float u = lamb_moments(g[j], pp.v[j], mm.v[j], vv.v[j], step);
-      param_sq = __fmaf_rn(pp.v[j], pp.v[j], param_sq);
-      update_sq = __fmaf_rn(u, u, update_sq);
-    }
-    *reinterpret_cast<F4*>(m + i) = mm;
-    *reinterpret_cast<F4*>(v + i) = vv;
-  };
-  visit_chunk<kPack>(n, aligned && is_aligned_16(grad) && is_aligned_16(m) && is_aligned_16(v),
-                     pack, element);
-}
-
-// The first pass. Each block leaves its chunk's two sums of squares in
-// chunk_sums[2 * c] (param) and chunk_sums[2 * c + 1] (update), c its chunk's number across the
-// whole call, and the chunk's tensor (its index in the full list) in chunk_owner[c]. The param
-// is only read.
+// The first pass over fp32 moments (lamb_moments_block). The param is only read.
 struct LambMomentsFunctor {
   // The default 2 blocks per SM: 64 registers on sm_90 (62 on sm_80), no spills; the fp32
   // path alone takes 56, the bf16 modes' branch 62. At 3 (40 registers) ptxas gives it a stack
@@ -111,67 +59,11 @@ struct LambMomentsFunctor {
                              MasterMode mode, float* chunk_sums,
                              std::int32_t* chunk_owner) const {
     if (step_is_skipped(scalars)) return;
-    const LambStep step = *constants;
+    const LambStep step = *constants;  // in registers, not read through the pointer
     const BlockChunk chunk = block_chunk(table);
-    float* m = fp32_list(table, chunk, 2);
-    float* v = fp32_list(table, chunk, 3);
-    float param_sq = 0.0f;
-    float update_sq = 0.0f;
-    if (mode != MasterMode::kFp32) {
-      // The value the mode holds; the stores are the second pass's.
-      with_bf16_chunk(table, chunk, write_grads, mode, [&](auto* grad, auto write, auto kind) {
-        constexpr MasterMode kMode = decltype(kind)::value;
-        constexpr bool kStochastic = kMode == MasterMode::kStochastic;
-        using Bits4 = Pack<std::uint16_t, 4>;
-        const auto* param =
-            static_cast<const std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start;
-        const auto* extra =
-            static_cast<const std::uint16_t*>(table.addresses[4][chunk.slot]) + chunk.start;
-        const auto load = [&](int i) {
-          return Bf16Param<kMode>::load(param[i], kStochastic ? std::uint16_t{0} : extra[i]);
-        };
-        const auto load_pack = [&](int i) {
-          const Bits4 pp = *reinterpret_cast<const Bits4*>(param + i);
-          const Bits4 ee = kStochastic ? Bits4{} : *reinterpret_cast<const Bits4*>(extra + i);
-          Pack<float, 4> out;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) out.v[j] = Bf16Param<kMode>::load(pp.v[j], ee.v[j]);
-          return out;
-        };
-        // The alignment test of the fp32 path with the extra array in the master's place, so
-        // that both walk a chunk alike.
-        const bool aligned = is_aligned_16(param) && (kStochastic || is_aligned_16(extra));
-        lamb_moments_chunk<decltype(write)::value>(grad, m, v, chunk.size, aligned, step, load,
-                                                   load_pack, param_sq, update_sq);
-      });
-    } else {
-      const float* master = has_master ? fp32_list(table, chunk, 4) : nullptr;
-      with_param_and_grad(table, chunk, write_grads, [&](auto* param, auto* grad, auto write) {
-        using Param = std::remove_pointer_t<decltype(param)>;
-        const auto load = [&](int i) {
-          return master != nullptr ? master[i] : DeviceElement<Param>::load(param[i]);
-        };
-        const auto load_pack = [&](int i) {
-          if (master != nullptr) return *reinterpret_cast<const Pack<float, 4>*>(master + i);
-          const Pack<Param, 4> raw = *reinterpret_cast<const Pack<Param, 4>*>(param + i);
-          Pack<float, 4> out;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) out.v[j] = DeviceElement<Param>::load(raw.v[j]);
-          return out;
-        };
-        const bool aligned = is_aligned_16(param) && (master == nullptr || is_aligned_16(master));
-        lamb_moments_chunk<decltype(write)::value>(grad, m, v, chunk.size, aligned, step, load,
-                                                   load_pack, param_sq, update_sq);
-      });
-    }
-    param_sq = block_sum(param_sq);
-    update_sq = block_sum(update_sq);
-    if (threadIdx.x == 0) {
-      const std::int64_t index = table.first_chunk + blockIdx.x;
-      chunk_sums[2 * index] = param_sq;
-      chunk_sums[2 * index + 1] = update_sq;
-      chunk_owner[index] = table.list_index[chunk.slot];
-    }
+    const FloatLambMoments moments{fp32_list(table, chunk, 2), fp32_list(table, chunk, 3)};
+    lamb_moments_block(table, chunk, moments, has_master, write_grads, mode, step, chunk_sums,
+                       chunk_owner);
   }
 };
 
@@ -326,31 +218,30 @@ std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params) {
   return total_chunks(params);
 }
 
-void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
-          const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
-          const std::vector<TensorRef>& masters, const LambConfig& config,
-          const StepScalars& scalars, const float* grad_norm, bool write_grads,
-          LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream, LambPart part, double* tensor_sums,
-          const MasterListMode& master_mode) {
+void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
+                     const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
+                     LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
+                     float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
+                     const std::function<void()>& first_pass,
+                     const std::function<void(const std::vector<TensorRef>&)>& second_pass) {
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   const bool moments = part != LambPart::kApply;
   const bool apply = part != LambPart::kMoments;
   if (!params.empty() && part != LambPart::kBoth && tensor_sums == nullptr) {
-    throw std::invalid_argument(
-        "ampfuse: fused_lamb_ (part moments or apply) needs tensor_sums (2 doubles per tensor)");
+    throw std::invalid_argument(std::string("ampfuse: ") + op +
+                                " (part moments or apply) needs tensor_sums (2 doubles per "
+                                "tensor)");
   }
+  const std::string what = op;
   // The step count advances even for an empty list, as in adam and sgd (in kApply and kBoth:
   // kMoments leaves it to kApply).
   lamb_prologue_kernel<<<1, 1, 0, cuda_stream>>>(config, scalars, grad_norm, constants, apply);
-  throw_on_launch_error("fused_lamb_ (prologue)");
+  throw_on_launch_error((what + " (prologue)").c_str());
   if (params.empty()) return;
   const std::int64_t chunks = total_chunks(params);
   // Every tensor of a shard may be empty while the other shards' are not: the sums (zeros)
   // are still written for the all-reduce, and kApply still forms the ratios.
   if (chunks == 0 && tensor_sums == nullptr) return;
-  const bool has_master = master_mode.mode == MasterMode::kFp32 && !masters.empty();
-  const LambStep* step = constants;
   const auto tensors = static_cast<std::int64_t>(params.size());
 
   // In the first pass list_index is each tensor's index in `params` (no ids are given), which
@@ -358,25 +249,19 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
   // by. The second pass reads its ratios through the table; there list_index is the param id
   // in kStochastic.
   if (moments) {
-    if (chunks > 0) {
-      const std::vector<TensorRef>* moment_lists[kLambMomentsDepth] = {
-          &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
-      launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", moment_lists, stream,
-                                             LambMomentsFunctor{}, scalars, step, has_master,
-                                             write_grads, master_mode.mode, chunk_sums,
-                                             chunk_owner);
-    }
+    if (chunks > 0) first_pass();
     // Without chunks (kMoments, or kBoth asked for tensor_sums) every block finds none: zeros.
     finish_lamb_kernel<<<static_cast<unsigned>(tensors), kThreadsPerBlock, 0, cuda_stream>>>(
-        chunk_sums, chunk_owner, chunks, scalars, step, apply ? ratios : nullptr, tensor_sums);
-    throw_on_launch_error("fused_lamb_ (trust ratios)");
+        chunk_sums, chunk_owner, chunks, scalars, constants, apply ? ratios : nullptr,
+        tensor_sums);
+    throw_on_launch_error((what + " (trust ratios)").c_str());
   } else {
     constexpr int kRatioThreads = 256;
     const std::int64_t blocks =
         std::min<std::int64_t>((tensors + kRatioThreads - 1) / kRatioThreads, 1024);
     ratios_from_sums_kernel<<<static_cast<unsigned>(blocks), kRatioThreads, 0, cuda_stream>>>(
-        tensor_sums, tensors, scalars, step, ratios);
-    throw_on_launch_error("fused_lamb_ (trust ratios from sums)");
+        tensor_sums, tensors, scalars, constants, ratios);
+    throw_on_launch_error((what + " (trust ratios from sums)").c_str());
   }
   if (!apply || chunks == 0) return;
 
@@ -384,12 +269,36 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
   std::vector<TensorRef> ratio_refs;
   ratio_refs.reserve(params.size());
   for (std::int64_t t = 0; t < tensors; ++t) ratio_refs.push_back({ratios + t, 1, DType::kFloat32});
-  const std::vector<TensorRef>* apply_lists[kLambApplyDepth] = {
-      &params, &exp_avgs, &exp_avg_sqs, or_params(masters, params), &ratio_refs};
-  const bool stochastic = master_mode.mode == MasterMode::kStochastic;
-  launch_multi_tensor_with_ids<kLambApplyDepth>(
-      "fused_lamb_ (apply)", apply_lists, stochastic ? &master_mode.param_ids : nullptr, stream,
-      LambApplyFunctor{}, scalars, step, has_master, master_mode.mode, master_mode.seed);
+  second_pass(ratio_refs);
+}
+
+void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+          const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
+          const std::vector<TensorRef>& masters, const LambConfig& config,
+          const StepScalars& scalars, const float* grad_norm, bool write_grads,
+          LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
+          StreamHandle stream, LambPart part, double* tensor_sums,
+          const MasterListMode& master_mode) {
+  const bool has_master = master_mode.mode == MasterMode::kFp32 && !masters.empty();
+  const LambStep* step = constants;
+  const auto first_pass = [&] {
+    const std::vector<TensorRef>* lists[kLambMomentsDepth] = {
+        &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
+    launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", lists, stream,
+                                           LambMomentsFunctor{}, scalars, step, has_master,
+                                           write_grads, master_mode.mode, chunk_sums,
+                                           chunk_owner);
+  };
+  const auto second_pass = [&](const std::vector<TensorRef>& ratio_refs) {
+    const std::vector<TensorRef>* lists[kLambApplyDepth] = {
+        &params, &exp_avgs, &exp_avg_sqs, or_params(masters, params), &ratio_refs};
+    const bool stochastic = master_mode.mode == MasterMode::kStochastic;
+    launch_multi_tensor_with_ids<kLambApplyDepth>(
+        "fused_lamb_ (apply)", lists, stochastic ? &master_mode.param_ids : nullptr, stream,
+        LambApplyFunctor{}, scalars, step, has_master, master_mode.mode, master_mode.seed);
+  };
+  run_lamb_passes("fused_lamb_", params, config, scalars, grad_norm, constants, chunk_sums,
+                  chunk_owner, ratios, stream, part, tensor_sums, first_pass, second_pass);
 }
 
 }  // namespace ampfuse::kernels::cuda
