@@ -124,6 +124,18 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
           StreamHandle stream, LambPart part = LambPart::kBoth, double* tensor_sums = nullptr,
           const MasterListMode& master_mode = {});
 
+// lamb with Adam's moments as 8-bit block codes (fused_lamb_coded_; CodedMomentLists without
+// max_exp_avg_sq), decoded and coded inside the passes: equal bit for bit to decoding them,
+// running lamb and coding the new moments. The first pass writes only the chunk sums (never the
+// grads, whatever write_grads says); the second forms the new moments again, steps the params,
+// codes the moments and, with write_grads, writes the unscaled grads. The rest as for lamb.
+void lamb_coded(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
+                const CodedMomentLists& moments, const std::vector<TensorRef>& masters,
+                const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
+                bool write_grads, LambStep* constants, float* chunk_sums,
+                std::int32_t* chunk_owner, float* ratios, StreamHandle stream, LambPart part,
+                double* tensor_sums, const MasterListMode& master_mode);
+
 // Scratch the novograd launcher needs: novograd_scratch_chunks(params) 64K-element chunks, each
 // with one float of chunk_partials (its grads' sum of squares, or max |g|) and one int32 of
 // chunk_owner.

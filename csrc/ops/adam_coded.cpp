@@ -8,6 +8,7 @@
 #include "../kernels/state_codes.h"
 #include "../ops.h"
 #include "checks.h"
+#include "coded_spans.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
 #include "master_args.h"
@@ -19,9 +20,6 @@ namespace {
 constexpr const char* kAdamCoded = "fused_adam_coded_";
 using kernels::kStateBlock;
 using kernels::StateCode;
-
-// A CPU span then holds whole blocks: the kernel codes each block on its own.
-static_assert(kernels::kChunkSize % kStateBlock == 0, "CPU spans must hold whole code blocks");
 
 struct AdamCodedArgs {
   std::vector<kernels::TensorRef> params, grads;
@@ -105,23 +103,6 @@ void coded_list(at::TensorList codes, at::TensorList scales, const char* codes_n
     codes_out.push_back({c.data_ptr(), c.numel(), kernels::DType::kFloat32});
     scales_out.push_back({s.data_ptr(), s.numel(), kernels::DType::kFloat32});
   }
-}
-
-// The moments of span `s`: its first element's codes and its first block's scale.
-kernels::cpu::CodedMoments span_moments(const kernels::cuda::CodedMomentLists& m,
-                                        const Span& s) {
-  const auto codes = [&](const std::vector<kernels::TensorRef>& list) {
-    return list.empty() ? nullptr
-                        : static_cast<std::uint8_t*>(list[s.tensor].data) + s.offset;
-  };
-  const auto scales = [&](const std::vector<kernels::TensorRef>& list) {
-    return list.empty() ? nullptr
-                        : static_cast<float*>(list[s.tensor].data) + s.offset / kStateBlock;
-  };
-  return {m.code,
-          codes(m.exp_avg_codes), scales(m.exp_avg_scales),
-          codes(m.exp_avg_sq_codes), scales(m.exp_avg_sq_scales),
-          codes(m.max_exp_avg_sq_codes), scales(m.max_exp_avg_sq_scales)};
 }
 
 // The CPU step from the checked arguments.

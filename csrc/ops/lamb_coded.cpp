@@ -9,7 +9,8 @@
 // params (the same arithmetic, so the same bits), steps the params with them, codes them and
 // writes the unscaled grads. On the CPU both passes are kernels/cpu/lamb_coded.h's, which decode
 // and code inside their loops where the processor has AVX2 or AVX-512 (and through an fp32 span
-// that lives for one span elsewhere).
+// that lives for one span elsewhere); on CUDA they are kernels/lamb_coded.cu's, which decode and
+// code inside the kernels.
 // part="moments" is the first pass alone (it leaves only tensor_sums); part="apply" is the
 // second, which therefore takes the grads and, when clipping, grad_norm as well.
 #include <ATen/ops/empty.h>
@@ -25,33 +26,21 @@
 #include "../kernels/state_codes.h"
 #include "../ops.h"
 #include "checks.h"
+#include "coded_spans.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
 #include "lamb_args.h"
 #include "master_args.h"
 #include "optimizer_args.h"
-#ifdef AMPFUSE_WITH_CUDA
-#include "../kernels/state_codes_cuda.h"
-#endif
 
 namespace ampfuse::ops {
 namespace {
 
 constexpr const char* kLambCoded = "fused_lamb_coded_";
-static_assert(kernels::kChunkSize % kernels::kStateBlock == 0,
-              "a CPU span must hold whole blocks of codes");
-
-// One moment's codes and scales, one pair per param.
-struct CodedMoment {
-  std::vector<std::uint8_t*> codes;
-  std::vector<float*> scales;
-  bool second;  // the second moment (coded as sqrt(v))
-};
 
 struct LambCodedArgs {
   std::vector<kernels::TensorRef> params, grads;
-  CodedMoment exp_avg, exp_avg_sq;
-  kernels::StateCode code;
+  kernels::cuda::CodedMomentLists moments;  // without max_exp_avg_sq
   MasterArgs masters;
   kernels::LambConfig config;
   kernels::StepScalars scalars;
@@ -70,18 +59,19 @@ kernels::StateCode parse_state_dtype(c10::string_view name) {
               "' is not one of 'int8', 'fp8' (fp32 moments go through fused_lamb_).");
 }
 
-// The checked codes and scales of one moment: codes of `dtype` shaped and laid out like each
-// (dense) param, scales fp32, 1-D, contiguous, one per block of 256 elements.
-CodedMoment coded_moment(at::TensorList codes, const char* codes_name, at::TensorList scales,
-                         const char* scales_name, at::TensorList params, at::ScalarType dtype,
-                         bool second) {
+// The checked codes and scales of one moment, into codes_out and scales_out: codes of `dtype`
+// shaped and laid out like each (dense) param, scales fp32, 1-D, contiguous, one per block of
+// 256 elements.
+void coded_moment(at::TensorList codes, const char* codes_name, at::TensorList scales,
+                  const char* scales_name, at::TensorList params, at::ScalarType dtype,
+                  std::vector<kernels::TensorRef>& codes_out,
+                  std::vector<kernels::TensorRef>& scales_out) {
   const std::size_t n = params.size();
   TORCH_CHECK(codes.size() == n && scales.size() == n, "ampfuse.", kLambCoded, ": ", codes_name,
               " and ", scales_name, " need one tensor per param (", n, "), got ", codes.size(),
               " and ", scales.size(), ".");
-  CodedMoment m{{}, {}, second};
-  m.codes.reserve(n);
-  m.scales.reserve(n);
+  codes_out.reserve(n);
+  scales_out.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
     const auto index = static_cast<std::int64_t>(i);
     const at::Tensor& p = params[i];
@@ -109,23 +99,12 @@ CodedMoment coded_moment(at::TensorList codes, const char* codes_name, at::Tenso
                 "contiguous 1-D torch.float32 tensor of ceil(numel / 256) = ", blocks,
                 " elements (one scale per block of 256 elements of ", ArgLabel("params", index),
                 "), got ", s.scalar_type(), " of shape ", s.sizes(), ".");
-    m.codes.push_back(c.numel() == 0 ? nullptr : static_cast<std::uint8_t*>(c.data_ptr()));
-    m.scales.push_back(s.numel() == 0 ? nullptr : s.data_ptr<float>());
+    // The dtype of these refs is unused (see CodedMomentLists).
+    codes_out.push_back({c.numel() == 0 ? nullptr : c.data_ptr(), c.numel(),
+                         kernels::DType::kFloat32});
+    scales_out.push_back({s.numel() == 0 ? nullptr : s.data_ptr(), s.numel(),
+                          kernels::DType::kFloat32});
   }
-  return m;
-}
-
-// The span's codes as the CPU kernels take them (kernels/cpu/lamb_coded.h): its first code and
-// its first block's scale, for both moments.
-kernels::cpu::CodedMoments span_moments(const LambCodedArgs& a, const Span& span) {
-  const std::int64_t block = span.offset / kernels::kStateBlock;
-  return {a.code,
-          a.exp_avg.codes[span.tensor] + span.offset,
-          a.exp_avg.scales[span.tensor] + block,
-          a.exp_avg_sq.codes[span.tensor] + span.offset,
-          a.exp_avg_sq.scales[span.tensor] + block,
-          nullptr,
-          nullptr};
 }
 
 // LAMB's first pass over one span (sums only, nothing written) and its second (moments, params,
@@ -140,7 +119,7 @@ void sums_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep
   kernels::cpu::lamb_coded_sums_span(
       element_ptr(param, span.offset), param.dtype, bf16_mode ? &bf16 : nullptr,
       bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
-      element_ptr(grad, span.offset), grad.dtype, span_moments(a, span), span.size, lamb_step,
+      element_ptr(grad, span.offset), grad.dtype, span_moments(a.moments, span), span.size, lamb_step,
       param_sq, update_sq);
 }
 
@@ -154,7 +133,7 @@ void step_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep
   kernels::cpu::lamb_coded_step_span(
       element_ptr(param, span.offset), param.dtype, bf16_mode ? &bf16 : nullptr,
       bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
-      element_ptr(grad, span.offset), grad.dtype, a.write_grads, span_moments(a, span),
+      element_ptr(grad, span.offset), grad.dtype, a.write_grads, span_moments(a.moments, span),
       span.size, lamb_step, ratio);
 }
 
@@ -201,64 +180,23 @@ void lamb_coded_cpu(const LambCodedArgs& a) {
 }
 
 #ifdef AMPFUSE_WITH_CUDA
-// The CUDA step: each moment decoded into an fp32 temporary, the fp32 LAMB launcher
-// (kernels/lamb.cu) run on them with the same two-pass split as the CPU (part="apply" forms
-// the moments again from the codes before its second pass), and the moments coded back unless
-// the step was skipped (read on the device). The temporaries are 8 bytes per element for the
-// call's duration: a fused kernel that codes in place is still to be written.
+// The CUDA step: kernels/lamb_coded.cu's two passes, with fused_lamb_'s scratch.
 void lamb_coded_cuda(const LambCodedArgs& a, const at::Tensor& step) {
   check_cuda_step(kLambCoded, step);
   const c10::cuda::CUDAGuard guard(step.device());
-  const kernels::StreamHandle stream = current_stream(step.device());
   const auto options = at::TensorOptions().device(step.device());
-  const std::size_t n = a.params.size();
-  std::vector<at::Tensor> temporaries;
-  std::vector<kernels::TensorRef> exp_avgs, exp_avg_sqs;
-  const auto decode = [&](const CodedMoment& m, std::vector<kernels::TensorRef>& out) {
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::int64_t numel = a.params[i].numel;
-      temporaries.push_back(at::empty({numel}, options.dtype(at::kFloat)));
-      float* moment = temporaries.back().data_ptr<float>();
-      kernels::cuda::decode_moment_blocks(m.codes[i], m.scales[i], moment, numel, a.code,
-                                          m.second, stream);
-      out.push_back({numel == 0 ? nullptr : moment, numel, kernels::DType::kFloat32});
-    }
-  };
-  decode(a.exp_avg, exp_avgs);
-  decode(a.exp_avg_sq, exp_avg_sqs);
   const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
   const std::int64_t chunks = kernels::cuda::lamb_scratch_chunks(a.params);
   at::Tensor chunk_sums = at::empty({2 * chunks}, options.dtype(at::kFloat));
   at::Tensor chunk_owner = at::empty({chunks}, options.dtype(at::kInt));
-  at::Tensor ratios = at::empty({static_cast<std::int64_t>(n)}, options.dtype(at::kFloat));
-  const auto run = [&](kernels::LambPart part, bool write_grads, double* tensor_sums) {
-    kernels::cuda::lamb(a.params, a.grads, exp_avgs, exp_avg_sqs, a.masters.list, a.config,
-                        a.scalars, a.grad_norm, write_grads,
-                        static_cast<kernels::LambStep*>(constants.data_ptr()),
-                        chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
-                        ratios.data_ptr<float>(), stream, part, tensor_sums, a.masters.how);
-  };
-  if (a.part == kernels::LambPart::kMoments) {
-    run(kernels::LambPart::kMoments, /*write_grads=*/false, a.tensor_sums);
-    return;  // the codes stay: part="apply" forms these moments again
-  }
-  if (a.part == kernels::LambPart::kApply) {
-    at::Tensor own_sums = at::empty({static_cast<std::int64_t>(2 * n)},
-                                    options.dtype(at::kDouble));
-    run(kernels::LambPart::kMoments, a.write_grads, own_sums.data_ptr<double>());
-    run(kernels::LambPart::kApply, false, a.tensor_sums);
-  } else {
-    run(kernels::LambPart::kBoth, a.write_grads, a.tensor_sums);
-  }
-  const auto encode = [&](const CodedMoment& m, const std::vector<kernels::TensorRef>& in) {
-    for (std::size_t i = 0; i < n; ++i) {
-      kernels::cuda::encode_moment_blocks(static_cast<const float*>(in[i].data), m.codes[i],
-                                          m.scales[i], in[i].numel, a.code, m.second,
-                                          a.scalars.found_inf, stream);
-    }
-  };
-  encode(a.exp_avg, exp_avgs);
-  encode(a.exp_avg_sq, exp_avg_sqs);
+  at::Tensor ratios =
+      at::empty({static_cast<std::int64_t>(a.params.size())}, options.dtype(at::kFloat));
+  kernels::cuda::lamb_coded(a.params, a.grads, a.moments, a.masters.list, a.config, a.scalars,
+                            a.grad_norm, a.write_grads,
+                            static_cast<kernels::LambStep*>(constants.data_ptr()),
+                            chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
+                            ratios.data_ptr<float>(), current_stream(step.device()), a.part,
+                            a.tensor_sums, a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif
@@ -279,7 +217,7 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::IntArrayRef param_ids, int64_t seed) {
   check_lamb_hyperparameters(kLambCoded, beta1, beta2, eps, weight_decay, max_grad_norm);
   LambCodedArgs a;
-  a.code = parse_state_dtype(state_dtype);
+  a.moments.code = parse_state_dtype(state_dtype);
   a.part = parse_lamb_part(kLambCoded, part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // part="apply" forms the clipped moments again: it needs the norm too.
@@ -308,12 +246,13 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
   a.write_grads = a.part != kernels::LambPart::kMoments &&
                   writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kLambCoded, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  const bool fp8 = a.code == kernels::StateCode::kFp8;
-  a.exp_avg = coded_moment(exp_avg_codes, "exp_avg_codes", exp_avg_scales, "exp_avg_scales",
-                           dense, fp8 ? at::kFloat8_e4m3fn : at::kChar, /*second=*/false);
-  a.exp_avg_sq = coded_moment(exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales,
-                              "exp_avg_sq_scales", dense, fp8 ? at::kFloat8_e4m3fn : at::kByte,
-                              /*second=*/true);
+  const bool fp8 = a.moments.code == kernels::StateCode::kFp8;
+  coded_moment(exp_avg_codes, "exp_avg_codes", exp_avg_scales, "exp_avg_scales", dense,
+               fp8 ? at::kFloat8_e4m3fn : at::kChar, a.moments.exp_avg_codes,
+               a.moments.exp_avg_scales);
+  coded_moment(exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales, "exp_avg_sq_scales",
+               dense, fp8 ? at::kFloat8_e4m3fn : at::kByte, a.moments.exp_avg_sq_codes,
+               a.moments.exp_avg_sq_scales);
   a.masters = master_args(kLambCoded, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,

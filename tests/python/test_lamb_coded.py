@@ -373,6 +373,23 @@ def test_cuda_nan_grad_codes_as_the_reference(kind, position):
     assert_same(a, expected)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_step_holds_no_fp32_moments(kind):
+    # fp32 copies of both moments of 4M params would be 32 MiB at the step's peak; the coded
+    # kernels' own scratch is a few floats per 64K-element chunk and per tensor.
+    n = 1 << 22
+    a = make_args("cuda", "bf16-masters", kind, shapes=[(n,)])
+    norm = ampfuse.ops.multi_tensor_l2norm(a["grads"], False)[0]
+    coded_step(a, norm=norm)  # the allocator's first blocks, the constants buffer
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    coded_step(a, norm=norm)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < n // 8
+
+
 def test_dtensors_are_refused_with_the_way_to_call_it(one_rank):
     # Sharded codes carry scales padded to the largest shard's blocks, which only FusedLAMB
     # cuts to each rank's own (test_fsdp2.py runs it there).
