@@ -25,7 +25,8 @@
 #   fp8_torchao  torchao float8 tensorwise/rowwise (torch.compile) on the layer and the Llama
 #                stack, with bf16 O2 again as the baseline [240]
 #   fp8_loss     the Llama stack at 2 layers for 300 steps: bf16 O2, current, rowwise [180]
-#   state        memory of the optimizer state: bench_state_dtype.py, profile_split.py [90]
+#   state        memory of the optimizer state: bench_state_dtype.py (FusedAdamW, FusedLAMB),
+#                profile_split.py [120]
 #   bench        run.py (optimizers, ops, training, overhead) [175]
 #   fp8_gemm     bench_fp8.py: the FP8 GEMM against bf16 and torch._scaled_mm [15]
 #   train        bench_train.py, GPT-2 in bf16, O2 with and without fp8=True [50]
@@ -58,7 +59,7 @@ if ! [[ "$deadline" =~ ^[0-9]+$ ]]; then
   echo "gpu_check: GPU_CHECK_DEADLINE_S must be a whole number of seconds, not '$deadline'"
   exit 2
 fi
-declare -A STAGE_SECONDS=([tests]=240 [fp8]=330 [fp8_torchao]=240 [fp8_loss]=180 [state]=90
+declare -A STAGE_SECONDS=([tests]=240 [fp8]=330 [fp8_torchao]=240 [fp8_loss]=180 [state]=120
                           [bench]=175 [fp8_gemm]=15 [train]=50 [profile]=60 [ctest]=110
                           [apex_optimizers]=60 [master_modes]=90)
 left_for_time=""
@@ -200,15 +201,14 @@ fi
 if runs state; then
   log="$out/state.txt"
   # profile_split's default size is for the CPU; 3.5e8 is its 350M-parameter GPU check.
-  declare -A STATE_ARGS=([bench_state_dtype]="" [profile_split]="--total-elements 3.5e8")
+  # FusedLAMB's coded step (lamb_coded.cu) after FusedAdamW's.
+  declare -A STATE_ARGS=([bench_state_dtype]="" [bench_state_dtype_lamb]="--optimizer lamb"
+                         [profile_split]="--total-elements 3.5e8")
   [[ "$device" == cuda ]] || STATE_ARGS[profile_split]=""
-  for script in bench_state_dtype profile_split; do
-    if [[ -f "benchmarks/$script.py" ]]; then
-      # shellcheck disable=SC2086  # the extra arguments split into words on purpose
-      bounded 45 "$script" "$PY" "benchmarks/$script.py" --device "$device" ${STATE_ARGS[$script]}
-    else
-      echo "gpu_check: benchmarks/$script.py is not in this checkout (not merged yet)" | tee -a "$log"
-    fi
+  for run in bench_state_dtype bench_state_dtype_lamb profile_split; do
+    script=${run%_lamb}
+    # shellcheck disable=SC2086  # the extra arguments split into words on purpose
+    bounded 45 "$run" "$PY" "benchmarks/$script.py" --device "$device" ${STATE_ARGS[$run]}
   done
 fi
 
