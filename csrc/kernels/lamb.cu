@@ -222,7 +222,7 @@ void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
                      const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
                      LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
                      float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
-                     const std::function<void()>& first_pass,
+                     bool first_pass_only_sums, const std::function<void()>& first_pass,
                      const std::function<void(const std::vector<TensorRef>&)>& second_pass) {
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   const bool moments = part != LambPart::kApply;
@@ -248,12 +248,18 @@ void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
   // is what chunk_owner, the finishing kernel's blocks, `ratios` and `tensor_sums` are indexed
   // by. The second pass reads its ratios through the table; there list_index is the param id
   // in kStochastic.
+  // Without a trust ratio (no weight decay, no use_nvlamb) every ratio is lr: a first pass
+  // that writes only sums is left out of a whole step that returns none, as on the CPU.
+  const bool sums_unused = first_pass_only_sums && part == LambPart::kBoth &&
+                           tensor_sums == nullptr &&
+                           !make_lamb_constants(config, 0.0f, 0.0f, 1.0f, 0.0f).trust;
   if (moments) {
-    if (chunks > 0) first_pass();
-    // Without chunks (kMoments, or kBoth asked for tensor_sums) every block finds none: zeros.
+    if (chunks > 0 && !sums_unused) first_pass();
+    // Without chunks (kMoments, or kBoth asked for tensor_sums, or sums unused) every block
+    // finds none: zeros, and the plain lr as each ratio.
     finish_lamb_kernel<<<static_cast<unsigned>(tensors), kThreadsPerBlock, 0, cuda_stream>>>(
-        chunk_sums, chunk_owner, chunks, scalars, constants, apply ? ratios : nullptr,
-        tensor_sums);
+        chunk_sums, chunk_owner, sums_unused ? 0 : chunks, scalars, constants,
+        apply ? ratios : nullptr, tensor_sums);
     throw_on_launch_error((what + " (trust ratios)").c_str());
   } else {
     constexpr int kRatioThreads = 256;
@@ -298,7 +304,8 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
         LambApplyFunctor{}, scalars, step, has_master, master_mode.mode, master_mode.seed);
   };
   run_lamb_passes("fused_lamb_", params, config, scalars, grad_norm, constants, chunk_sums,
-                  chunk_owner, ratios, stream, part, tensor_sums, first_pass, second_pass);
+                  chunk_owner, ratios, stream, part, tensor_sums, /*first_pass_only_sums=*/false,
+                  first_pass, second_pass);
 }
 
 }  // namespace ampfuse::kernels::cuda

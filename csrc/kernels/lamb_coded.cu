@@ -198,8 +198,8 @@ void lamb_coded(const std::vector<TensorRef>& params, const std::vector<TensorRe
         master_mode.mode, master_mode.seed, moments.code);
   };
   run_lamb_passes("fused_lamb_coded_", params, config, scalars, grad_norm, constants,
-                  chunk_sums, chunk_owner, ratios, stream, part, tensor_sums, first_pass,
-                  second_pass);
+                  chunk_sums, chunk_owner, ratios, stream, part, tensor_sums,
+                  /*first_pass_only_sums=*/true, first_pass, second_pass);
 }
 
 }  // namespace ampfuse::kernels::cuda

@@ -165,13 +165,14 @@ __device__ void lamb_moments_block(const ChunkTable<Depth>& table, const BlockCh
 // of `params`) and the kernel that turns each tensor's chunk sums into its trust ratio in
 // `ratios` and/or its two sums in tensor_sums; or, in kApply, the ratios from tensor_sums; then
 // second_pass(ratio_refs), ratio_refs[t] being tensor t's ratio as a one-element list entry. The
-// passes are not called where they have no chunk, nor the second in kMoments. The arguments
-// are lamb()'s (cuda_kernels.h); `op` names the op in errors.
+// passes are not called where they have no chunk, nor the second in kMoments, nor, with
+// first_pass_only_sums (the first pass writes nothing the second reads), the first where no
+// ratio needs the sums. The arguments are lamb()'s (cuda_kernels.h); `op` names the op in errors.
 void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
                      const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
                      LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
                      float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
-                     const std::function<void()>& first_pass,
+                     bool first_pass_only_sums, const std::function<void()>& first_pass,
                      const std::function<void(const std::vector<TensorRef>&)>& second_pass);
 
 }  // namespace ampfuse::kernels::cuda
