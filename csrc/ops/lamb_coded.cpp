@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
 #include <vector>
 
 #include "../kernels/cpu/cpu_kernels.h"
@@ -26,7 +25,7 @@
 #include "../kernels/state_codes.h"
 #include "../ops.h"
 #include "checks.h"
-#include "coded_spans.h"
+#include "coded_args.h"
 #include "cpu_spans.h"
 #include "cuda_context.h"
 #include "lamb_args.h"
@@ -51,61 +50,6 @@ struct LambCodedArgs {
   std::vector<at::Tensor> keep_alive;
   std::vector<CopyBack> copy_back;
 };
-
-kernels::StateCode parse_state_dtype(c10::string_view name) {
-  if (name == "int8") return kernels::StateCode::kInt8;
-  if (name == "fp8") return kernels::StateCode::kFp8;
-  TORCH_CHECK(false, "ampfuse.", kLambCoded, ": state_dtype='", std::string(name),
-              "' is not one of 'int8', 'fp8' (fp32 moments go through fused_lamb_).");
-}
-
-// The checked codes and scales of one moment, into codes_out and scales_out: codes of `dtype`
-// shaped and laid out like each (dense) param, scales fp32, 1-D, contiguous, one per block of
-// 256 elements.
-void coded_moment(at::TensorList codes, const char* codes_name, at::TensorList scales,
-                  const char* scales_name, at::TensorList params, at::ScalarType dtype,
-                  std::vector<kernels::TensorRef>& codes_out,
-                  std::vector<kernels::TensorRef>& scales_out) {
-  const std::size_t n = params.size();
-  TORCH_CHECK(codes.size() == n && scales.size() == n, "ampfuse.", kLambCoded, ": ", codes_name,
-              " and ", scales_name, " need one tensor per param (", n, "), got ", codes.size(),
-              " and ", scales.size(), ".");
-  codes_out.reserve(n);
-  scales_out.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto index = static_cast<std::int64_t>(i);
-    const at::Tensor& p = params[i];
-    const at::Tensor& c = codes[i];
-    const at::Tensor& s = scales[i];
-    TORCH_CHECK(c.scalar_type() == dtype, "ampfuse.", kLambCoded, ": ",
-                ArgLabel(codes_name, index), " is ", c.scalar_type(), " but state_dtype needs ",
-                dtype, " codes here (int8: int8 for exp_avg, uint8 for exp_avg_sq; fp8: "
-                "float8_e4m3fn for both).");
-    TORCH_CHECK(c.device() == p.device() && s.device() == p.device(), "ampfuse.", kLambCoded,
-                ": ", ArgLabel(codes_name, index), " is on ", c.device(), " and ",
-                ArgLabel(scales_name, index), " on ", s.device(), " but ",
-                ArgLabel("params", index), " is on ", p.device(), "; move them to its device.");
-    TORCH_CHECK(c.sizes() == p.sizes() && c.layout() == at::kStrided &&
-                    c.is_non_overlapping_and_dense() &&
-                    (c.numel() <= 1 || c.strides() == p.strides()),
-                "ampfuse.", kLambCoded, ": ", ArgLabel(codes_name, index), " has shape ",
-                c.sizes(), " and strides ", c.strides(), " but ", ArgLabel("params", index),
-                " has shape ", p.sizes(), " and strides ", p.strides(), "; codes are laid out "
-                "like their param (torch.empty_like(param, dtype=...)).");
-    const std::int64_t blocks = (p.numel() + kernels::kStateBlock - 1) / kernels::kStateBlock;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.numel() == blocks &&
-                    s.is_contiguous(),
-                "ampfuse.", kLambCoded, ": ", ArgLabel(scales_name, index), " must be a "
-                "contiguous 1-D torch.float32 tensor of ceil(numel / 256) = ", blocks,
-                " elements (one scale per block of 256 elements of ", ArgLabel("params", index),
-                "), got ", s.scalar_type(), " of shape ", s.sizes(), ".");
-    // The dtype of these refs is unused (see CodedMomentLists).
-    codes_out.push_back({c.numel() == 0 ? nullptr : c.data_ptr(), c.numel(),
-                         kernels::DType::kFloat32});
-    scales_out.push_back({s.numel() == 0 ? nullptr : s.data_ptr(), s.numel(),
-                          kernels::DType::kFloat32});
-  }
-}
 
 // LAMB's first pass over one span (sums only, nothing written) and its second (moments, params,
 // codes and, when asked, the unscaled grads), as kernels/cpu/lamb_coded.h runs them.
@@ -217,7 +161,7 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::IntArrayRef param_ids, int64_t seed) {
   check_lamb_hyperparameters(kLambCoded, beta1, beta2, eps, weight_decay, max_grad_norm);
   LambCodedArgs a;
-  a.moments.code = parse_state_dtype(state_dtype);
+  a.moments.code = parse_state_dtype(kLambCoded, state_dtype, "fused_lamb_");
   a.part = parse_lamb_part(kLambCoded, part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // part="apply" forms the clipped moments again: it needs the norm too.
@@ -246,13 +190,12 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
   a.write_grads = a.part != kernels::LambPart::kMoments &&
                   writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kLambCoded, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
-  const bool fp8 = a.moments.code == kernels::StateCode::kFp8;
-  coded_moment(exp_avg_codes, "exp_avg_codes", exp_avg_scales, "exp_avg_scales", dense,
-               fp8 ? at::kFloat8_e4m3fn : at::kChar, a.moments.exp_avg_codes,
-               a.moments.exp_avg_scales);
-  coded_moment(exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales, "exp_avg_sq_scales",
-               dense, fp8 ? at::kFloat8_e4m3fn : at::kByte, a.moments.exp_avg_sq_codes,
-               a.moments.exp_avg_sq_scales);
+  check_coded_moment(kLambCoded, dense, exp_avg_codes, "exp_avg_codes", exp_avg_scales,
+                     "exp_avg_scales", a.moments.code, /*second=*/false, /*optional=*/false,
+                     a.moments.exp_avg_codes, a.moments.exp_avg_scales);
+  check_coded_moment(kLambCoded, dense, exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales,
+                     "exp_avg_sq_scales", a.moments.code, /*second=*/true, /*optional=*/false,
+                     a.moments.exp_avg_sq_codes, a.moments.exp_avg_sq_scales);
   a.masters = master_args(kLambCoded, master_mode, dense, master_params, param_ids, seed,
                           a.keep_alive);
   a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,

@@ -100,7 +100,7 @@ def test_max_moment_missing_with_amsgrad():
 def test_list_length_mismatch():
     case = _case()
     case["exp_avg_codes"] = case["exp_avg_codes"][:1]
-    _both_raise(case, "exp_avg_codes has 1 tensors but params has 2", "one per param")
+    _both_raise(case, "exp_avg_codes has 1 tensors but params has 2", "one tensor per param")
 
 
 def test_bad_master_mode():

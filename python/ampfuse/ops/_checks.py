@@ -141,3 +141,76 @@ def check_master_mode(op, params, master_params, master_mode, param_ids):
                 f"ampfuse.{op}: master_params[{i}] must be {expected} with "
                 f"master_mode={master_mode!r}, got {t.dtype}."
             )
+
+
+# The coded-moment ops (fused_adam_coded_, fused_lamb_coded_; csrc/ops/coded_args.cpp): the
+# codes' dtypes per state_dtype, (first moment, second moments), and the elements per scale.
+CODE_DTYPES = {
+    "int8": (torch.int8, torch.uint8),
+    "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+}
+STATE_BLOCK = 256  # kStateBlock, csrc/kernels/state_codes.h
+
+
+def check_state_dtype(op, state_dtype, fp32_op):
+    if state_dtype not in CODE_DTYPES:
+        raise RuntimeError(
+            f"ampfuse.{op}: state_dtype={state_dtype!r} is not one of 'int8', 'fp8' (fp32 "
+            f"moments are stepped by {fp32_op})."
+        )
+
+
+def check_coded_moment(op, params, codes_name, codes, scales_name, scales, state_dtype, second,
+                       optional):
+    """One coded moment of every param, as check_coded_moment in csrc/ops/coded_args.cpp."""
+    if optional and len(codes) == 0 and len(scales) == 0:
+        return
+    for name, tensors in ((codes_name, codes), (scales_name, scales)):
+        if len(tensors) != len(params):
+            raise RuntimeError(
+                f"ampfuse.{op}: {name} has {len(tensors)} tensors but params has {len(params)}; "
+                f"pass one tensor per param{' (or empty lists).' if optional else '.'}"
+            )
+    dtype = CODE_DTYPES[state_dtype][1 if second else 0]
+    for i, (c, s, p) in enumerate(zip(codes, scales, params)):
+        if c.dtype != dtype:
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] must be {dtype} with state_dtype="
+                f"'{state_dtype}', got {c.dtype}; create it with torch.zeros_like(param, "
+                f"dtype={dtype})."
+            )
+        if c.shape != p.shape:
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] has shape {list(c.shape)} but params[{i}] has "
+                f"shape {list(p.shape)}; codes are shaped and laid out like their param "
+                f"(torch.zeros_like(param, dtype={dtype}))."
+            )
+        if c.device != p.device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] is on {c.device} but params[{i}] is on "
+                f"{p.device}; move it to its param's device."
+            )
+        if c.numel() > 1 and c.stride() != p.stride():
+            raise RuntimeError(
+                f"ampfuse.{op}: {codes_name}[{i}] has strides {list(c.stride())} but params[{i}] "
+                f"has strides {list(p.stride())}; create it with torch.zeros_like(param, "
+                f"dtype={dtype}) so both share one memory layout."
+            )
+        if s.dtype != torch.float32:
+            raise RuntimeError(
+                f"ampfuse.{op}: {scales_name}[{i}] must be torch.float32 (one absmax per block), "
+                f"got {s.dtype}."
+            )
+        if s.device != p.device:
+            raise RuntimeError(
+                f"ampfuse.{op}: {scales_name}[{i}] is on {s.device} but params[{i}] is on "
+                f"{p.device}; move it to its param's device."
+            )
+        blocks = -(-p.numel() // STATE_BLOCK)
+        if s.dim() != 1 or s.numel() != blocks:
+            raise RuntimeError(
+                f"ampfuse.{op}: {scales_name}[{i}] must be a contiguous 1-D tensor of {blocks} "
+                f"elements, one per block of {STATE_BLOCK} of params[{i}]'s {p.numel()} "
+                f"(ceil(numel / {STATE_BLOCK}) = {blocks} elements), got shape "
+                f"{list(s.shape)}; create it with torch.zeros({blocks}, dtype=torch.float32)."
+            )

@@ -8,15 +8,17 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 from ampfuse.ops._checks import (
+    check_coded_moment,
     check_companions,
     check_list,
     check_master_mode,
+    check_state_dtype,
     check_step_scalars,
     lr_tensor,
 )
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
-from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 
 
 def fused_adam_(
@@ -67,14 +69,6 @@ def _adam_fake(
     check_step_scalars(op, device, step, lr, grad_scale, found_inf)
 
 
-# The codes' dtypes per state_dtype: (first moment, second moments).
-_CODE_DTYPES = {
-    "int8": (torch.int8, torch.uint8),
-    "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn),
-}
-_STATE_BLOCK = 256  # elements per code block (csrc/kernels/state_codes.h kStateBlock)
-
-
 def fused_adam_coded_(
     params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
     exp_avg_codes: Iterable[torch.Tensor], exp_avg_scales: Iterable[torch.Tensor],
@@ -108,34 +102,6 @@ def fused_adam_coded_(
     )
 
 
-def _check_coded(op: str, params: Sequence[torch.Tensor], codes_name: str,
-                 codes: Sequence[torch.Tensor], scales_name: str, scales: Sequence[torch.Tensor],
-                 dtype: torch.dtype, optional: bool) -> None:
-    """One coded moment of every param, as csrc/ops/adam_coded.cpp checks it."""
-    if optional and len(codes) == 0 and len(scales) == 0:
-        return
-    for name, tensors in ((codes_name, codes), (scales_name, scales)):
-        if len(tensors) != len(params):
-            raise RuntimeError(
-                f"ampfuse.{op}: {name} has {len(tensors)} tensors but params has {len(params)}; "
-                "pass one per param."
-            )
-    for i, (c, s, p) in enumerate(zip(codes, scales, params)):
-        if c.dtype != dtype:
-            raise RuntimeError(f"ampfuse.{op}: {codes_name}[{i}] must be {dtype}, got {c.dtype}.")
-        if c.shape != p.shape or c.device != p.device:
-            raise RuntimeError(
-                f"ampfuse.{op}: {codes_name}[{i}] has shape {tuple(c.shape)} on {c.device} but "
-                f"params[{i}] has shape {tuple(p.shape)} on {p.device}."
-            )
-        blocks = -(-p.numel() // _STATE_BLOCK)
-        if s.dtype != torch.float32 or s.dim() != 1 or s.numel() != blocks or s.device != p.device:
-            raise RuntimeError(
-                f"ampfuse.{op}: {scales_name}[{i}] must be a 1-D torch.float32 tensor of {blocks} "
-                f"elements on {p.device}, got shape {tuple(s.shape)}, {s.dtype} on {s.device}."
-            )
-
-
 @torch.library.register_fake("ampfuse::fused_adam_coded_")
 def _adam_coded_fake(
     params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -150,11 +116,7 @@ def _adam_coded_fake(
     seed: int = 0,
 ) -> None:
     op = "fused_adam_coded_"
-    if state_dtype not in _CODE_DTYPES:
-        raise RuntimeError(
-            f"ampfuse.{op}: state_dtype={state_dtype!r} is not one of 'int8', 'fp8' (fp32 "
-            "moments are stepped by fused_adam_)."
-        )
+    check_state_dtype(op, state_dtype, "fused_adam_")
     if not amsgrad and (len(max_exp_avg_sq_codes) or len(max_exp_avg_sq_scales)):
         raise RuntimeError(
             f"ampfuse.{op}: max_exp_avg_sq_codes and max_exp_avg_sq_scales must be empty when "
@@ -162,12 +124,14 @@ def _adam_coded_fake(
         )
     device = check_list(op, "params", params)
     check_companions(op, params, "grads", grads, fp32_only=False, optional=False)
-    first, second = _CODE_DTYPES[state_dtype]
-    _check_coded(op, params, "exp_avg_codes", exp_avg_codes, "exp_avg_scales", exp_avg_scales,
-                 first, False)
-    _check_coded(op, params, "exp_avg_sq_codes", exp_avg_sq_codes, "exp_avg_sq_scales",
-                 exp_avg_sq_scales, second, False)
-    _check_coded(op, params, "max_exp_avg_sq_codes", max_exp_avg_sq_codes,
-                 "max_exp_avg_sq_scales", max_exp_avg_sq_scales, second, not amsgrad)
+    for codes_name, codes, scales_name, scales, second, optional in (
+        ("exp_avg_codes", exp_avg_codes, "exp_avg_scales", exp_avg_scales, False, False),
+        ("exp_avg_sq_codes", exp_avg_sq_codes, "exp_avg_sq_scales", exp_avg_sq_scales, True,
+         False),
+        ("max_exp_avg_sq_codes", max_exp_avg_sq_codes, "max_exp_avg_sq_scales",
+         max_exp_avg_sq_scales, True, not amsgrad),
+    ):
+        check_coded_moment(op, params, codes_name, codes, scales_name, scales, state_dtype,
+                           second, optional)
     check_master_mode(op, params, master_params, master_mode, param_ids)
     check_step_scalars(op, device, step, lr, grad_scale, found_inf)

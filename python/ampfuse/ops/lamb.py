@@ -8,16 +8,18 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 from ampfuse.ops._checks import (
+    check_coded_moment,
     check_companions,
     check_list,
     check_master_mode,
     check_scalar,
+    check_state_dtype,
     check_step_scalars,
     lr_tensor,
 )
 from ampfuse.ops._dtensor_hook import register_dtensor_rules
-from ampfuse.ops import _library  # noqa: F401  (registers the ops first)
 
 
 def fused_lamb_(
@@ -160,12 +162,6 @@ def _check_lamb_call(
         )
 
 
-# state_dtype -> the dtypes of (exp_avg codes, exp_avg_sq codes)
-CODE_DTYPES = {"int8": (torch.int8, torch.uint8),
-               "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn)}
-_BLOCK = 256  # elements per scale (kStateBlock, csrc/kernels/state_codes.h)
-
-
 @torch.library.register_fake("ampfuse::fused_lamb_coded_")
 def _lamb_coded_fake(
     params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -180,54 +176,14 @@ def _lamb_coded_fake(
     master_mode: str = "fp32", param_ids: Sequence[int] = (), seed: int = 0,
 ) -> None:
     op = "fused_lamb_coded_"
-    if state_dtype not in CODE_DTYPES:
-        raise RuntimeError(
-            f"ampfuse.{op}: state_dtype={state_dtype!r} is not one of 'int8', 'fp8' (fp32 "
-            "moments go through fused_lamb_)."
-        )
+    check_state_dtype(op, state_dtype, "fused_lamb_")
     # Every part of the coded step forms the clipped moments, so each needs grad_norm.
     _check_lamb_call(op, params, grads, master_params, step, lr, max_grad_norm, grad_norm,
                      grad_scale, found_inf, tensor_sums, part, master_mode, param_ids,
                      norm_needed=True)
-    for (codes_name, codes), (scales_name, scales), dtype in zip(
-        (("exp_avg_codes", exp_avg_codes), ("exp_avg_sq_codes", exp_avg_sq_codes)),
-        (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
-        CODE_DTYPES[state_dtype],
+    for codes_name, codes, scales_name, scales, second in (
+        ("exp_avg_codes", exp_avg_codes, "exp_avg_scales", exp_avg_scales, False),
+        ("exp_avg_sq_codes", exp_avg_sq_codes, "exp_avg_sq_scales", exp_avg_sq_scales, True),
     ):
-        _check_codes(op, params, codes_name, codes, scales_name, scales, dtype)
-
-
-def _check_codes(op: str, params: Sequence[torch.Tensor], codes_name: str,
-                 codes: Sequence[torch.Tensor], scales_name: str,
-                 scales: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-    if len(codes) != len(params) or len(scales) != len(params):
-        raise RuntimeError(
-            f"ampfuse.{op}: {codes_name} and {scales_name} need one tensor per param "
-            f"({len(params)}), got {len(codes)} and {len(scales)}."
-        )
-    for i, (p, c, s) in enumerate(zip(params, codes, scales)):
-        if c.dtype != dtype:
-            raise RuntimeError(
-                f"ampfuse.{op}: {codes_name}[{i}] is {c.dtype} but state_dtype needs {dtype} "
-                "codes here (int8: int8 for exp_avg, uint8 for exp_avg_sq; fp8: float8_e4m3fn "
-                "for both)."
-            )
-        if c.device != p.device or s.device != p.device:
-            raise RuntimeError(
-                f"ampfuse.{op}: {codes_name}[{i}] is on {c.device} and {scales_name}[{i}] on "
-                f"{s.device} but params[{i}] is on {p.device}; move them to its device."
-            )
-        if c.shape != p.shape or (c.numel() > 1 and c.stride() != p.stride()):
-            raise RuntimeError(
-                f"ampfuse.{op}: {codes_name}[{i}] has shape {tuple(c.shape)} and strides "
-                f"{c.stride()} but params[{i}] has shape {tuple(p.shape)} and strides "
-                f"{p.stride()}; codes are laid out like their param "
-                "(torch.empty_like(param, dtype=...))."
-            )
-        blocks = -(-p.numel() // _BLOCK)
-        if s.dtype != torch.float32 or s.dim() != 1 or s.numel() != blocks:
-            raise RuntimeError(
-                f"ampfuse.{op}: {scales_name}[{i}] must be a contiguous 1-D torch.float32 tensor "
-                f"of ceil(numel / 256) = {blocks} elements (one scale per block of 256 elements "
-                f"of params[{i}]), got {s.dtype} of shape {tuple(s.shape)}."
-            )
+        check_coded_moment(op, params, codes_name, codes, scales_name, scales, state_dtype,
+                           second, False)
