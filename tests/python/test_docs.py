@@ -17,9 +17,9 @@ usage cannot rot.
 
 import pathlib
 import re
-import socket
 
 import pytest
+from ranks import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
@@ -91,12 +91,6 @@ def _no_apex_alias_left_behind():
         apex_compat.uninstall_apex_alias()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("block", _params("python"))
 def test_python_block_runs(block, monkeypatch):
     code = block["body"]
@@ -106,7 +100,7 @@ def test_python_block_runs(block, monkeypatch):
     if block["marker"] == "torchrun":
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(_free_port())}.items():
+                           "MASTER_PORT": str(free_port())}.items():
             monkeypatch.setenv(key, value)
     namespace = {"__name__": "docs_example"}
     try:
