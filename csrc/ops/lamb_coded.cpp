@@ -51,34 +51,51 @@ struct LambCodedArgs {
   std::vector<CopyBack> copy_back;
 };
 
+// One span as both CPU passes take it: the param and grad at its start, its master or (in a
+// bf16 mode) the mode's span, and its codes.
+struct SpanArgs {
+  void* param;
+  kernels::DType param_dtype;
+  bool bf16_mode;
+  kernels::cpu::Bf16Span bf16;
+  float* master;  // null in a bf16 mode or without masters
+  void* grad;
+  kernels::DType grad_dtype;
+  kernels::cpu::CodedMoments moments;
+
+  const kernels::cpu::Bf16Span* bf16_span() const { return bf16_mode ? &bf16 : nullptr; }
+};
+
+SpanArgs span_args(const LambCodedArgs& a, const Span& span, float steps_taken) {
+  const kernels::TensorRef& param = a.params[span.tensor];
+  const kernels::TensorRef& grad = a.grads[span.tensor];
+  const bool bf16_mode = a.masters.is_bf16_mode();
+  return {element_ptr(param, span.offset),
+          param.dtype,
+          bf16_mode,
+          bf16_mode ? a.masters.span(span, steps_taken) : kernels::cpu::Bf16Span{},
+          bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
+          element_ptr(grad, span.offset),
+          grad.dtype,
+          span_moments(a.moments, span)};
+}
+
 // LAMB's first pass over one span (sums only, nothing written) and its second (moments, params,
 // codes and, when asked, the unscaled grads), as kernels/cpu/lamb_coded.h runs them.
 void sums_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
                double* param_sq, double* update_sq) {
-  const kernels::TensorRef& param = a.params[span.tensor];
-  const kernels::TensorRef& grad = a.grads[span.tensor];
-  const bool bf16_mode = a.masters.is_bf16_mode();
-  const kernels::cpu::Bf16Span bf16 =
-      bf16_mode ? a.masters.span(span, lamb_step.steps_taken) : kernels::cpu::Bf16Span{};
-  kernels::cpu::lamb_coded_sums_span(
-      element_ptr(param, span.offset), param.dtype, bf16_mode ? &bf16 : nullptr,
-      bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
-      element_ptr(grad, span.offset), grad.dtype, span_moments(a.moments, span), span.size, lamb_step,
-      param_sq, update_sq);
+  const SpanArgs s = span_args(a, span, lamb_step.steps_taken);
+  kernels::cpu::lamb_coded_sums_span(s.param, s.param_dtype, s.bf16_span(), s.master, s.grad,
+                                     s.grad_dtype, s.moments, span.size, lamb_step, param_sq,
+                                     update_sq);
 }
 
 void step_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep& lamb_step,
                float ratio) {
-  const kernels::TensorRef& param = a.params[span.tensor];
-  const kernels::TensorRef& grad = a.grads[span.tensor];
-  const bool bf16_mode = a.masters.is_bf16_mode();
-  const kernels::cpu::Bf16Span bf16 =
-      bf16_mode ? a.masters.span(span, lamb_step.steps_taken) : kernels::cpu::Bf16Span{};
-  kernels::cpu::lamb_coded_step_span(
-      element_ptr(param, span.offset), param.dtype, bf16_mode ? &bf16 : nullptr,
-      bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
-      element_ptr(grad, span.offset), grad.dtype, a.write_grads, span_moments(a.moments, span),
-      span.size, lamb_step, ratio);
+  const SpanArgs s = span_args(a, span, lamb_step.steps_taken);
+  kernels::cpu::lamb_coded_step_span(s.param, s.param_dtype, s.bf16_span(), s.master, s.grad,
+                                     s.grad_dtype, a.write_grads, s.moments, span.size,
+                                     lamb_step, ratio);
 }
 
 // The CPU step from the checked arguments (see the file comment for the two passes).
