@@ -320,9 +320,17 @@ std::atomic<std::int64_t> plans_built{0};
 std::atomic<std::int64_t> plans_reused{0};
 std::atomic<std::int64_t> plans_evicted{0};
 
-// The returned plan stays valid until this thread's next plan_for call (which may evict it).
+using PlanCache = LruCache<PlanKey, std::unique_ptr<Plan>, PlanKeyHash>;
+
+PlanCache& thread_plans() {
+  thread_local PlanCache plans(kPlanCacheCapacity);
+  return plans;
+}
+
+// The returned plan stays valid until this thread's next plan_for or forget_plan call (either
+// may destroy it).
 Plan& plan_for(const PlanKey& key, const Fp8GemmArgs& args, cublasLtHandle_t handle) {
-  thread_local LruCache<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans(kPlanCacheCapacity);
+  PlanCache& plans = thread_plans();
   if (std::unique_ptr<Plan>* found = plans.find(key)) {
     plans_reused.fetch_add(1, std::memory_order_relaxed);
     return **found;
@@ -356,15 +364,10 @@ cublasStatus_t launch(Plan& plan, const Fp8GemmArgs& args, const Fp8GemmContext&
                         context.workspace_bytes, reinterpret_cast<cudaStream_t>(stream));
 }
 
-}  // namespace
-
-bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream) {
-  const auto handle = static_cast<cublasLtHandle_t>(context.blaslt_handle);
-  const PlanKey key{args.device,     args.m,          args.n,
-                    args.k,          args.a_format,   args.b_format,
-                    args.scale_mode, args.fast_accum, args.bias != nullptr,
-                    args.out_dtype,  common_alignment(args), context.workspace_bytes};
-  Plan& plan = plan_for(key, args, handle);
+// Launches a plan, and at its first launch turns cuBLASLt's refusals into a retry without the
+// bias epilogue or into Fp8GemmUnsupported. Returns whether the bias was fused.
+bool launch_plan(Plan& plan, const PlanKey& key, const Fp8GemmArgs& args,
+                 const Fp8GemmContext& context, cublasLtHandle_t handle, StreamHandle stream) {
   cublasStatus_t status = launch(plan, args, context, handle, stream);
   if (status != CUBLAS_STATUS_SUCCESS && !plan.launched && plan.fused_bias &&
       (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
@@ -396,6 +399,26 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
   }
   plan.launched = true;
   return plan.fused_bias;
+}
+
+}  // namespace
+
+bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream) {
+  const auto handle = static_cast<cublasLtHandle_t>(context.blaslt_handle);
+  const PlanKey key{args.device,     args.m,          args.n,
+                    args.k,          args.a_format,   args.b_format,
+                    args.scale_mode, args.fast_accum, args.bias != nullptr,
+                    args.out_dtype,  common_alignment(args), context.workspace_bytes};
+  Plan& plan = plan_for(key, args, handle);
+  try {
+    return launch_plan(plan, key, args, context, handle, stream);
+  } catch (...) {
+    // A plan that never ran and was refused (or whose retry without the bias epilogue failed
+    // half-way, leaving it a descriptor the algorithm was not chosen for) is not kept: the next
+    // call of this problem builds and asks cuBLASLt afresh instead of launching it again.
+    if (!plan.launched) thread_plans().erase(key);
+    throw;
+  }
 }
 
 Fp8GemmPlanStats fp8_gemm_plan_stats() {

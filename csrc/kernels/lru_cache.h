@@ -69,6 +69,18 @@ class LruCache {
     return entries_.front().second;
   }
 
+  // Drops `key`'s entry (destroying its value) and says whether there was one. Not an
+  // eviction: for an owner that finds a cached value unusable (fp8_gemm's plan that cuBLASLt
+  // refused), so that the next ask builds it afresh instead of reusing it.
+  bool erase(const Key& key) {
+    const auto found = index_.find(key);
+    if (found == index_.end()) return false;
+    const auto entry = found->second;
+    index_.erase(found);
+    entries_.erase(entry);
+    return true;
+  }
+
   std::size_t size() const { return entries_.size(); }
   std::size_t capacity() const { return capacity_; }
   // Entries dropped for room since construction (replacements are not evictions).

@@ -157,6 +157,27 @@ TEST_CASE("lru cache: the eviction counter counts every eviction over a long run
   for (int key = 1000 - 16; key < 1000; ++key) CHECK(*cache.find(key) == key);
 }
 
+TEST_CASE("lru cache: erase drops one entry at once, and its key is free again") {
+  std::vector<int> destroyed;
+  TrackedCache cache(3);
+  for (int key = 0; key < 3; ++key) cache.insert(key, tracked(key, destroyed));
+  CHECK(cache.erase(1));
+  CHECK(destroyed == std::vector<int>{1});
+  CHECK(cache.size() == 2);
+  CHECK(cache.find(1) == nullptr);
+  CHECK_FALSE(cache.erase(1));  // a key it does not hold: nothing changes
+  CHECK(cache.size() == 2);
+  // Room for a new entry without evicting; the erased one was not counted as an eviction.
+  cache.insert(3, tracked(3, destroyed));
+  CHECK(cache.evictions() == 0);
+  CHECK(destroyed == std::vector<int>{1});
+  cache.insert(1, tracked(10, destroyed));  // the erased key, built afresh: evicts 0, the oldest
+  CHECK(cache.evictions() == 1);
+  CHECK(destroyed == std::vector<int>{1, 0});
+  REQUIRE(cache.find(1) != nullptr);
+  CHECK((*cache.find(1))->id == 10);
+}
+
 TEST_CASE("lru cache: capacity 0 is refused") {
   CHECK_THROWS_AS((LruCache<int, int>(0)), std::invalid_argument);
 }
