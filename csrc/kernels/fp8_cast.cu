@@ -213,8 +213,12 @@ __global__ void __launch_bounds__(kUpdateThreads)
 
 void fp8_cast_amax(const TensorRef& src, std::uint8_t* dst, const float* scale, float* amax,
                    Fp8Format format, StreamHandle stream) {
-  if (src.numel == 0) return;
   const auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (src.numel == 0) {
+    fold_empty_amax_kernel<<<1, 1, 0, s>>>(amax);
+    throw_on_launch_error("fp8_cast_amax");
+    return;
+  }
   if (format == Fp8Format::kE4M3) {
     launch_cast<Fp8Format::kE4M3>(src, dst, scale, amax, s);
   } else {

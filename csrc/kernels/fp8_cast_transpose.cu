@@ -285,10 +285,15 @@ std::int64_t fp8_dbias_workspace_floats(std::int64_t rows, std::int64_t cols) {
 
 void fp8_cast_transpose(const Fp8CastTransposeArgs& args, StreamHandle stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (args.cols == 0) return;
-  if (args.rows == 0) {
-    // No element: dbias is all zeros (out and out_t are empty, amax unchanged).
-    if (args.dbias != nullptr && cudaMemsetAsync(args.dbias, 0, args.cols * sizeof(float), s) != cudaSuccess) {
+  if (args.rows == 0 || args.cols == 0) {
+    // No element: out and out_t are empty, amax is folded with nothing (its sign cleared, as
+    // on the CPU) and dbias, cols long, is all zeros.
+    if (args.amax != nullptr) {
+      fold_empty_amax_kernel<<<1, 1, 0, s>>>(args.amax);
+      throw_on_launch_error("fp8_cast_transpose");
+    }
+    if (args.dbias != nullptr && args.cols > 0 &&
+        cudaMemsetAsync(args.dbias, 0, args.cols * sizeof(float), s) != cudaSuccess) {
       throw_on_launch_error("fp8_cast_transpose_dbias");
     }
     return;

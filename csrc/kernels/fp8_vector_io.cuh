@@ -72,6 +72,11 @@ __device__ __forceinline__ void fold_amax_bits(float* amax, std::uint32_t bits) 
   atomicMax(word, bits);
 }
 
+// The fold of no element, for a cast of an empty tensor: max(abs_bits(*amax), 0) on the CPU,
+// which clears a -0.0 or negative-nan amax's sign. One thread; static, so each file that
+// launches it has its own.
+static __global__ void fold_empty_amax_kernel(float* amax) { fold_amax_bits(amax, 0u); }
+
 __device__ __forceinline__ bool aligned_16(const void* p) {
   return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
 }

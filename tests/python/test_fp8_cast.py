@@ -102,6 +102,16 @@ def test_layouts_empty_and_zero_dim(device):
         assert amax.item() == expected
 
 
+def test_empty_input_clears_the_sign_of_its_amax(device):
+    """A cast of no element still folds its amax (max(|amax|, nothing)): a -0.0 amax comes out
+    +0.0 and a positive one unchanged, on CUDA as on the CPU."""
+    one = torch.ones(1, device=device)
+    for start, expected in ((-0.0, 0), (2.0, torch.tensor([2.0]).view(torch.int32).item())):
+        amax = torch.tensor([start], device=device)
+        fp8_cast_amax(torch.empty(0, device=device), one, amax, torch.float8_e4m3fn)
+        assert amax.cpu().view(torch.int32).item() == expected
+
+
 def test_opcheck(device):
     x = wide_values(1000, torch.bfloat16, device).reshape(10, 100)
     for fp8 in FP8:

@@ -138,6 +138,10 @@ def test_empty_and_zero_inputs(device, shape):
     assert out.shape == shape and out_t.shape == shape[::-1]
     assert dbias.shape == (shape[1],) and (dbias == 0).all()
     assert amax.item() == 2.0
+    # The fold of nothing still clears a -0.0 amax's sign, as the CPU's max(|amax|, 0) does.
+    amax = torch.tensor([-0.0], device=device)
+    fp8_cast_transpose_dbias(torch.empty(shape, device=device), one, amax, torch.float8_e4m3fn)
+    assert amax.cpu().view(torch.int32).item() == 0
     zeros = torch.zeros(33, 17, device=device)
     amax.zero_()
     out, out_t, dbias = fp8_cast_transpose_dbias(zeros, one, amax, torch.float8_e5m2)
