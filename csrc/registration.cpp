@@ -188,6 +188,7 @@ TORCH_LIBRARY(ampfuse, m) {
   // For each FP8 tensor: roll its amax history, insert the step's amax (then zero it), and set
   // scale = fp8_max / amax / 2**margin (amax by "max" or "most_recent"; the old scale stays
   // when amax is 0 or not finite) and scale_inv = 1 / scale. A set found_inf drops the step.
+  // No two state tensors may share memory (refused: CUDA updates all states at once).
   def(m,
       "fp8_update_scales_(Tensor(a!)[] amaxes, Tensor(b!)[] amax_histories, "
       "Tensor(c!)[] scales, Tensor(d!)[] scale_invs, float[] fp8_maxes, int margin, "

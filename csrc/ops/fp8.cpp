@@ -4,7 +4,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -29,6 +31,42 @@ struct UpdateArgs {
   float margin_factor;
   bool use_max;
 };
+
+// Refuses two state tensors that share memory (the same amax twice, a history under a scale):
+// the CUDA kernel updates every state at once, one block each, so shared memory would be a
+// race there where the CPU's one-after-another loop gave an order-dependent answer.
+void check_states_apart(at::TensorList amaxes, at::TensorList histories, at::TensorList scales,
+                        at::TensorList scale_invs) {
+  struct Extent {
+    std::uintptr_t first;
+    std::uintptr_t end;
+    const char* list;
+    std::size_t index;
+  };
+  std::vector<Extent> extents;
+  extents.reserve(4 * amaxes.size());
+  const auto add = [&](at::TensorList list, const char* name) {
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const auto first = reinterpret_cast<std::uintptr_t>(list[i].data_ptr());
+      extents.push_back({first, first + list[i].numel() * sizeof(float), name, i});
+    }
+  };
+  add(amaxes, "amaxes");
+  add(histories, "amax_histories");
+  add(scales, "scales");
+  add(scale_invs, "scale_invs");
+  // Stable: a tie keeps the lists' order, so the message names them as they were passed.
+  std::stable_sort(extents.begin(), extents.end(),
+                   [](const Extent& a, const Extent& b) { return a.first < b.first; });
+  for (std::size_t i = 1; i < extents.size(); ++i) {
+    const Extent& before = extents[i - 1];
+    const Extent& after = extents[i];
+    TORCH_CHECK(after.first >= before.end, "ampfuse.", kUpdate, ": ", before.list, "[",
+                before.index, "] and ", after.list, "[", after.index, "] share memory; every FP8 "
+                "tensor needs its own amax, amax_history, scale and scale_inv (tensors of their "
+                "own, e.g. torch.zeros(1) each, not views of one another).");
+  }
+}
 
 UpdateArgs prepare_update(at::TensorList amaxes, at::TensorList histories, at::TensorList scales,
                           at::TensorList scale_invs, at::ArrayRef<double> fp8_maxes,
@@ -77,6 +115,7 @@ UpdateArgs prepare_update(at::TensorList amaxes, at::TensorList histories, at::T
                            history.numel(), scales[i].data_ptr<float>(),
                            scale_invs[i].data_ptr<float>(), static_cast<float>(fp8_max)});
   }
+  check_states_apart(amaxes, histories, scales, scale_invs);
   return args;
 }
 

@@ -148,6 +148,30 @@ def test_refuses_bad_arguments():
         call(scales=[s.scale.to(other_device("cpu"))])
 
 
+def test_refuses_states_that_share_memory(device):
+    """CUDA updates every state at once, so two states sharing a tensor (or a scale that is a
+    view into a history) would race there: both devices refuse it, before writing anything."""
+    a, b = State(3, E4M3, device), State(2, E5M2, device)
+    a.amax.fill_(2.0)
+    b.amax.fill_(4.0)
+    history_view = a.history[1:2]
+    cases = {
+        (r"amaxes\[0\]", r"amaxes\[1\]"): ([a.amax, a.amax], [a.history, b.history],
+                                          [a.scale, b.scale], [a.scale_inv, b.scale_inv]),
+        ("amax_histories", r"scales\[1\]"): ([a.amax, b.amax], [a.history, b.history],
+                                            [a.scale, history_view], [a.scale_inv, b.scale_inv]),
+        (r"scales\[0\]", r"scale_invs\[0\]"): ([a.amax, b.amax], [a.history, b.history],
+                                              [a.scale, b.scale], [a.scale, b.scale_inv]),
+    }
+    for names, (amaxes, histories, scales, scale_invs) in cases.items():
+        with raises_naming(*names, "share memory"):
+            fp8_update_scales_(amaxes, histories, scales, scale_invs, [E4M3, E5M2], 0, "max")
+    for state, amax in ((a, 2.0), (b, 4.0)):
+        assert state.amax.item() == amax
+        assert not state.history.any()
+        assert state.scale.item() == 1.0 and state.scale_inv.item() == 1.0
+
+
 @pytest.mark.cuda
 def test_cuda_matches_cpu_with_nonfinite_amaxes():
     gen = make_generator(5)
