@@ -327,8 +327,8 @@ PlanCache& thread_plans() {
   return plans;
 }
 
-// The returned plan stays valid until this thread's next plan_for or forget_plan call (either
-// may destroy it).
+// The returned plan stays valid until this thread's next plan_for call (which may evict it)
+// or until fp8_gemm erases it after a refused first launch.
 Plan& plan_for(const PlanKey& key, const Fp8GemmArgs& args, cublasLtHandle_t handle) {
   PlanCache& plans = thread_plans();
   if (std::unique_ptr<Plan>* found = plans.find(key)) {
