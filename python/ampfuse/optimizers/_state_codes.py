@@ -104,7 +104,10 @@ def _decode_u8(codes: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.int32)
     e = c >> 4
     f = (c & 0xF).to(torch.float32)
-    normal = torch.ldexp(f + 16.0, (e - 19).to(torch.float32))
+    # 2**(e - 19) built from its bit pattern (e - 19 is a normal exponent for e in 1..15):
+    # torch.ldexp is a pow on CUDA, which is not promised exact.
+    power = ((e.clamp(min=1) - 19 + 127) << 23).view(torch.float32)
+    normal = (f + 16.0) * power
     return torch.where(e == 0, f * _U8_SUBNORMAL_STEP, normal)
 
 
@@ -134,6 +137,13 @@ def quantize_moment(x: torch.Tensor, kind: str, second: bool) -> tuple[torch.Ten
     return codes.reshape(-1)[:numel].clone(), absmax.reshape(-1).clone()
 
 
+def _exact_divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a 0-d fp32 tensor on `like`'s device, to divide by. Dividing a CUDA tensor by
+    a Python number multiplies by the rounded reciprocal, which is not the correctly rounded
+    quotient the kernels compute (16 of the 255 int8 codes would decode one ulp off)."""
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
 def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, kind: str,
                       second: bool) -> torch.Tensor:
     """The fp32 moment (flat) that (codes, scales) stand for."""
@@ -146,11 +156,11 @@ def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, kind: str,
     blocks = flat.view(-1, BLOCK)
     absmax = scales.reshape(-1, 1).to(torch.float32)
     if kind == "int8" and not second:
-        values = blocks.to(torch.float32) / 127.0 * absmax
+        values = blocks.to(torch.float32) / _exact_divisor(127.0, codes) * absmax
     elif kind == "int8":
         values = _decode_u8(blocks) * absmax
     else:
-        values = blocks.to(torch.float32) / _E4M3_MAX * absmax
+        values = blocks.to(torch.float32) / _exact_divisor(_E4M3_MAX, codes) * absmax
     if second:
         values = values * values
     return values.reshape(-1)[:numel].clone()
