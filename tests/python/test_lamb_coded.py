@@ -337,16 +337,20 @@ def test_cuda_coded_step_is_decode_fp32_step_encode(kind, mode):
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_the_cpu_given_the_same_sums(kind, mode):
     # The fp32 sums of squares are added in another order on the GPU (test_lamb_op.py); given
-    # the same sums, the second half is element-wise and agrees bit for bit.
+    # the same sums, the second half is element-wise and agrees bit for bit. The global grad
+    # norm is such a sum too (multi_tensor_l2norm adds in fp32 on the GPU, in double on the
+    # CPU; with seed 8 the two round an ulp apart), and both halves clip by it, so both devices
+    # get the CPU's norm. part="moments" writes no grads, so one norm serves all four calls.
     cpu = make_args("cpu", mode, kind, seed=8)
     cuda = make_args("cuda", mode, kind, seed=8)
+    norm = ampfuse.ops.multi_tensor_l2norm(cpu["grads"], False)[0]
     sums = torch.zeros((len(cpu["params"]), 2), dtype=torch.float64)
-    coded_step(cpu, sums=sums, part="moments")
+    coded_step(cpu, sums=sums, part="moments", norm=norm)
     cuda_sums = torch.zeros_like(sums, device="cuda")
-    coded_step(cuda, sums=cuda_sums, part="moments")
+    coded_step(cuda, sums=cuda_sums, part="moments", norm=norm.cuda())
     torch.testing.assert_close(cuda_sums.cpu(), sums, rtol=1e-6, atol=0)
-    coded_step(cpu, sums=sums, part="apply")
-    coded_step(cuda, sums=sums.cuda(), part="apply")
+    coded_step(cpu, sums=sums, part="apply", norm=norm)
+    coded_step(cuda, sums=sums.cuda(), part="apply", norm=norm.cuda())
     assert_same(cuda, cpu)
 
 
