@@ -75,6 +75,40 @@ TEST_CASE("AVX2+F16C and AVX-512 adam give the portable kernel's bits") {
   }
 }
 
+// Without a loss scale (grad_scale 1) the lane loops skip the unscale division
+// (optimizer_math.h's unscale_grad) while the scalar loop still divides; x / 1 is x, so a span
+// stepped at once and the same span stepped one element per call (all scalar) agree bit for bit.
+void* element(Array& a, std::int64_t i) {
+  return a.dtype == DType::kFloat32 ? static_cast<void*>(a.single.data() + i)
+                                    : static_cast<void*>(a.half.data() + i);
+}
+
+float* element_or_null(std::vector<float>& v, bool used, std::int64_t i) {
+  return used ? v.data() + i : nullptr;
+}
+
+TEST_CASE("without a loss scale, lanes that skip the division give the scalar loop's bits") {
+  std::vector<std::pair<const char*, AdamKernel>> kernels = {{"portable", portable::adam}};
+  if (cpu_runs_avx2_kernels()) kernels.push_back({"avx2", avx2::adam});
+  if (cpu_has_avx512()) kernels.push_back({"avx512", avx512::adam});
+  for (const auto& [name, kernel] : kernels) {
+    for (bool amsgrad : {false, true}) {
+      const AdamConfig config{0.9, 0.999, 1e-8, 0.01, true, true, amsgrad, false};
+      INFO(name << " amsgrad " << amsgrad);
+      compare_variants<State>("adam, grad_scale 1", [&](bool whole, State& s, bool master,
+                                                         bool write, std::int64_t n, int t) {
+        const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1.0f);
+        const std::int64_t len = whole ? n : 1;
+        for (std::int64_t i = 0; i < n; i += len) {
+          kernel(element(s.param, i), s.param.dtype, element(s.grad, i), s.grad.dtype, write,
+                 s.first.data() + i, s.second.data() + i, element_or_null(s.third, amsgrad, i),
+                 element_or_null(s.master, master, i), len, step);
+        }
+      });
+    }
+  }
+}
+
 TEST_CASE("AVX2+F16C sgd gives the portable kernel's bits") {
   if (!cpu_runs_avx2_kernels()) return;
   for (bool momentum : {false, true}) {
