@@ -131,6 +131,16 @@ def _nothing():
     return _Nothing()
 
 
+def weights_stepped(module):
+    """What an optimizer step does to a layer's FP8 weights between two training steps: it
+    writes the weights, so the next forward quantizes them again (their amax, cast and
+    transpose). A layer benchmark has no optimizer; calling this before each timed call keeps
+    ampfuse's weight cache from serving every call after the first the first call's FP8 weights,
+    a saving no training step without gradient accumulation gets (torchao's float8 pays it on
+    every call). A no-op for torchao's layers and for bf16 ones."""
+    ampfuse_fp8.invalidate(module)
+
+
 def convert_layer(module, setup):
     """Turns the nn.Linear layers of a bf16 module into FP8 ones for a layer benchmark (no
     optimizer): ampfuse.fp8.convert, or torchao's conversion. Returns the module to call."""
