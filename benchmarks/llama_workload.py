@@ -119,7 +119,8 @@ def params_per_layer(hidden, ffn, heads, kv_heads, **_):
 # Bytes per parameter of the hungriest row: ampfuse O2 keeps a bf16 weight (2) and grad (2),
 # an fp32 master (4), its fp32 grad (4) and Adam's two moments (8); torch AMP keeps fp32
 # weights, grads and moments (16) and autocast's bf16 weight copies (2) during the forward.
-STATE_BYTES_PER_PARAM = 20
+# The FP8 rows keep O2's 20 and the cached FP8 weight and its transpose (1 + 1).
+STATE_BYTES_PER_PARAM = 22
 # Activations kept for the backward per token and layer, in bf16 elements: the two norms'
 # inputs and outputs, q, attention output (and o's input), k, v, and the SwiGLU's gate, up,
 # silu(gate) and product; x1.5 for fp32 norm statistics, FP8 copies and temporaries.
