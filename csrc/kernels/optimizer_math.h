@@ -90,7 +90,7 @@ struct StepScalars {
 // Without a loss scale the CPU's lane loops skip the division: g / 1 is g bit for bit (a
 // signalling nan aside, which the update's arithmetic quiets anyway), and the divider is what
 // bounds the CPU's fp32-state steps (three divisions and a square root per element in Adam):
-// skipping one made FusedAdamW's CPU step 8-15% faster (benchmarks/RESULTS.md, 2026-11-29).
+// skipping one made FusedAdamW's CPU step 5-17% faster (benchmarks/RESULTS.md, 2026-11-29).
 // The branch goes the same way for a whole call, so it never mispredicts. Scalar code and the
 // GPU (bound by memory there) always divide.
 template <typename F>

@@ -78,12 +78,12 @@ TEST_CASE("AVX2+F16C and AVX-512 adam give the portable kernel's bits") {
 // Without a loss scale (grad_scale 1) the lane loops skip the unscale division
 // (optimizer_math.h's unscale_grad) while the scalar loop still divides; x / 1 is x, so a span
 // stepped at once and the same span stepped one element per call (all scalar) agree bit for bit.
-void* element(Array& a, std::int64_t i) {
+static void* element(Array& a, std::int64_t i) {
   return a.dtype == DType::kFloat32 ? static_cast<void*>(a.single.data() + i)
                                     : static_cast<void*>(a.half.data() + i);
 }
 
-float* element_or_null(std::vector<float>& v, bool used, std::int64_t i) {
+static float* element_or_null(std::vector<float>& v, bool used, std::int64_t i) {
   return used ? v.data() + i : nullptr;
 }
 
