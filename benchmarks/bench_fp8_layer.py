@@ -8,7 +8,7 @@ The layer is llama_workload.DecoderLayer (RMSNorm, grouped-query SDPA attention,
 bf16 weights, from the same seed in every row; an input of batch x seq tokens and a fixed
 random output gradient. One call = forward + backward (weight and input gradients), timed with
 CUDA events after warm-up, median of --repeats. Each call starts with new weights as far as
-FP8 is concerned (fp8_setups.weights_stepped): a training step quantizes its weights again,
+FP8 is concerned (fp8_setups.weight_stepper): a training step quantizes its weights again,
 and so does every row here. Rows: bf16 (eager, run first and again last:
 noise%), bf16 under torch.compile (the fair baseline for torchao, which compiles), the ampfuse
 recipes (its fp8 Linears swapped in by ampfuse.fp8.convert, or fp8.Linear.from_linear where
@@ -61,10 +61,12 @@ def time_setup(setup, a):
         grad = torch.randn(x.shape, device=a.device, generator=gen, dtype=torch.bfloat16)
         cos, sin = llama_workload.rotary_tables(a.seq, a.hidden // a.heads, a.device)
 
+        weights_stepped = fp8_setups.weight_stepper(layer)
+
         def call(_):
             x.grad = None
             layer.zero_grad(set_to_none=True)
-            fp8_setups.weights_stepped(layer)  # as a training step's new weights would
+            weights_stepped()  # as a training step's new weights would
             layer(x, cos, sin).backward(grad)
 
         times = time_calls(call, a.device, a.warmup, a.repeats)

@@ -10,7 +10,7 @@ Linears in bf16 (issue 31, "Which Linears").
 For every tokens count M and every (in K, out N) pair of --features: a bf16 nn.Linear(K, N,
 bias=False) and the same layer converted to FP8 (fp8_setups.convert_layer), input [M, K]
 bf16, one call = forward + backward (input and weight gradients) with the weight quantized
-again as after an optimizer step (fp8_setups.weights_stepped), CUDA events, median of
+again as after an optimizer step (fp8_setups.weight_stepper), CUDA events, median of
 --repeats after --warmup. bf16 is timed before and after FP8 (noise: the gap between its two
 medians). Cells are bf16 time / FP8 time (> 1: FP8 faster).
 
@@ -42,10 +42,12 @@ FP8_PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "ampfuse"
 
 
 def _call(layer, x, grad):
+    weights_stepped = fp8_setups.weight_stepper(layer)
+
     def call(_):
         x.grad = None
         layer.zero_grad(set_to_none=True)
-        fp8_setups.weights_stepped(layer)  # as a training step's new weights would
+        weights_stepped()  # as a training step's new weights would
         layer(x).backward(grad)
     return call
 

@@ -131,14 +131,20 @@ def _nothing():
     return _Nothing()
 
 
-def weights_stepped(module):
-    """What an optimizer step does to a layer's FP8 weights between two training steps: it
-    writes the weights, so the next forward quantizes them again (their amax, cast and
-    transpose). A layer benchmark has no optimizer; calling this before each timed call keeps
-    ampfuse's weight cache from serving every call after the first the first call's FP8 weights,
-    a saving no training step without gradient accumulation gets (torchao's float8 pays it on
-    every call). A no-op for torchao's layers and for bf16 ones."""
-    ampfuse_fp8.invalidate(module)
+def weight_stepper(module):
+    """A function doing what an optimizer step does to `module`'s FP8 weights between two
+    training steps: it writes the weights, so the next forward quantizes them again (their amax,
+    cast and transpose). A layer benchmark has no optimizer; calling the function before each
+    timed call keeps ampfuse's weight cache from serving every call after the first the first
+    call's FP8 weights, a saving no training step without gradient accumulation gets (torchao's
+    float8 pays it on every call). The FP8 layers are found here, once, so that the timed calls
+    pay only the invalidation; for torchao's layers and bf16 ones the function does nothing."""
+    layers = ampfuse_fp8.fp8_modules(module)
+
+    def step():
+        for layer in layers:
+            layer.invalidate()
+    return step
 
 
 def convert_layer(module, setup):
