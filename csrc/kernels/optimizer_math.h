@@ -88,9 +88,10 @@ struct StepScalars {
 // differs in the last bit when s is not a power of two). grad_scale is 1 when there is none.
 //
 // Without a loss scale the CPU's lane loops skip the division: g / 1 is g bit for bit (a
-// signalling nan aside, which the update's arithmetic quiets anyway), and the divider is what
+// signalling nan aside, which the update's arithmetic quiets anyway), and on Zen 5 the divider
 // bounds the CPU's fp32-state steps (three divisions and a square root per element in Adam):
-// skipping one made FusedAdamW's CPU step 5-17% faster (benchmarks/RESULTS.md, 2026-11-29).
+// skipping one made FusedAdamW's CPU step 5-17% faster there (benchmarks/RESULTS.md,
+// 2026-11-29). On a Zen 4 it does not bound them (RESULTS.md, the tenth session's A/B).
 // The branch goes the same way for a whole call, so it never mispredicts. Scalar code and the
 // GPU (bound by memory there) always divide.
 template <typename F>

@@ -266,11 +266,7 @@ TEST_CASE("coded moments: division-free quotients for every dividend of many div
   for (std::size_t i = 0; i < dividend.size(); ++i) {
     dividend[i] = 0.5f + static_cast<float>(i) * 0x1p-24f;
   }
-  auto float_of = [](std::uint32_t b) {
-    float f;
-    std::memcpy(&f, &b, sizeof f);
-    return f;
-  };
+  using k::fp8_detail::float_of;
   auto reciprocal_error_ulps = [](float d) {  // how far 1 / d rounds, in ulps of the reciprocal
     const double exact = 1.0 / static_cast<double>(d);
     const double ulp = std::ldexp(1.0, std::ilogb(exact) - 23);
