@@ -5,8 +5,8 @@
 //   LAMB (lamb.cu, which the CUDA tests compare with the CPU on an H100) and coding the new
 //   moments; the same ratios, params, grads, masters and codes.
 // Each with fp32 masters, without, and the three master-free bf16 modes; both codes; params
-// of one block, a ragged last block and one that spans two 64K chunks; and a skipped step,
-// which writes nothing.
+// of one block, a ragged last block and one that spans two 64K chunks; a skipped step, which
+// writes nothing; and LAMB in two halves (the sums, then the apply), as FSDP2 runs it.
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <memory>
@@ -308,6 +308,53 @@ TEST_CASE("emulated CUDA fused_lamb_coded_: decode, the fp32-moment CUDA LAMB, e
                                 LambPart::kBoth, nullptr, lists.master_mode);
       CHECK(step == 4.0f);
       CHECK(unchanged(got, before));
+    }
+  }
+}
+
+TEST_CASE("emulated CUDA fused_lamb_coded_ in two halves (sums, then apply) is the one call") {
+  const LambConfig config{0.9, 0.999, 1e-6, 0.01, 1.0, true, true, true, false};
+  for (const Setup& s : kSetups) {
+    for (StateCode code : {StateCode::kInt8, StateCode::kFp8}) {
+      CAPTURE(static_cast<int>(s.param_dtype), static_cast<int>(s.grad_dtype),
+              static_cast<int>(s.mode), s.fp32_masters, static_cast<int>(code));
+      // One set steps in one call (kBoth, asked for its tensor sums too), the other in two.
+      auto one = make_params(s, code);
+      auto two = make_params(s, code);
+      const std::vector<Param> start = snapshot(two);
+      Lists a(one, s, code, false), b(two, s, code, false);
+      const std::size_t n = one.size();
+      float step_a = 3.0f, step_b = 3.0f, lr = 1e-3f, grad_scale = 512.0f, found_inf = 0.0f;
+      const float grad_norm = 512.0f * 300.0f;
+      const StepScalars scalars_a{&step_a, &lr, &grad_scale, &found_inf};
+      const StepScalars scalars_b{&step_b, &lr, &grad_scale, &found_inf};
+      LambStep constants_a{}, constants_b{};
+      LambScratch scratch_a(a.params), scratch_b(b.params);
+      std::vector<double> sums_a(2 * n, -1.0), sums_b(2 * n, -2.0);
+      emulated_cuda::lamb_coded(a.params, a.grads, a.moments, a.masters, config, scalars_a,
+                                &grad_norm, true, &constants_a, scratch_a.chunk_sums.data(),
+                                scratch_a.chunk_owner.data(), scratch_a.ratios.data(), nullptr,
+                                LambPart::kBoth, sums_a.data(), a.master_mode);
+      CHECK(step_a == 4.0f);
+      // The first half writes only the sums: not even the grads, and the count stays.
+      emulated_cuda::lamb_coded(b.params, b.grads, b.moments, b.masters, config, scalars_b,
+                                &grad_norm, true, &constants_b, scratch_b.chunk_sums.data(),
+                                scratch_b.chunk_owner.data(), nullptr, nullptr, LambPart::kMoments,
+                                sums_b.data(), b.master_mode);
+      CHECK(step_b == 3.0f);
+      CHECK(unchanged(two, start));
+      for (std::size_t i = 0; i < sums_a.size(); ++i) CHECK(same(sums_a[i], sums_b[i]));
+      emulated_cuda::lamb_coded(b.params, b.grads, b.moments, b.masters, config, scalars_b,
+                                &grad_norm, true, &constants_b, scratch_b.chunk_sums.data(),
+                                scratch_b.chunk_owner.data(), scratch_b.ratios.data(), nullptr,
+                                LambPart::kApply, sums_b.data(), b.master_mode);
+      CHECK(step_b == 4.0f);
+      for (std::size_t t = 0; t < n; ++t) {
+        CAPTURE(t);
+        CHECK(same(scratch_a.ratios[t], scratch_b.ratios[t]));
+        CHECK(same_param(*one[t], *two[t]));
+        CHECK(moved(*two[t], s.param_dtype));
+      }
     }
   }
 }
