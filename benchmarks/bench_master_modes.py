@@ -8,7 +8,8 @@ False 22, "stochastic" 22 (plus hashing 32 random bits per element), "kahan" 26 
 compensation read and written), "split" 26 (the low half read and written). On the CPU every
 mode runs 8-lane loops, with AVX2 and F16C where the processor has them (FusedLAMB's bf16
 modes: software conversions, cloned for AVX2); on CUDA the bf16 modes move one element per
-access where True and False use 16-byte packs. For FusedAdagrad (--optimizer adagrad; one fp32 sum instead of two moments) each
+access where True and False use 16-byte packs. For FusedAdagrad (--optimizer adagrad; one fp32
+sum instead of two moments) each
 figure is 8 bytes less: True 20, False 14, "stochastic" 14, "kahan" 18, "split" 18. FusedLAMB
 (--optimizer lamb) reads the param (or its mode's state) and the moments twice, once per pass,
 and clips by the global grad norm, which reads the grads once more. FusedNovoGrad (--optimizer

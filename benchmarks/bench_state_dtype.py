@@ -9,7 +9,8 @@ to the median). bf16 params with bf16 grads, no scaler, master_weights True (fp3
 fp32, 4 in codes plus 16 bytes of scales per 256 elements; with True the master read and
 written 8 and the param written 2, with "stochastic" the param read and written 4):
 
-    True + fp32 28      True + int8/fp8 16.06      stochastic + fp32 22      stochastic + 8-bit 10.06
+    True + fp32 28          True + int8/fp8 16.06
+    stochastic + fp32 22    stochastic + 8-bit 10.06
 
 FusedLAMB (--optimizer lamb, default max_grad_norm=1: the grads' norm read first, 2) runs two
 passes; the coded step reads the codes and grads in both (the second forms the moments again):

@@ -19,8 +19,8 @@ The benchmarks (run.py) give one time per call or step. This splits it:
   caching allocator's allocations per step (torch.cuda.memory_stats' "allocation.all.allocated"
   count), and the largest kernels. The gpt model also gets two bf16 rows: "O2 bf16" and
   "O2 fp8" (fp8=True, FP8 GEMMs), so FP8's launches, allocations and host time per step stand
-  beside the same model without it. Host time near wall time means the step is host-bound or waits on the
-  device: the syncs column tells which, and the parts where.
+  beside the same model without it. Host time near wall time means the step is host-bound or
+  waits on the device: the syncs column tells which, and the parts where.
 On the CPU the kernel columns are empty ("-"): the host figures still compare ampfuse's
 per-call cost with torch's. Figures from a GPU go in RESULTS.md with the command.
 """

@@ -33,14 +33,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ampfuse.optimizers import FusedAdamW
-from ampfuse.optimizers._state_codes import (
+from ampfuse.optimizers import FusedAdamW  # noqa: E402
+from ampfuse.optimizers._state_codes import (  # noqa: E402
     dequantize_moment,
     keeps_fp32_moments,
     quantize_moment,
 )
-from ampfuse.tools.demo.training import BATCH_SIZE, batch_order, load_digits, make_model
-from train_workloads import GPT
+from ampfuse.tools.demo.training import BATCH_SIZE, batch_order, load_digits, make_model  # noqa: E402
+from train_workloads import GPT  # noqa: E402
 
 LR, WEIGHT_DECAY, BETAS, EPS = 3e-3, 1e-2, (0.9, 0.999), 1e-8
 

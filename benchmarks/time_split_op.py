@@ -6,7 +6,8 @@
 
 Calls the op itself (no optimizer class) on one bf16 param with bf16 grads: with fp32 masters
 (master_mode="fp32", the True mode) and with int16 low halves (master_mode="split"; or bf16
-compensations, or nothing, with --mode kahan or stochastic), in one process, the two alternated round by round, and prints the fastest of `--calls` calls of each
+compensations, or nothing, with --mode kahan or stochastic), in one process, the two alternated
+round by round, and prints the fastest of `--calls` calls of each
 (ms) and their ratio. A 4M-element param (8 MB of bf16) with its state is larger than the CPU's
 caches, so the time is the kernel's (the per-call host work is microseconds). This is the
 measurement behind RESULTS.md's "split / True" for issue 33. A benchmark reports; it asserts
@@ -74,7 +75,8 @@ def fastest_ms(a, calls):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--optimizer", choices=["adam", "sgd", "adagrad", "lamb", "novograd"], default="adam")
+    parser.add_argument("--optimizer", choices=["adam", "sgd", "adagrad", "lamb", "novograd"],
+                        default="adam")
     parser.add_argument("--mode", choices=["split", "kahan", "stochastic"], default="split",
                         help="the master-free mode timed against fp32 masters")
     parser.add_argument("--elements", type=int, default=4_194_304)

@@ -205,7 +205,8 @@ def _gather(weight, world_size, monkeypatch):
     answers the max over all ranks."""
     shards = list(weight.chunk(world_size))
     shards += [weight[:0]] * (world_size - len(shards))  # ranks past the last chunk: 0 rows
-    local_amaxes = [s.float().abs().amax() if s.numel() else weight.new_zeros((), dtype=torch.float32)
+    local_amaxes = [s.float().abs().amax() if s.numel()
+                    else weight.new_zeros((), dtype=torch.float32)
                     for s in shards]
     local_amaxes = [torch.where(a.isnan(), float("inf"), a) for a in local_amaxes]
     calls = []

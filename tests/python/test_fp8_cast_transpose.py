@@ -45,7 +45,8 @@ def assert_same_bits(actual, expected):
     a, e = actual.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu()
     assert a.shape == e.shape
     differ = (a != e).nonzero()
-    assert differ.numel() == 0, f"{differ.shape[0]} of {a.numel()} codes differ, first at {differ[0].tolist()}"
+    assert differ.numel() == 0, (f"{differ.shape[0]} of {a.numel()} codes differ, "
+                                 f"first at {differ[0].tolist()}")
 
 
 def both_ops(x, scale, amax, fp8):

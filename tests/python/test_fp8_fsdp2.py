@@ -1,8 +1,8 @@
 """An FP8 Linear inside FSDP2's fully_shard on two CPU processes (gloo) trains like the
 unsharded layer: each rank all-gathers the bf16 weight, quantizes it in each forward (a
 fully_shard unit caches no FP8 weight: that would keep the whole layer alive between
-micro-batches) and its FP8 GEMMs see the same values as the single-process run. Every rank trains on the same batches, so FSDP2's
-averaged gradients are the single-process ones."""
+micro-batches) and its FP8 GEMMs see the same values as the single-process run. Every rank
+trains on the same batches, so FSDP2's averaged gradients are the single-process ones."""
 
 import ampfuse
 import pytest

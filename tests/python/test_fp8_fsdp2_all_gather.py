@@ -2,7 +2,8 @@
 each rank casts its shard to FP8 with the whole weight's scale, FSDP2 all-gathers the 1-byte
 codes, and the layer trains bit for bit like FSDP2's all-gather of the bf16 weight, and like
 the unsharded FP8 layer: on an even split (2 ranks), an uneven one (5 ranks: 16 rows split
-4/4/4/4/0, 32 rows 7/7/7/7/4, so FSDP2 pads, and one rank holds no row), an fp32 model under MixedPrecisionPolicy(param_dtype=
+4/4/4/4/0, 32 rows 7/7/7/7/4, so FSDP2 pads, and one rank holds no row), an fp32 model under
+MixedPrecisionPolicy(param_dtype=
 bf16), gradients accumulated unsharded over the micro-batches (no gradient sync but the
 last), a model made on the meta device, sharded, to_empty and loaded from a full state dict,
 and one fully_shard unit holding both Linears. DDP with the option trains like without it."""

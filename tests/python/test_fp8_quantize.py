@@ -32,7 +32,8 @@ def reference_scale(amax, fp8, margin=0.0):
     """The rule in fp32: amax 0 -> 1; inf/nan -> nan; else (max / amax) / 2**margin, clamped to
     fp32's finite normal range."""
     amax = amax.float().cpu()
-    q = (torch.tensor(FP8_MAX[fp8], dtype=torch.float32) / amax) / torch.tensor(2.0**margin, dtype=torch.float32)
+    q = ((torch.tensor(FP8_MAX[fp8], dtype=torch.float32) / amax)
+         / torch.tensor(2.0**margin, dtype=torch.float32))
     q = q.clamp(torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
     q = torch.where(amax == 0, torch.ones_like(q), q)
     return torch.where(torch.isfinite(amax), q, torch.full_like(q, math.nan))
@@ -55,13 +56,15 @@ def assert_same_bits(actual, expected):
     a, e = actual.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu()
     assert a.shape == e.shape
     differ = (a != e).nonzero()
-    assert differ.numel() == 0, f"{differ.shape[0]} of {a.numel()} codes differ, first at {differ[0].tolist()}"
+    assert differ.numel() == 0, (f"{differ.shape[0]} of {a.numel()} codes differ, "
+                                 f"first at {differ[0].tolist()}")
 
 
 def same_floats(a, b):
     """Equal bits, nan included."""
     return torch.equal(a.float().cpu().view(torch.int32), b.float().cpu().view(torch.int32)) or (
-        torch.equal(a.isnan().cpu(), b.isnan().cpu()) and torch.equal(a[~a.isnan()].cpu(), b[~b.isnan()].cpu())
+        torch.equal(a.isnan().cpu(), b.isnan().cpu())
+        and torch.equal(a[~a.isnan()].cpu(), b[~b.isnan()].cpu())
     )
 
 
@@ -102,7 +105,8 @@ def test_tensor_scale_nan_wins_over_inf(device):
     assert math.isnan(amax.item())
 
 
-@pytest.mark.parametrize("x", [torch.zeros(5, 3), torch.empty(0), torch.zeros(())], ids=["zeros", "empty", "0-d"])
+@pytest.mark.parametrize("x", [torch.zeros(5, 3), torch.empty(0), torch.zeros(())],
+                         ids=["zeros", "empty", "0-d"])
 def test_tensor_scale_zero_gives_one(device, x):
     amax, scale, scale_inv = fp8_tensor_scale(x.to(device), torch.float8_e5m2)
     assert (amax.item(), scale.item(), scale_inv.item()) == (0.0, 1.0, 1.0)
@@ -157,7 +161,8 @@ def rowwise_reference(x, fp8, transpose):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_rowwise_matches_reference(device, src, fp8, shape, transpose):
     # Transposed: columns of very different magnitudes, so one scale per column matters.
-    x = matrix(shape[::-1], src, device, seed=3).t().contiguous() if transpose else matrix(shape, src, device, seed=3)
+    x = (matrix(shape[::-1], src, device, seed=3).t().contiguous() if transpose
+         else matrix(shape, src, device, seed=3))
     out, scale_inv = fp8_quantize_rowwise(x, fp8, transpose)
     expected, expected_inv = rowwise_reference(x, fp8, transpose)
     assert out.dtype == fp8 and out.is_contiguous()
@@ -200,7 +205,8 @@ def test_rowwise_zero_rows_and_empty(device, transpose):
     assert scale_inv[5 if transpose else 3].item() == 1.0
     assert (out.view(torch.uint8)[5 if transpose else 3] == 0).all()
     for shape in ((0, 4), (4, 0)):
-        out, scale_inv = fp8_quantize_rowwise(torch.empty(shape, device=device), torch.float8_e4m3fn, transpose)
+        out, scale_inv = fp8_quantize_rowwise(torch.empty(shape, device=device),
+                                              torch.float8_e4m3fn, transpose)
         assert out.shape == (shape[::-1] if transpose else shape)
         assert scale_inv.shape == (out.shape[0],) and (scale_inv == 1).all()
 
@@ -208,7 +214,8 @@ def test_rowwise_zero_rows_and_empty(device, transpose):
 def test_rowwise_opcheck(device):
     x = matrix((24, 40), torch.float16, device)
     for transpose in (False, True):
-        torch.library.opcheck(torch.ops.ampfuse.fp8_quantize_rowwise, (x, torch.float8_e4m3fn, transpose))
+        torch.library.opcheck(torch.ops.ampfuse.fp8_quantize_rowwise,
+                              (x, torch.float8_e4m3fn, transpose))
 
 
 def test_rowwise_refuses_bad_arguments():

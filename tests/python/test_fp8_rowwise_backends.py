@@ -114,7 +114,8 @@ def test_a_real_failure_of_ampfuse_is_not_taken_for_a_refusal(monkeypatch):
     assert gpu.probes["torch"] == []
 
 
-@pytest.mark.parametrize("torch_error", [RuntimeError("torch._scaled_mm is only supported on 9.0 or 8.9"),
+@pytest.mark.parametrize("torch_error", [RuntimeError("torch._scaled_mm is only supported "
+                                                      "on 9.0 or 8.9"),
                                          ValueError("Only bf16 and fp16 high precision output"),
                                          NotImplementedError("not on this device")],
                          ids=["RuntimeError", "ValueError", "NotImplementedError"])

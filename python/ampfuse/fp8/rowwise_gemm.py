@@ -93,7 +93,8 @@ def gemm(backend: str, a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
         kind = GemmKind(a.device, out_dtype, bias is not None, fast_accum)
         raise RuntimeError(
             f"{_NAME}: torch._scaled_mm refused a rowwise-scaled FP8 GEMM ({kind.describe()}) "
-            f"on {_device_words(a.device)} ({_reason(error)}). Use gemm_backend=\"auto\" (ampfuse's "
+            f"on {_device_words(a.device)} ({_reason(error)}). "
+            "Use gemm_backend=\"auto\" (ampfuse's "
             "fp8_gemm wherever it runs: on the CPU and on CUDA compute capability 9.0+) or "
             "ampfuse.fp8.CurrentScaling().") from error
 

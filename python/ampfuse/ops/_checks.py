@@ -13,8 +13,8 @@ import torch
 # tensor_flags, optional on the three flagging ops (ampfuse.ops.scale): an int32 tensor with
 # one element per tensor of the list read, where the kernels OR in HELD_INF / HELD_NAN for each
 # tensor that held an inf / a nan (never clearing them, as found_inf). It is written in the same
-# pass, and only by the threads that saw such a value. For DTensors it is OR-reduced over the shard mesh like
-# found_inf, so every rank names the same tensors.
+# pass, and only by the threads that saw such a value. For DTensors it is OR-reduced over the
+# shard mesh like found_inf, so every rank names the same tensors.
 HELD_INF = 1
 HELD_NAN = 2
 

@@ -267,7 +267,8 @@ def _tensor_scale_fake(input: torch.Tensor, dtype: torch.dtype, margin: float = 
 
 
 def _cast_transpose_common(op: str, input: torch.Tensor, scale: torch.Tensor,
-                           amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                           amax: torch.Tensor,
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     _check_matrix(op, input)
     _check_fp8_dtype(op, "dtype", dtype)
     check_scalar(op, "scale", scale, torch.float32, input.device, device_owner="input")
@@ -284,7 +285,8 @@ def _cast_transpose_fake(input: torch.Tensor, scale: torch.Tensor, amax: torch.T
 
 @torch.library.register_fake("ampfuse::fp8_cast_transpose_dbias")
 def _cast_transpose_dbias_fake(input: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
-                               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               dtype: torch.dtype
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, out_t = _cast_transpose_common("fp8_cast_transpose_dbias", input, scale, amax, dtype)
     return out, out_t, input.new_empty((input.shape[1],), dtype=torch.float32)
 

@@ -23,8 +23,9 @@ Each param's state holds at most one of the three keys. A state holding another 
 checkpoint of another mode, or a group whose mode was changed) is converted at the param's next
 step, through the precise value the state stands for: the fp32 master; the param with its low
 half; the param plus its compensation; or the param itself. Converting True -> "split" and
-"split" -> True is exact both ways (and moves no param but such a tie); a mode that holds less than that value rounds it to what it
-can hold (to nearest, and for "kahan" the remainder into the compensation).
+"split" -> True is exact both ways (and moves no param but such a tie); a mode that holds less
+than that value rounds it to what it can hold (to nearest, and for "kahan" the remainder into the
+compensation).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ EXTRA_DTYPES = {"master_param": torch.float32, "kahan_compensation": torch.bfloa
                 "master_low_bits": torch.int16}
 
 # How a checkpoint's 'master_low_bits' go with its params, saved beside them in each param's
-# state (a 0-dim int64 tensor): 1 (the only layout before the key existed, so a state without the key): the param is
+# state (a 0-dim int64 tensor): 1 (the only layout before the key existed, so a state without
+# the key): the param is
 # the master's high half truncated toward zero and the low bits are the rest, unsigned. 2: the
 # param is the master rounded to nearest and the low bits the signed remainder (split_halves).
 # A layout-1 state loads under LEGACY_LOW_BITS, a key of no mode, which the param's next step

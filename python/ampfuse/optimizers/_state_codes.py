@@ -29,8 +29,8 @@ same fp32 operations get the same bits:
   ``2**-19`` absolute below (``v`` down to about ``2**-36`` of the block's largest ``v``), and
   it decodes with exact fp32 arithmetic, no table.
 - ``"fp8"``: both moments as ``torch.float8_e4m3fn`` codes of ``x / absmax * 448`` (448 is
-  e4m3's largest finite value), decoded as ``code / 448 * absmax``; ``m`` signed, and the second moment
-  again stored as ``sqrt(v)``, which halves the octaves e4m3's 18 must cover.
+  e4m3's largest finite value), decoded as ``code / 448 * absmax``; ``m`` signed, and the second
+  moment again stored as ``sqrt(v)``, which halves the octaves e4m3's 18 must cover.
 
 Every code is normalised by the absmax and decoded as ``(code value) * absmax`` last, so the
 block's largest element decodes to the absmax exactly and coding decoded codes again gives the

@@ -4,9 +4,9 @@ not, what to run to fix it.
 It reports the Python, torch and CUDA versions, the nvcc release and GPU architectures (machine
 code and PTX) the op library was compiled with, whether the C++ step scanner is in use, which
 backends have kernels for every op, the CPU and GPUs (and whether the library has code for
-each) and their fp16/bf16 support, and then calls every op once on tiny tensors (on the CPU, and on the GPU
-when there is one), comparing each result with the same computation done by torch. Exit status
-0 means every check passed; 1 means at least one problem, each listed with its fix.
+each) and their fp16/bf16 support, and then calls every op once on tiny tensors (on the CPU, and
+on the GPU when there is one), comparing each result with the same computation done by torch. Exit
+status 0 means every check passed; 1 means at least one problem, each listed with its fix.
 
 Each check is a function that takes what it inspects as arguments (the ops module, the GPUs
 found, the kernel-registry query), so the tests can hand it a broken environment.

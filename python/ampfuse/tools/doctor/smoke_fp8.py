@@ -135,7 +135,8 @@ def smoke_cast_transpose_dbias(ops, device):
 
 
 def smoke_quantize_rowwise(ops, device):
-    x = _sample((6, 16), torch.float32, device, 8) * torch.logspace(-3, 3, 6, device=device)[:, None]
+    x = (_sample((6, 16), torch.float32, device, 8)
+         * torch.logspace(-3, 3, 6, device=device)[:, None])
     for transpose in (False, True):
         rows = x.t() if transpose else x
         out, scale_inv = ops.fp8_quantize_rowwise(x, E4M3, transpose)
