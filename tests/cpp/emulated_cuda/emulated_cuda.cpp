@@ -1,20 +1,31 @@
 // The runtime behind emulated_cuda.h. Blocks run one after another; a block's threads are
-// fibers (ucontext) on the calling host thread. A fiber runs until it reaches __syncthreads,
-// a warp shuffle or its end; a shuffle goes on when every live lane of its warp is at it, a
+// fibers on the calling host thread. A fiber runs until it reaches __syncthreads, a warp
+// shuffle or its end; a shuffle goes on when every live lane of its warp is at it, a
 // __syncthreads when every live thread of the block is. Warps run one at a time, the last
 // first, each as far as it can, so a warp runs ahead of the others as far as the barriers
 // allow (the schedule that shows a shared buffer overwritten before a slower warp read it).
 // Deterministic and cheap (no OS threads); it stops with a message where a GPU's behaviour
 // would be undefined: threads of one block at different barriers, a full-mask shuffle with a
 // lane that has returned.
+//
+// A fiber starts on its own stack through ucontext and from then on switches with _setjmp /
+// _longjmp, which make no system call (swapcontext makes two per switch, which took a third
+// of the coded kernels' run in their shuffles).
+
+// glibc's fortified longjmp refuses a jump to another stack, which is what a switch between
+// fibers is: this file asks for the plain one.
+#undef _FORTIFY_SOURCE
+
 #include "emulated_cuda.h"
 
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace ampfuse_emu {
@@ -26,7 +37,9 @@ constexpr std::size_t kFiberStackBytes = 256 * 1024;
 enum class Wait { kRunnable, kBlockBarrier, kWarpShuffle, kDone };
 
 struct Fiber {
-  ucontext_t context;
+  ucontext_t start;  // the fiber's first entry, on its own stack
+  jmp_buf resume;    // where it waits after it has started
+  bool started = false;
   std::unique_ptr<char[]> stack;
   ThreadContext builtins;
   Wait wait = Wait::kRunnable;
@@ -41,11 +54,14 @@ struct BlockRun {
   std::vector<Fiber> fibers;  // grows to the largest block seen, stacks reused
   int threads = 0;
   int current = -1;
-  ucontext_t scheduler;
+  jmp_buf scheduler;  // where the scheduler waits while a fiber runs
   const std::function<void()>* body = nullptr;
 };
 
 thread_local ThreadContext context{};
+// Counts the blocks run; fresh_shared's record of the block that last reached each variable.
+thread_local std::uint64_t block_generation = 0;
+thread_local std::unordered_map<void*, std::uint64_t> shared_generation;
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local BlockRun run;
 
@@ -65,17 +81,30 @@ bool valid(const Config& cfg) {
          cfg.grid.z <= 65535 && cfg.shared_bytes <= 48 * 1024;
 }
 
-void fiber_entry() {
+[[noreturn]] void fiber_entry() {
   (*run.body)();
   run.fibers[static_cast<std::size_t>(run.current)].wait = Wait::kDone;
-  // Returning resumes uc_link: the scheduler.
+  _longjmp(run.scheduler, 1);
 }
 
 // Switches from the running fiber to the scheduler until the scheduler resumes it.
 void yield_to_scheduler() {
   Fiber& self = run.fibers[static_cast<std::size_t>(run.current)];
-  swapcontext(&self.context, &run.scheduler);
+  if (_setjmp(self.resume) == 0) _longjmp(run.scheduler, 1);
   context = self.builtins;
+}
+
+// Runs fiber t until it waits or ends.
+void resume(int t) {
+  Fiber& f = run.fibers[static_cast<std::size_t>(t)];
+  run.current = t;
+  context = f.builtins;
+  if (_setjmp(run.scheduler) != 0) return;
+  if (!f.started) {
+    f.started = true;
+    setcontext(&f.start);
+  }
+  _longjmp(f.resume, 1);
 }
 
 // Lets the lanes of warp [first, last) go on if every live one waits at a shuffle. Returns
@@ -127,9 +156,7 @@ void run_warp(int first, int last) {
     for (int t = first; t < last; ++t) {
       Fiber& f = run.fibers[static_cast<std::size_t>(t)];
       if (f.wait != Wait::kRunnable) continue;
-      run.current = t;
-      context = f.builtins;
-      swapcontext(&run.scheduler, &f.context);
+      resume(t);
       ran = true;
     }
     if (!ran || !release_warp(first, last)) return;
@@ -143,14 +170,16 @@ void start_fiber(Fiber& f, unsigned t, const Config& cfg, uint3 block_idx) {
       uint3{t % cfg.block.x, t / cfg.block.x % cfg.block.y, t / (cfg.block.x * cfg.block.y)},
       block_idx, cfg.block, cfg.grid};
   f.wait = Wait::kRunnable;
-  getcontext(&f.context);
-  f.context.uc_stack.ss_sp = f.stack.get();
-  f.context.uc_stack.ss_size = kFiberStackBytes;
-  f.context.uc_link = &run.scheduler;
-  makecontext(&f.context, fiber_entry, 0);
+  f.started = false;
+  getcontext(&f.start);
+  f.start.uc_stack.ss_sp = f.stack.get();
+  f.start.uc_stack.ss_size = kFiberStackBytes;
+  f.start.uc_link = nullptr;  // fiber_entry never returns: it jumps back to the scheduler
+  makecontext(&f.start, fiber_entry, 0);
 }
 
 void run_block(const Config& cfg, uint3 block_idx) {
+  ++block_generation;
   for (int t = 0; t < run.threads; ++t) {
     start_fiber(run.fibers[static_cast<std::size_t>(t)], static_cast<unsigned>(t), cfg, block_idx);
   }
@@ -203,6 +232,13 @@ void run_grid(const Config& cfg, const std::function<void()>& body) {
   }
   run.body = nullptr;
   context = ThreadContext{};
+}
+
+void fresh_shared(void* p, std::size_t bytes) {
+  std::uint64_t& seen = shared_generation[p];
+  if (seen == block_generation) return;
+  seen = block_generation;
+  std::memset(p, 0xff, bytes);
 }
 
 void syncthreads() {

@@ -66,6 +66,9 @@ struct ThreadContext {
 };
 
 void syncthreads();
+// Fills a __shared__ variable with 0xff bytes the first time each block reaches its declaration
+// (rewrite_launches.py adds the call), so no block reads what the previous one left there.
+void fresh_shared(void* p, std::size_t bytes);
 std::uint64_t warp_exchange(std::uint64_t value, int source_lane, bool full_mask, const char* op);
 int lane_id();
 
@@ -189,7 +192,8 @@ inline float max(float a, float b) { return std::fmax(a, b); }
 inline float min(float a, float b) { return std::fmin(a, b); }
 
 // The kernel-language keywords, now that the toolkit headers are in. __shared__ becomes
-// static: one block runs at a time, so a static is exactly one block's shared memory.
+// static: one block runs at a time, so a static is exactly one block's shared memory (filled
+// with 0xff bytes as each block first reaches it: fresh_shared).
 #undef __global__
 #undef __device__
 #undef __host__

@@ -6,8 +6,12 @@
 `::ampfuse_emu::launch(::ampfuse_emu::Config(grid, block, shared, stream),
 [&](const auto&... emu_args) { kernel<A, B>(emu_args...); }, x, y)`: the call inside the
 lambda deduces the kernel's remaining template arguments from the launch's arguments, as the
-CUDA launch does. Everything else is copied as it is, and a #line directive keeps compiler
-messages pointing at the original file. Fails if a `<<<` is left that it did not understand.
+CUDA launch does. Each `__shared__ T name[...];` declaration gets a call after it that fills
+the variable with 0xff bytes (a nan as a float) the first time a block reaches it, as a GPU
+gives a block shared memory holding whatever was there: a kernel that reads shared memory its
+block has not written then reads garbage here too, not the previous block's values. Everything
+else is copied as it is, and a #line directive keeps compiler messages pointing at the original
+file. Fails if a `<<<` is left that it did not understand.
 """
 import re
 import sys
@@ -21,6 +25,14 @@ LAUNCH = re.compile(
 )
 
 
+# A shared-memory declaration on a line of its own: type, name, array extents.
+SHARED = re.compile(
+    r"^(?P<indent>[ \t]*)__shared__\s+"
+    r"(?P<decl>[^;\n]*?\b(?P<name>\w+)\s*(?:\[[^\]\n]*\]\s*)*);",
+    re.M,
+)
+
+
 def rewrite(text: str) -> str:
     def launch(m: re.Match) -> str:
         head = (
@@ -29,7 +41,11 @@ def rewrite(text: str) -> str:
         )
         return head + (")" if m["close"] else ", ")
 
-    out = LAUNCH.sub(launch, text)
+    def shared(m: re.Match) -> str:
+        return (f"{m['indent']}__shared__ {m['decl']}; "
+                f"::ampfuse_emu::fresh_shared(&{m['name']}, sizeof({m['name']}));")
+
+    out = SHARED.sub(shared, LAUNCH.sub(launch, text))
     if "<<<" in out:
         line = out[: out.index("<<<")].count("\n") + 1
         raise SystemExit(f"rewrite_launches.py: a launch it cannot parse near line {line}")
