@@ -157,6 +157,32 @@ def test_cuda_gives_the_cpu_bits(src, fp8):
     assert amax_gpu.item() == amax_cpu.item()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS.get)
+def test_cuda_reads_an_fp16_nan_as_the_canonical_nan(fp8):
+    """docs/design/fp8.md: CUDA reads fp16 through the hardware's conversion, which gives the
+    canonical nan 0x7fffffff for every fp16 nan (sign and payload dropped), where the CPU keeps
+    both. From an fp16 input holding a negative nan with a payload, CUDA then writes the amax
+    and code the CPU writes for the fp32 canonical nan in its place, and the CPU keeps the
+    payload (in the amax) and the sign (in the code). Both nans; this pins down which bits."""
+    # 1.0, the nan 0xfe01, 2.0
+    x = torch.tensor([0x3C00, -511, 0x4000], dtype=torch.int16).view(torch.float16)
+    canonical = x.float()
+    canonical.view(torch.int32)[1] = 0x7FFFFFFF
+    one = torch.ones(1)
+    amax_cpu, amax_canonical = torch.zeros(1), torch.zeros(1)
+    amax_gpu = torch.zeros(1, device="cuda")
+    y_cpu = fp8_cast_amax(x, one, amax_cpu, fp8)
+    y_canonical = fp8_cast_amax(canonical, one, amax_canonical, fp8)
+    y_gpu = fp8_cast_amax(x.cuda(), one.cuda(), amax_gpu, fp8)
+    assert amax_cpu.view(torch.int32).item() == 0x7FC02000  # |nan 0xfe01| widened, payload kept
+    assert amax_canonical.view(torch.int32).item() == 0x7FFFFFFF
+    assert amax_gpu.cpu().view(torch.int32).item() == 0x7FFFFFFF
+    assert_same_bits(y_gpu, y_canonical)
+    assert y_cpu.view(torch.uint8)[1].item() & 0x80  # the CPU's nan code keeps the sign
+    assert not y_canonical.view(torch.uint8)[1].item() & 0x80
+
+
 def test_sparse_and_nested_inputs_get_ampfuse_errors():
     """Tensors no kernel takes reach the ops' refusal, which names the argument and the fix."""
     sparse = torch.ones(4, 4).to_sparse()
