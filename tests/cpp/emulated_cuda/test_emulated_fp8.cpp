@@ -254,6 +254,40 @@ TEST_CASE("emulated CUDA fp8_cast_transpose[_dbias]: the CPU's codes in both lay
   }
 }
 
+// Hidden (run with "[large]"): more tile rows than gridDim.y takes (65535 tiles of 64 rows), so
+// the launcher goes in bands, the second starting at row 65535 * 64, and dbias's workspace rows
+// follow the global tile row. 16 columns (and rows a multiple of 16) take the 16-byte paths, 3
+// the element ones. About 40 s here.
+TEST_CASE("emulated CUDA fp8_cast_transpose_dbias taller than one grid", "[.][large]") {
+  for (std::int64_t cols : {3, 16}) {
+    CAPTURE(cols);
+    const std::int64_t rows = 65535 * 64 + 80;
+    const std::int64_t n = rows * cols;
+    Elements src(DType::kBFloat16, n);
+    src.fill(7, 100.0f);
+    const float scale = 0.25f;
+    float amax = -0.0f;
+    Bytes out(n), out_t(n), want(n), want_t(n);
+    std::vector<float> dbias(static_cast<std::size_t>(cols));
+    std::vector<float> workspace(
+        static_cast<std::size_t>(emulated_cuda::fp8_dbias_workspace_floats(rows, cols)));
+    emulated_cuda::fp8_cast_transpose(
+        {src.data(), DType::kBFloat16, rows, cols, &scale, &amax, out.data(), out_t.data(),
+         dbias.data(), workspace.data(), Fp8Format::kE5M2},
+        nullptr);
+    const std::uint32_t span =
+        cpu::fp8_cast_transpose_rows(src.data(), DType::kBFloat16, rows, cols, 0, rows, scale,
+                                     Fp8Format::kE5M2, want.data(), want_t.data());
+    CHECK(out.copy(n) == want.copy(n));
+    CHECK(out_t.copy(n) == want_t.copy(n));
+    CHECK(bits(amax) == span);
+    const std::vector<float> tiled = tiled_column_sums(src, rows, cols);
+    for (std::int64_t c = 0; c < cols; ++c) {
+      CHECK(bits(dbias[static_cast<std::size_t>(c)]) == bits(tiled[static_cast<std::size_t>(c)]));
+    }
+  }
+}
+
 TEST_CASE("emulated CUDA fp8_cast_transpose of an empty input: amax's sign cleared, dbias zeros") {
   float amax = -0.0f;
   const float scale = 1.0f;
