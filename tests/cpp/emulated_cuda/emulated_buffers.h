@@ -61,7 +61,7 @@ class Elements {
 class Bytes {
  public:
   explicit Bytes(std::int64_t n, int offset = 0, unsigned char fill = 0xa5)
-      : offset_(offset), storage_(static_cast<std::size_t>(n) + 128, fill) {
+      : offset_(offset), fill_(fill), storage_(static_cast<std::size_t>(n) + 128, fill) {
     const auto address = reinterpret_cast<std::uintptr_t>(storage_.data());
     offset_ += static_cast<int>((64 - address % 64) % 64);
   }
@@ -69,9 +69,20 @@ class Bytes {
   std::vector<std::uint8_t> copy(std::int64_t n) const {
     return {storage_.begin() + offset_, storage_.begin() + offset_ + n};
   }
+  // Whether every byte before the array and after its first n is still the fill: nothing
+  // wrote out of bounds.
+  bool guards_intact(std::int64_t n) const {
+    for (std::size_t i = 0; i < storage_.size(); ++i) {
+      const bool inside =
+          i >= static_cast<std::size_t>(offset_) && i < static_cast<std::size_t>(offset_ + n);
+      if (!inside && storage_[i] != fill_) return false;
+    }
+    return true;
+  }
 
  private:
   int offset_;
+  unsigned char fill_;
   std::vector<std::uint8_t> storage_;
 };
 

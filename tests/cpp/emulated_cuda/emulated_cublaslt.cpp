@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace ampfuse_emu::blaslt {
@@ -34,6 +36,7 @@ struct Layout {
 
 struct Preference {
   std::uint64_t workspace_bytes = 0;
+  std::uint32_t alignment = 256;  // the smallest of the MIN_ALIGNMENT_*_BYTES set
 };
 
 // Marks an algorithm this stand-in's heuristic handed out.
@@ -224,7 +227,9 @@ cublasStatus_t preference_set(cublasLtMatmulPreference_t preference,
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: {
       std::uint32_t alignment = 0;
-      return read_attribute(alignment, value, bytes);
+      const cublasStatus_t status = read_attribute(alignment, value, bytes);
+      if (status == CUBLAS_STATUS_SUCCESS) p.alignment = std::min(p.alignment, alignment);
+      return status;
     }
     default:
       return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -233,8 +238,8 @@ cublasStatus_t preference_set(cublasLtMatmulPreference_t preference,
 
 cublasStatus_t heuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                          cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
-                         cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t, int requested,
-                         cublasLtMatmulHeuristicResult_t* results, int* found) {
+                         cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t preference,
+                         int requested, cublasLtMatmulHeuristicResult_t* results, int* found) {
   ++behaviour().heuristic_queries;
   *found = 0;
   if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
@@ -247,6 +252,8 @@ cublasStatus_t heuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMa
   }
   results[0] = cublasLtMatmulHeuristicResult_t{};
   results[0].algo.data[0] = kAlgorithm;
+  // The algorithm is one for pointers aligned as the preference says (matmul checks them).
+  results[0].algo.data[1] = reinterpret_cast<const Preference*>(preference)->alignment;
   results[0].state = CUBLAS_STATUS_SUCCESS;
   *found = 1;
   return CUBLAS_STATUS_SUCCESS;
@@ -265,6 +272,11 @@ cublasStatus_t matmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const void* a
   if (algo == nullptr || algo->data[0] != kAlgorithm) return CUBLAS_STATUS_INVALID_VALUE;
   const cublasStatus_t status = check_problem(op, la, lb, layout_of(c_layout), ld);
   if (status != CUBLAS_STATUS_SUCCESS) return status;
+  const std::uint64_t alignment = algo->data[1];
+  for (const void* p : {a, b, static_cast<const void*>(d),
+                        op.epilogue == CUBLASLT_EPILOGUE_BIAS ? op.bias : nullptr}) {
+    if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0) return CUBLAS_STATUS_INVALID_VALUE;
+  }
   if (behaviour().refuse_launch) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (op.epilogue == CUBLASLT_EPILOGUE_BIAS && behaviour().refuse_bias_launch) {
     return CUBLAS_STATUS_NOT_SUPPORTED;

@@ -7,8 +7,10 @@
 // scalar scales or (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F) a vector of M scales for A and
 // of N for B, the bias epilogue adding bias[i] to row i of D, D converted to its type. It holds
 // every attribute to the size the header documents, and it refuses what cuBLASLt's FP8 kernels
-// refuse (anything but "TN", e5m2 times e5m2, a K not a multiple of 16). Tests can make it
-// refuse more (Behaviour), as an older or a different cuBLASLt would.
+// refuse (anything but "TN", e5m2 times e5m2, a K not a multiple of 16) and a launch whose
+// pointers are less aligned than the preference its algorithm was chosen under. Tests can make
+// it refuse more (Behaviour), as an older or a different cuBLASLt would. It sums in double and
+// ignores FAST_ACCUM: what it checks is where the numbers go, not cuBLASLt's rounding.
 #pragma once
 
 #include <cublasLt.h>

@@ -1,12 +1,12 @@
 // The runtime behind emulated_cuda.h. Blocks run one after another; a block's threads are
 // fibers on the calling host thread. A fiber runs until it reaches __syncthreads, a warp
 // shuffle or its end; a shuffle goes on when every live lane of its warp is at it, a
-// __syncthreads when every live thread of the block is. Warps run one at a time, the last
-// first, each as far as it can, so a warp runs ahead of the others as far as the barriers
-// allow (the schedule that shows a shared buffer overwritten before a slower warp read it).
+// __syncthreads when every live thread of the block is. Warps run one at a time, each as far
+// as it can, so one warp runs ahead of the others as far as the barriers allow; blocks take
+// turns running the last warp first and the first warp first (run_block says what each shows).
 // Deterministic and cheap (no OS threads); it stops with a message where a GPU's behaviour
-// would be undefined: threads of one block at different barriers, a full-mask shuffle with a
-// lane that has returned.
+// would be undefined: threads of one block at different __syncthreads, a shuffle with a lane
+// that has returned.
 //
 // A fiber starts on its own stack through ucontext and from then on switches with _setjmp /
 // _longjmp, which make no system call (swapcontext makes two per switch, which took a third
@@ -46,8 +46,9 @@ struct Fiber {
   std::uint64_t value = 0;   // a shuffle's contribution
   std::uint64_t result = 0;  // and what it read
   int source_lane = 0;       // from this lane
-  bool full_mask = false;
   const char* op = nullptr;
+  const char* barrier_file = nullptr;  // the __syncthreads it waits at
+  int barrier_line = 0;
 };
 
 struct BlockRun {
@@ -120,7 +121,7 @@ bool release_warp(int first, int last) {
   for (int t = first; t < last; ++t) {
     Fiber& f = run.fibers[static_cast<std::size_t>(t)];
     if (f.wait != Wait::kWarpShuffle) continue;
-    if (f.full_mask && (done != 0 || last - first != 32)) fail(f.op, f.builtins);
+    if (done != 0 || last - first != 32) fail(f.op, f.builtins);
     const int source = first + f.source_lane;
     if (source >= last) fail("a shuffle from a lane outside the warp", f.builtins);
     f.result = run.fibers[static_cast<std::size_t>(source)].value;
@@ -141,6 +142,19 @@ bool release_block() {
     done += w == Wait::kDone;
   }
   if (at_barrier == 0 || at_barrier + done != run.threads) return false;
+  const Fiber* first = nullptr;
+  for (int t = 0; t < run.threads; ++t) {
+    const Fiber& f = run.fibers[static_cast<std::size_t>(t)];
+    if (f.wait != Wait::kBlockBarrier) continue;
+    if (first == nullptr) {
+      first = &f;
+    } else if (f.barrier_line != first->barrier_line ||
+               std::strcmp(f.barrier_file, first->barrier_file) != 0) {
+      std::fprintf(stderr, "emulated CUDA: __syncthreads at %s:%d and at %s:%d\n",
+                   first->barrier_file, first->barrier_line, f.barrier_file, f.barrier_line);
+      fail("threads of one block wait at different __syncthreads", f.builtins);
+    }
+  }
   for (int t = 0; t < run.threads; ++t) {
     Fiber& f = run.fibers[static_cast<std::size_t>(t)];
     if (f.wait == Wait::kBlockBarrier) f.wait = Wait::kRunnable;
@@ -180,14 +194,18 @@ void start_fiber(Fiber& f, unsigned t, const Config& cfg, uint3 block_idx) {
 
 void run_block(const Config& cfg, uint3 block_idx) {
   ++block_generation;
+  // Blocks alternate between two schedules: the last warp first shows a warp that runs ahead
+  // and overwrites shared memory a slower warp still needs; the first warp first shows a read
+  // of shared memory that a barrier should have made wait for the other warps' writes.
+  const bool last_warp_first = block_generation % 2 == 1;
   for (int t = 0; t < run.threads; ++t) {
     start_fiber(run.fibers[static_cast<std::size_t>(t)], static_cast<unsigned>(t), cfg, block_idx);
   }
-  // Warp by warp, the last first, each as far as it goes before the next starts: a warp
-  // that races ahead of the others (into the next round of a loop, say) does so here, so
-  // shared memory that a later warp still needs and an early one overwrites shows.
+  // Warp by warp, each as far as it goes before the next starts.
   for (;;) {
-    for (int first = (run.threads - 1) / 32 * 32; first >= 0; first -= 32) {
+    const int warps = (run.threads + 31) / 32;
+    for (int w = 0; w < warps; ++w) {
+      const int first = 32 * (last_warp_first ? warps - 1 - w : w);
       run_warp(first, std::min(run.threads, first + 32));
     }
     bool all_done = true;
@@ -241,9 +259,22 @@ void fresh_shared(void* p, std::size_t bytes) {
   std::memset(p, 0xff, bytes);
 }
 
-void syncthreads() {
-  run.fibers[static_cast<std::size_t>(run.current)].wait = Wait::kBlockBarrier;
+void syncthreads(const char* file, int line) {
+  Fiber& self = run.fibers[static_cast<std::size_t>(run.current)];
+  self.barrier_file = file;
+  self.barrier_line = line;
+  self.wait = Wait::kBlockBarrier;
   yield_to_scheduler();
+}
+
+void require_whole_warp(unsigned mask, int width, unsigned offset, const char* op) {
+  if (mask != 0xffffffffu || width != 32 || offset >= 32) {
+    fail(
+        "a shuffle with a partial mask, a width other than 32 or an offset of 32 or more (not "
+        "emulated)",
+        context);
+  }
+  (void)op;
 }
 
 int lane_id() {
@@ -253,11 +284,10 @@ int lane_id() {
   return static_cast<int>(linear % 32);
 }
 
-std::uint64_t warp_exchange(std::uint64_t value, int source_lane, bool full_mask, const char* op) {
+std::uint64_t warp_exchange(std::uint64_t value, int source_lane, const char* op) {
   Fiber& self = run.fibers[static_cast<std::size_t>(run.current)];
   self.value = value;
   self.source_lane = source_lane;
-  self.full_mask = full_mask;
   self.op = op;
   self.wait = Wait::kWarpShuffle;
   yield_to_scheduler();

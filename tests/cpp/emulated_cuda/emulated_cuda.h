@@ -3,6 +3,7 @@
 // rewrite_launches.py has turned into calls of ampfuse_emu::launch. Blocks run one after
 // another; a block's threads run as fibers that meet at __syncthreads and at warp shuffles
 // (emulated_cuda.cpp), so shared memory, barriers and shuffles behave as the kernels expect.
+// Shuffles are emulated for a full mask and width 32 only, what every kernel uses.
 //
 // What it proves and what it cannot: the kernels' indexing, tiling, barriers, reductions,
 // vector paths and edge handling, and that they produce the CPU kernels' bits when every
@@ -65,11 +66,16 @@ struct ThreadContext {
   dim3 grid_dim;
 };
 
-void syncthreads();
+// __syncthreads at file:line (the kernel's call site: threads at different ones stop the run).
+void syncthreads(const char* file, int line);
 // Fills a __shared__ variable with 0xff bytes the first time each block reaches its declaration
 // (rewrite_launches.py adds the call), so no block reads what the previous one left there.
 void fresh_shared(void* p, std::size_t bytes);
-std::uint64_t warp_exchange(std::uint64_t value, int source_lane, bool full_mask, const char* op);
+// Every lane's value, and what lane `source_lane` gave: a full-mask shuffle of the warp.
+std::uint64_t warp_exchange(std::uint64_t value, int source_lane, const char* op);
+// Stops the run unless the shuffle is the one emulated: full mask, width 32, offset below 32
+// (what every kernel uses; CUDA's other cases are not modelled).
+void require_whole_warp(unsigned mask, int width, unsigned offset, const char* op);
 int lane_id();
 
 template <typename T>
@@ -134,26 +140,24 @@ cudaError_t malloc_device(T** p, std::size_t bytes) {
 #define cudaSetDevice ::ampfuse_emu::set_device
 #define cudaGetErrorName ::ampfuse_emu::get_error_name
 
-inline void __syncthreads() { ::ampfuse_emu::syncthreads(); }
+#define __syncthreads() ::ampfuse_emu::syncthreads(__FILE__, __LINE__)
 
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
-  const int lane = ::ampfuse_emu::lane_id();
-  const int base = lane & ~(width - 1);
-  const int source = base + ((lane - base) ^ lane_mask);
+  ::ampfuse_emu::require_whole_warp(mask, width, static_cast<unsigned>(lane_mask),
+                                    "__shfl_xor_sync");
   return ::ampfuse_emu::from_word<T>(::ampfuse_emu::warp_exchange(
-      ::ampfuse_emu::to_word(value), source < base + width ? source : lane, mask == 0xffffffffu,
-      "__shfl_xor_sync"));
+      ::ampfuse_emu::to_word(value), ::ampfuse_emu::lane_id() ^ lane_mask, "__shfl_xor_sync"));
 }
 
+// A lane whose source would be past the warp's end gets its own value, as in CUDA.
 template <typename T>
 T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
+  ::ampfuse_emu::require_whole_warp(mask, width, delta, "__shfl_down_sync");
   const int lane = ::ampfuse_emu::lane_id();
-  const int base = lane & ~(width - 1);
   const int source = lane + static_cast<int>(delta);
   return ::ampfuse_emu::from_word<T>(::ampfuse_emu::warp_exchange(
-      ::ampfuse_emu::to_word(value), source < base + width ? source : lane, mask == 0xffffffffu,
-      "__shfl_down_sync"));
+      ::ampfuse_emu::to_word(value), source < 32 ? source : lane, "__shfl_down_sync"));
 }
 
 // The atomics the kernels use (real ones, though the fibers of a launch share a host thread).

@@ -115,6 +115,7 @@ TEST_CASE("emulated CUDA fp8_cast_amax: the CPU's codes and amax, every path") {
           const std::uint32_t span =
               cpu::fp8_cast_amax_span(src.data(), dtype, want.data(), n, scale, format);
           CHECK(differing_codes(got.copy(n), want.copy(n), format) == 0);
+          CHECK(got.guards_intact(n));
           CHECK(same_float_bits(bits(amax), folded(start, span)));
         }
       }
@@ -239,6 +240,8 @@ TEST_CASE("emulated CUDA fp8_cast_transpose[_dbias]: the CPU's codes in both lay
                                            format, want.data(), want_t.data());
           CHECK(differing_codes(out.copy(n), want.copy(n), format) == 0);
           CHECK(differing_codes(out_t.copy(n), want_t.copy(n), format) == 0);
+          CHECK(out.guards_intact(n));
+          CHECK(out_t.guards_intact(n));
           CHECK(same_float_bits(bits(amax), folded(start, span)));
           if (with_dbias) {
             const std::vector<float> tiled = tiled_column_sums(src, s.rows, s.cols);
@@ -333,6 +336,7 @@ TEST_CASE("emulated CUDA fp8_quantize_rowwise: the CPU's per-row and per-column 
                                    want_inv.data());
           }
           CHECK(differing_codes(out.copy(n), want.copy(n), format) == 0);
+          CHECK(out.guards_intact(n));
           for (std::int64_t i = 0; i < scales; ++i) {
             CHECK(same_float_bits(bits(scale_inv[static_cast<std::size_t>(i)]),
                                   bits(want_inv[static_cast<std::size_t>(i)])));
@@ -358,6 +362,7 @@ TEST_CASE("emulated CUDA fp8_transpose moves every byte") {
       }
     }
     CHECK(all_equal);
+    CHECK(out.guards_intact(n));
   }
 }
 
