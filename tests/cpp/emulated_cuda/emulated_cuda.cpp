@@ -43,10 +43,10 @@ struct Fiber {
   std::unique_ptr<char[]> stack;
   ThreadContext builtins;
   Wait wait = Wait::kRunnable;
-  std::uint64_t value = 0;   // a shuffle's contribution
-  std::uint64_t result = 0;  // and what it read
-  int source_lane = 0;       // from this lane
-  const char* op = nullptr;
+  std::uint64_t value = 0;             // a shuffle's contribution
+  std::uint64_t result = 0;            // and what it read
+  int source_lane = 0;                 // from this lane
+  const char* op = nullptr;            // the shuffle's name, for messages
   const char* barrier_file = nullptr;  // the __syncthreads it waits at
   int barrier_line = 0;
 };
@@ -121,7 +121,11 @@ bool release_warp(int first, int last) {
   for (int t = first; t < last; ++t) {
     Fiber& f = run.fibers[static_cast<std::size_t>(t)];
     if (f.wait != Wait::kWarpShuffle) continue;
-    if (done != 0 || last - first != 32) fail(f.op, f.builtins);
+    if (done != 0 || last - first != 32) {
+      std::fprintf(stderr, "emulated CUDA: %s over a full mask\n", f.op);
+      fail("a shuffle in a warp with a lane that has returned or with fewer than 32 threads",
+           f.builtins);
+    }
     const int source = first + f.source_lane;
     if (source >= last) fail("a shuffle from a lane outside the warp", f.builtins);
     f.result = run.fibers[static_cast<std::size_t>(source)].value;
@@ -268,13 +272,12 @@ void syncthreads(const char* file, int line) {
 }
 
 void require_whole_warp(unsigned mask, int width, unsigned offset, const char* op) {
-  if (mask != 0xffffffffu || width != 32 || offset >= 32) {
-    fail(
-        "a shuffle with a partial mask, a width other than 32 or an offset of 32 or more (not "
-        "emulated)",
-        context);
-  }
-  (void)op;
+  if (mask == 0xffffffffu && width == 32 && offset < 32) return;
+  std::fprintf(stderr,
+               "emulated CUDA: %s with mask %#x, width %d, offset %u: only full-mask, width-32 "
+               "shuffles with offsets below 32 are emulated\n",
+               op, mask, width, offset);
+  std::abort();
 }
 
 int lane_id() {
