@@ -12,6 +12,7 @@
 
 #include "cpu/half_convert.h"
 #include "dtype.h"
+#include "variant_test_arrays.h"
 
 namespace ampfuse::kernels::emulated_test {
 
@@ -38,10 +39,21 @@ class Elements {
     if (dtype_ == DType::kFloat32) {
       std::memcpy(p + 4 * i, &v, 4);
     } else {
-      const std::uint16_t h =
-          dtype_ == DType::kFloat16 ? cpu::float_to_fp16(v) : cpu::float_to_bf16(v);
+      const std::uint16_t h = test::round_to(dtype_, v);
       std::memcpy(p + 2 * i, &h, 2);
     }
+  }
+  // Element i widened to fp32 (exactly).
+  float get(std::int64_t i) const {
+    const unsigned char* p = static_cast<const unsigned char*>(data());
+    if (dtype_ == DType::kFloat32) {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      return v;
+    }
+    std::uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return dtype_ == DType::kFloat16 ? cpu::fp16_to_float(h) : cpu::bf16_to_float(h);
   }
   // Uniform in [-spread, spread) from `seed`.
   void fill(std::uint32_t seed, float spread) {
@@ -85,7 +97,5 @@ class Bytes {
   unsigned char fill_;
   std::vector<std::uint8_t> storage_;
 };
-
-inline std::uint32_t bits(float f) { return __builtin_bit_cast(std::uint32_t, f); }
 
 }  // namespace ampfuse::kernels::emulated_test

@@ -7,10 +7,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <random>
-#include <string>
 #include <vector>
 
 #include "cpu/fp8_kernels.h"
@@ -24,9 +21,11 @@
 namespace {
 
 using namespace ampfuse::kernels;
-using emulated_test::bits;
 using emulated_test::Bytes;
 using emulated_test::Elements;
+using fp8_detail::bits_of;
+using fp8_detail::float_of;
+using test::same;
 
 constexpr DType kDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 constexpr Fp8Format kFormats[] = {Fp8Format::kE4M3, Fp8Format::kE5M2};
@@ -65,14 +64,10 @@ std::uint32_t folded(float start, std::uint32_t span_bits) {
   return std::max(abs_bits(start), span_bits);
 }
 
-// Equal bits, where a nan equals any nan. CUDA's fp16 -> fp32 conversion (__half2float, whose
-// host version in cuda_fp16.hpp mirrors the device's cvt) gives the canonical nan 0x7fffffff
-// whatever the fp16 nan's sign and payload, where the CPU keeps both: the amax and the nan
-// code's sign may then differ, a nan either way.
-bool same_float_bits(std::uint32_t a, std::uint32_t b) {
-  const auto is_nan = [](std::uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; };
-  return a == b || (is_nan(a) && is_nan(b));
-}
+// Floats compare with test::same: equal bits, where a nan equals any nan. CUDA's fp16 -> fp32
+// conversion (__half2float, whose host version in cuda_fp16.hpp mirrors the device's cvt) gives
+// the canonical nan 0x7fffffff whatever the fp16 nan's sign and payload, where the CPU keeps
+// both: the amax and the nan code's sign may then differ, a nan either way.
 
 bool is_nan_code(std::uint8_t c, Fp8Format format) {
   return format == Fp8Format::kE4M3 ? (c & 0x7f) == 0x7f : (c & 0x7f) > 0x7c;
@@ -116,7 +111,7 @@ TEST_CASE("emulated CUDA fp8_cast_amax: the CPU's codes and amax, every path") {
               cpu::fp8_cast_amax_span(src.data(), dtype, want.data(), n, scale, format);
           CHECK(differing_codes(got.copy(n), want.copy(n), format) == 0);
           CHECK(got.guards_intact(n));
-          CHECK(same_float_bits(bits(amax), folded(start, span)));
+          CHECK(same(amax, float_of(folded(start, span))));
         }
       }
     }
@@ -129,7 +124,7 @@ TEST_CASE("emulated CUDA fp8_cast_amax of nothing clears a -0.0 or negative-nan 
     const float scale = 1.0f;
     emulated_cuda::fp8_cast_amax(TensorRef{nullptr, 0, DType::kFloat32}, nullptr, &scale, &amax,
                                  Fp8Format::kE4M3, nullptr);
-    CHECK(bits(amax) == abs_bits(start));
+    CHECK(bits_of(amax) == abs_bits(start));
   }
 }
 
@@ -153,16 +148,16 @@ TEST_CASE("emulated CUDA fp8_tensor_scale: the CPU's amax, scale and scale_inv")
                                         448.0f, margin, nullptr);
         const std::uint32_t want_amax = cpu::fp8_amax_span(src.data(), dtype, n);
         const float want_scale = current_fp8_scale(fp8_detail::float_of(want_amax), 448.0f, margin);
-        CHECK(same_float_bits(bits(amax), want_amax));
-        CHECK(same_float_bits(bits(scale), bits(want_scale)));
-        CHECK(same_float_bits(bits(scale_inv), bits(fp8_detail::div_rn(1.0f, want_scale))));
+        CHECK(same(amax, float_of(want_amax)));
+        CHECK(same(scale, want_scale));
+        CHECK(same(scale_inv, fp8_detail::div_rn(1.0f, want_scale)));
       }
     }
   }
   float amax = 1.0f, scale = 0.0f, scale_inv = 0.0f;
   emulated_cuda::fp8_tensor_scale(TensorRef{nullptr, 0, DType::kFloat32}, &amax, &scale, &scale_inv,
                                   448.0f, 1.0f, nullptr);
-  CHECK(bits(amax) == 0u);
+  CHECK(bits_of(amax) == 0u);
   CHECK(scale == 1.0f);
   CHECK(scale_inv == 1.0f);
 }
@@ -180,25 +175,13 @@ constexpr Shape kShapes[] = {{1, 1},   {64, 64},  {65, 130}, {128, 48}, {33, 16}
 // dbias as the CUDA kernels order it: each 64-row tile's column sums from 0.0f, rows past the
 // input adding 0.0f, then the tiles' sums added in order.
 std::vector<float> tiled_column_sums(const Elements& src, std::int64_t rows, std::int64_t cols) {
-  std::vector<float> column(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t i = 0; i < rows * cols; ++i) {
-    const auto* p = static_cast<const unsigned char*>(src.data());
-    if (src.dtype() == DType::kFloat32) {
-      std::memcpy(&column[static_cast<std::size_t>(i)], p + 4 * i, 4);
-    } else {
-      std::uint16_t h;
-      std::memcpy(&h, p + 2 * i, 2);
-      column[static_cast<std::size_t>(i)] =
-          src.dtype() == DType::kFloat16 ? cpu::fp16_to_float(h) : cpu::bf16_to_float(h);
-    }
-  }
   std::vector<float> dbias(static_cast<std::size_t>(cols));
   for (std::int64_t c = 0; c < cols; ++c) {
     float total = 0.0f;
     for (std::int64_t t = 0; t * 64 < rows; ++t) {
       float tile = 0.0f;
       for (std::int64_t r = t * 64; r < t * 64 + 64; ++r) {
-        tile += r < rows ? column[static_cast<std::size_t>(r * cols + c)] : 0.0f;
+        tile += r < rows ? src.get(r * cols + c) : 0.0f;
       }
       total += tile;
     }
@@ -242,13 +225,13 @@ TEST_CASE("emulated CUDA fp8_cast_transpose[_dbias]: the CPU's codes in both lay
           CHECK(differing_codes(out_t.copy(n), want_t.copy(n), format) == 0);
           CHECK(out.guards_intact(n));
           CHECK(out_t.guards_intact(n));
-          CHECK(same_float_bits(bits(amax), folded(start, span)));
+          CHECK(same(amax, float_of(folded(start, span))));
           if (with_dbias) {
             const std::vector<float> tiled = tiled_column_sums(src, s.rows, s.cols);
             for (std::int64_t c = 0; c < s.cols; ++c) {
               const float g = dbias[static_cast<std::size_t>(c)];
               const float w = tiled[static_cast<std::size_t>(c)];
-              CHECK(same_float_bits(bits(g), bits(w)));
+              CHECK(same(g, w));
             }
           }
         }
@@ -283,10 +266,11 @@ TEST_CASE("emulated CUDA fp8_cast_transpose_dbias taller than one grid", "[.][la
                                      Fp8Format::kE5M2, want.data(), want_t.data());
     CHECK(out.copy(n) == want.copy(n));
     CHECK(out_t.copy(n) == want_t.copy(n));
-    CHECK(bits(amax) == span);
+    CHECK(bits_of(amax) == span);
     const std::vector<float> tiled = tiled_column_sums(src, rows, cols);
     for (std::int64_t c = 0; c < cols; ++c) {
-      CHECK(bits(dbias[static_cast<std::size_t>(c)]) == bits(tiled[static_cast<std::size_t>(c)]));
+      CHECK(bits_of(dbias[static_cast<std::size_t>(c)]) ==
+            bits_of(tiled[static_cast<std::size_t>(c)]));
     }
   }
 }
@@ -298,7 +282,7 @@ TEST_CASE("emulated CUDA fp8_cast_transpose of an empty input: amax's sign clear
   emulated_cuda::fp8_cast_transpose({nullptr, DType::kFloat32, 0, 5, &scale, &amax, nullptr,
                                      nullptr, dbias.data(), nullptr, Fp8Format::kE4M3},
                                     nullptr);
-  CHECK(bits(amax) == 0u);
+  CHECK(bits_of(amax) == 0u);
   CHECK(dbias == std::vector<float>(5, 0.0f));
 }
 
@@ -338,8 +322,8 @@ TEST_CASE("emulated CUDA fp8_quantize_rowwise: the CPU's per-row and per-column 
           CHECK(differing_codes(out.copy(n), want.copy(n), format) == 0);
           CHECK(out.guards_intact(n));
           for (std::int64_t i = 0; i < scales; ++i) {
-            CHECK(same_float_bits(bits(scale_inv[static_cast<std::size_t>(i)]),
-                                  bits(want_inv[static_cast<std::size_t>(i)])));
+            CHECK(same(scale_inv[static_cast<std::size_t>(i)],
+                       want_inv[static_cast<std::size_t>(i)]));
           }
         }
       }
@@ -411,9 +395,9 @@ TEST_CASE("emulated CUDA fp8_update_scales: the CPU's rolled histories and scale
       for (std::size_t i = 0; i < got.size(); ++i) {
         CAPTURE(lengths[i]);
         CHECK(got[i].history == want[i].history);
-        CHECK(bits(got[i].amax) == bits(want[i].amax));
-        CHECK(bits(got[i].scale) == bits(want[i].scale));
-        CHECK(bits(got[i].scale_inv) == bits(want[i].scale_inv));
+        CHECK(bits_of(got[i].amax) == bits_of(want[i].amax));
+        CHECK(bits_of(got[i].scale) == bits_of(want[i].scale));
+        CHECK(bits_of(got[i].scale_inv) == bits_of(want[i].scale_inv));
       }
     }
   }
