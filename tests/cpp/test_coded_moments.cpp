@@ -1,18 +1,16 @@
 // The CPU span loops of coded_moments.h against state_codes.h's block functions, which define
 // the codes: every code decodes to decode_block's bits, and spans of whole and short blocks,
 // zeros, infs and several nans with different payloads code to encode_block's codes and scales.
-// Each check runs the dispatching functions and both implementations (portable:: and, where the
-// processor has AVX2 and FMA, avx2_fma::, whose division-free quotients are also checked over
-// every float of whole binades and at the edges of its vector path).
+// Each check runs the dispatching functions and every implementation the processor has
+// (portable::, avx2_fma::, avx512::), the vector ones also at the edges of their vector path.
+// Their division-free quotients are checked in test_exact_quotient.cpp.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <random>
-#include <utility>
 #include <vector>
 
 #include "cpu/coded_moments.h"
@@ -189,106 +187,3 @@ TEST_CASE("coded moments: blocks at the edges of the vector path code as encode_
   check_encode_edges<StateCode::kFp8, false>();
   check_encode_edges<StateCode::kFp8, true>();
 }
-
-#ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
-namespace {
-
-using Quotients = void (*)(const float*, std::int64_t, float, float*);
-
-// The vector paths' quotient loops that run on this processor, by name.
-std::vector<std::pair<const char*, Quotients>> quotient_paths() {
-  std::vector<std::pair<const char*, Quotients>> paths;
-  if (k::cpu::avx2_fma::supported()) paths.push_back({"avx2_fma", k::cpu::avx2_fma::quotients});
-  if (k::cpu::cpu_has_avx512()) paths.push_back({"avx512", k::cpu::avx512::quotients});
-  return paths;
-}
-
-// How many of `quotients`' dividend[i] / divisor differ from the division's bits. `quotient`
-// is the output's buffer, kept by the caller (a fresh 32 MB per call was mostly page faults).
-std::size_t wrong_quotients(Quotients quotients, const std::vector<float>& dividend,
-                            float divisor, std::vector<float>& quotient) {
-  quotient.resize(dividend.size());
-  quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()), divisor,
-            quotient.data());
-  std::size_t wrong = 0;
-  for (std::size_t i = 0; i < dividend.size(); ++i) {
-    wrong += bits(quotient[i]) != bits(dividend[i] / divisor);
-  }
-  return wrong;
-}
-
-}  // namespace
-
-// avx2_fma's quotient x * r + correction against the division, over every float of whole binades
-// (the coded values of a block span many): [0.5, 1), [2^-20, 2^-19) and the binade just above
-// the smallest quotient the path relies on, for divisors with short, long and all-ones
-// significands, and its smallest divisor.
-TEST_CASE("coded moments: the vector paths' division-free quotients are the rounded quotients") {
-  const auto paths = quotient_paths();
-  if (paths.empty()) return;  // neither vector path runs on this processor
-  std::vector<float> x(std::size_t{1} << 23), quotient;
-  for (const int binade : {-1, -20, -33}) {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      x[i] = std::ldexp(1.0f + static_cast<float>(i) * 0x1p-23f, binade);
-    }
-    for (const float divisor : {1.0f, 3.0f, 0x1.fffffep0f, 1.2345678f, 0x1.000002p0f, 448.0f,
-                                127.0f, 0x1p-70f, 0x1.7p-60f}) {
-      // Quotients at most 1 (dividends scaled below the divisor), as the coder's are.
-      const float dividend_scale = std::ldexp(1.0f, std::ilogb(divisor) - 1);
-      std::vector<float> dividend(x.size());
-      for (std::size_t i = 0; i < x.size(); ++i) dividend[i] = x[i] * dividend_scale;
-      for (const float sign : {1.0f, -1.0f}) {
-        for (float& d : dividend) d = std::fabs(d) * sign;
-        for (const auto& [name, quotients] : paths) {
-          INFO(name << " binade " << binade << " divisor " << divisor << " sign " << sign);
-          REQUIRE(wrong_quotients(quotients, dividend, divisor, quotient) == 0);
-        }
-      }
-    }
-  }
-}
-
-// The same quotients against the division for many more divisors: every dividend significand
-// (the floats of [0.5, 1)) over divisor significands in [1, 2) (a power of two scales both sides
-// exactly, so these pairs stand for every quotient of at least 2^-33): random ones, the largest
-// ones (all-ones significands), the smallest, and ones whose reciprocal rounds by close to half
-// an ulp. Hidden ([.]): about 6 ms a divisor and path. Run it after changing the quotient with
-//   test_cpu_kernels "[exhaustive]"     (AMPFUSE_QUOTIENT_DIVISORS=N sets the count per kind)
-// (default 2,000). On 2026-11-29 a standalone AVX-512 loop of the same three operations found no
-// difference for 240,000 divisors chosen this way (about 0.9 ms a divisor without the checks).
-TEST_CASE("coded moments: division-free quotients for every dividend of many divisors",
-          "[.][exhaustive]") {
-  const auto paths = quotient_paths();
-  if (paths.empty()) return;
-  const char* count_text = std::getenv("AMPFUSE_QUOTIENT_DIVISORS");
-  const std::uint32_t count = count_text != nullptr ? std::strtoul(count_text, nullptr, 10) : 2000;
-  std::vector<float> dividend(std::size_t{1} << 23), quotient;
-  for (std::size_t i = 0; i < dividend.size(); ++i) {
-    dividend[i] = 0.5f + static_cast<float>(i) * 0x1p-24f;
-  }
-  using k::fp8_detail::float_of;
-  auto reciprocal_error_ulps = [](float d) {  // how far 1 / d rounds, in ulps of the reciprocal
-    const double exact = 1.0 / static_cast<double>(d);
-    const double ulp = std::ldexp(1.0, std::ilogb(exact) - 23);
-    return std::fabs(static_cast<double>(1.0f / d) - exact) / ulp;
-  };
-  std::mt19937 gen(29);
-  std::vector<float> divisors;
-  for (std::uint32_t i = 0; i < count; ++i) {
-    divisors.push_back(float_of(0x3f800000u + (gen() & 0x7fffffu)));  // random
-    divisors.push_back(float_of(0x3fffffffu - i));                     // largest
-    divisors.push_back(float_of(0x3f800000u + i));                     // smallest
-    float d;
-    do {
-      d = float_of(0x3f800000u + (gen() & 0x7fffffu));
-    } while (reciprocal_error_ulps(d) < 0.45);
-    divisors.push_back(d);  // reciprocal rounded by nearly half an ulp
-  }
-  for (const float divisor : divisors) {
-    for (const auto& [name, quotients] : paths) {
-      INFO(name << " divisor " << divisor);
-      REQUIRE(wrong_quotients(quotients, dividend, divisor, quotient) == 0);
-    }
-  }
-}
-#endif

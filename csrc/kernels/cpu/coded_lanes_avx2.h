@@ -20,13 +20,16 @@
 // whatever its last bits (the smallest nonzero code needs about 2^-19). Other blocks (a tiny, inf
 // or nan absmax) run state_codes.h's scalar functions. Decoding divides an int8 code by 127 the
 // same way, and an e4m3 code by 448 through two 8-entry tables (see decode8).
-// tests/cpp/test_coded_moments.cpp checks the quotients against the division over every float of
-// whole binades for several divisors (and, in a hidden case run on demand, every dividend
-// significand for thousands of divisors), every code's decoding, and blocks at the edges of the
-// vector path against state_codes.h's functions. Those checks, not the theorem alone, carry the
-// claim: the theorem asks for a first quotient within an ulp, and q0 = x * r rounded is up to 1.48
-// ulps off for some pairs (x near 2, r rounded by nearly half an ulp; measured 2026-11-29). The
-// correction still rounded every dividend significand of 240,000 such and random divisors exactly.
+// The theorem alone does not carry the claim: it asks for a first quotient within an ulp, and
+// q0 = x * r rounded is up to 1.48 ulps off for some pairs (x near 2, r rounded by nearly half an
+// ulp; measured 2026-11-29). tests/cpp/test_exact_quotient.cpp does: the correction's last FMA
+// rounds x / d plus an error under 2^-45 of it, which can change the rounding only for quotients
+// that close to a midpoint between two floats; that test's comment shows those pairs are the
+// solutions of a congruence, finds them for every one of the 2^23 divisor significands (about 5e7
+// pairs, in a second) and checks each against the division, so every pair of significands is
+// covered. It also checks whole binades of dividends for several divisors, and
+// test_coded_moments.cpp every code's decoding and blocks at the edges of the vector path against
+// state_codes.h's functions.
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)
