@@ -25,13 +25,16 @@ elementwise, so the gathered codes are exactly the unsharded weight's.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from ampfuse.fp8.tensorwise import TensorwiseWeight
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+: for the type checker only, so 3.10 imports this
 
 # The two tensor types; the functions below are fp8.Linear's helpers.
 __all__ = ["FP8AllGatherWeight", "FP8GatheredWeight"]
