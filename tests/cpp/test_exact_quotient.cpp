@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <utility>
 #include <vector>
@@ -24,11 +23,8 @@ namespace k = ampfuse::kernels;
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
 namespace {
 
-std::uint32_t bits(float f) {
-  std::uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using k::fp8_detail::bits_of;
+using k::fp8_detail::float_of;
 
 using Quotients = void (*)(const float*, std::int64_t, float, float*);
 
@@ -40,16 +36,18 @@ std::vector<std::pair<const char*, Quotients>> quotient_paths() {
   return paths;
 }
 
-// How many of `quotients`' dividend[i] / divisor differ from the division's bits. `quotient`
-// is the output's buffer, kept by the caller (a fresh 32 MB per call was mostly page faults).
+// How many of `quotients`' dividend[i] / divisor, among the first `counted`, differ from the
+// division's bits. `quotient` is the output's buffer, kept by the caller (a fresh 32 MB per call
+// was mostly page faults).
 std::size_t wrong_quotients(Quotients quotients, const std::vector<float>& dividend,
-                            float divisor, std::vector<float>& quotient) {
+                            float divisor, std::vector<float>& quotient,
+                            std::size_t counted = SIZE_MAX) {
   quotient.resize(dividend.size());
   quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()), divisor,
             quotient.data());
   std::size_t wrong = 0;
-  for (std::size_t i = 0; i < dividend.size(); ++i) {
-    wrong += bits(quotient[i]) != bits(dividend[i] / divisor);
+  for (std::size_t i = 0; i < std::min(counted, dividend.size()); ++i) {
+    wrong += bits_of(quotient[i]) != bits_of(dividend[i] / divisor);
   }
   return wrong;
 }
@@ -104,7 +102,6 @@ TEST_CASE("exact quotient: division-free quotients for every dividend of many di
   for (std::size_t i = 0; i < dividend.size(); ++i) {
     dividend[i] = 0.5f + static_cast<float>(i) * 0x1p-24f;
   }
-  using k::fp8_detail::float_of;
   auto reciprocal_error_ulps = [](float d) {  // how far 1 / d rounds, in ulps of the reciprocal
     const double exact = 1.0 / static_cast<double>(d);
     const double ulp = std::ldexp(1.0, std::ilogb(exact) - 23);
@@ -222,13 +219,8 @@ std::size_t wrong_near_midpoints(Quotients quotients, std::uint32_t first, std::
     dividend.clear();
     for (const std::uint32_t X : found) dividend.push_back(static_cast<float>(X) * 0x1p-24f);
     while (dividend.size() % 16 != 0) dividend.push_back(dividend.front());
-    const float divisor = static_cast<float>(D) * 0x1p-23f;
-    quotient.resize(dividend.size());
-    quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()), divisor,
-              quotient.data());
-    for (std::size_t i = 0; i < found.size(); ++i) {
-      wrong += bits(quotient[i]) != bits(dividend[i] / divisor);
-    }
+    wrong += wrong_quotients(quotients, dividend, static_cast<float>(D) * 0x1p-23f, quotient,
+                             found.size());
   }
   return wrong;
 }
