@@ -10,7 +10,7 @@ import math
 import torch
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class NovoGradConfig:
     lr: float = 1e-2
     beta1: float = 0.95

@@ -60,4 +60,4 @@ def test_params_with_inf_keep_torchs_values(device, case):
         assert torch.equal(a[infinite], b[infinite]), (
             f"{case}: params[{i}] infinities differ from torch's")
         torch.testing.assert_close(a[finite], b[finite], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{case}: params[{i}]: {m}")
+                                   msg=lambda m, i=i: f"{case}: params[{i}]: {m}")

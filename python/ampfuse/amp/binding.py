@@ -324,7 +324,7 @@ class Binding:
             # params here.
             if self.inner.step_on_master_grads:
                 self.inner.step_on_master_grads = False
-                for p, master in self.master_pairs():
+                for _, master in self.master_pairs():
                     master.grad = None
         elif self.kind == "masters":
             self.tracker.mark(p for p, _ in self.masters)

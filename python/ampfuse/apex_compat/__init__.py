@@ -104,10 +104,10 @@ class _MissingApexModules(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith("apex.") or fullname in sys.modules:
             return None
-        for prefix, advice in _REPLACEMENTS.items():
-            if fullname == prefix.rstrip(".") or fullname.startswith(prefix.rstrip(".") + "."):
-                break
-        else:
+        advice = next((hint for prefix, hint in _REPLACEMENTS.items()
+                       if fullname == prefix.rstrip(".")
+                       or fullname.startswith(prefix.rstrip(".") + ".")), None)
+        if advice is None:
             advice = ("ampfuse provides apex.amp, apex.optimizers (all of apex's fused "
                       "optimizers), apex.fp16_utils, apex.multi_tensor_apply, apex.parallel, "
                       "apex.normalization, apex.contrib.clip_grad and apex.contrib.optimizers")

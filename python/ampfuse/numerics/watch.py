@@ -310,7 +310,7 @@ class Watch:
             if stat.absmax is not None:
                 by_device.setdefault(stat.absmax.device, []).append(key)
         values: dict[_Key, tuple[float, list[int]]] = {}
-        for device, keys in by_device.items():
+        for keys in by_device.values():
             stats = [self._stats[k] for k in keys]  # measured ones: absmax and hist are set
             absmax = torch.stack([s.absmax for s in stats]).cpu().tolist()  # type: ignore[misc]
             hists = torch.stack([s.hist for s in stats]).cpu().tolist()  # type: ignore[misc]
@@ -344,7 +344,7 @@ class Watch:
         info = torch.finfo(dtype)
         counts = self._read()
         by_module: dict[tuple[str, str], list[Counts]] = {}
-        for (module, phase, op, _), c in counts.items():
+        for (module, _phase, op, _), c in counts.items():
             if op in ("input", "output", "grad"):
                 by_module.setdefault((module, op), []).append(c)
 

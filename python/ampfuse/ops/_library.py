@@ -122,7 +122,7 @@ def cuda_code() -> _archs.CudaCode:
     return _CUDA_CODE[0]
 
 
-def _devices() -> list["Device"]:
+def _devices() -> list[Device]:
     return [(f"CUDA device {i}", torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
             for i in range(torch.cuda.device_count())]
 

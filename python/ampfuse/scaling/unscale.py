@@ -41,7 +41,7 @@ _COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 _Entry = tuple[torch.Tensor, tuple[int, int, torch.Tensor]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_kernels_usable() -> bool:
     # Fixed for the life of the process; asked once rather than at every step.
     return ops.cuda_available()
