@@ -3,13 +3,13 @@
 // Build against the kernels library of `make cpp-test`:
 //   g++ -std=c++17 -O2 -Icsrc/kernels benchmarks/optimizer_variants.cpp \
 //       build/cpp-tests/libampfuse_kernels.a -o /tmp/optimizer_variants && /tmp/optimizer_variants
+#include "cpu/optimizer_variants.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <vector>
-
-#include "cpu/optimizer_variants.h"
 
 using namespace ampfuse::kernels;
 using namespace ampfuse::kernels::cpu;
@@ -44,8 +44,8 @@ int main() {
     return 0;
   }
   std::printf("# %lld elements per call, one thread; us per call\n", (long long)kElements);
-  std::printf("%-34s %9s %9s %9s %9s %8s %7s\n", "case", "port min", "median", "avx2 min",
-              "median", "speedup", "median");
+  std::printf("%-34s %9s %9s %9s %9s %8s %7s\n", "case", "port min", "median", "avx2 min", "median",
+              "speedup", "median");
   const AdamConfig adam{0.9, 0.999, 1e-8, 0.01, true, true, false, false};
   const SgdConfig sgd{0.9, 0.0, 0.0, false, false, false};
   const std::size_t n = kElements;

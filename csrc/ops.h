@@ -39,37 +39,37 @@ struct OpKernels {
 };
 
 // Every op's kernels; each comes from the op's own file.
-OpKernels multi_tensor_unscale_kernels();           // csrc/ops/scale.cpp
-OpKernels multi_tensor_scale_kernels();             // csrc/ops/scale.cpp
-OpKernels multi_tensor_nonfinite_check_kernels();   // csrc/ops/scale.cpp
-OpKernels multi_tensor_l2norm_kernels();            // csrc/ops/l2norm.cpp
-OpKernels update_scale_kernels();                   // csrc/ops/update_scale.cpp
-OpKernels fused_adam_kernels();                     // csrc/ops/adam.cpp
-OpKernels fused_adam_coded_kernels();               // csrc/ops/adam_coded.cpp
-OpKernels fused_sgd_kernels();                      // csrc/ops/sgd.cpp
-OpKernels fused_adagrad_kernels();                  // csrc/ops/adagrad.cpp
-OpKernels fused_lamb_kernels();                     // csrc/ops/lamb.cpp
-OpKernels fused_lamb_coded_kernels();               // csrc/ops/lamb_coded.cpp
-OpKernels fused_novograd_kernels();                 // csrc/ops/novograd.cpp
-OpKernels fp8_cast_amax_kernels();                  // csrc/ops/fp8.cpp
-OpKernels fp8_update_scales_kernels();              // csrc/ops/fp8.cpp
-OpKernels fp8_gemm_kernels();                       // csrc/ops/fp8_gemm.cpp
+OpKernels multi_tensor_unscale_kernels();          // csrc/ops/scale.cpp
+OpKernels multi_tensor_scale_kernels();            // csrc/ops/scale.cpp
+OpKernels multi_tensor_nonfinite_check_kernels();  // csrc/ops/scale.cpp
+OpKernels multi_tensor_l2norm_kernels();           // csrc/ops/l2norm.cpp
+OpKernels update_scale_kernels();                  // csrc/ops/update_scale.cpp
+OpKernels fused_adam_kernels();                    // csrc/ops/adam.cpp
+OpKernels fused_adam_coded_kernels();              // csrc/ops/adam_coded.cpp
+OpKernels fused_sgd_kernels();                     // csrc/ops/sgd.cpp
+OpKernels fused_adagrad_kernels();                 // csrc/ops/adagrad.cpp
+OpKernels fused_lamb_kernels();                    // csrc/ops/lamb.cpp
+OpKernels fused_lamb_coded_kernels();              // csrc/ops/lamb_coded.cpp
+OpKernels fused_novograd_kernels();                // csrc/ops/novograd.cpp
+OpKernels fp8_cast_amax_kernels();                 // csrc/ops/fp8.cpp
+OpKernels fp8_update_scales_kernels();             // csrc/ops/fp8.cpp
+OpKernels fp8_gemm_kernels();                      // csrc/ops/fp8_gemm.cpp
 // {plans built, plans reused, plans evicted, per-thread capacity} of fp8_gemm's cuBLASLt plan
 // cache (all 0 without CUDA): a host-side catch-all function, not a tensor op.
-std::vector<std::int64_t> fp8_gemm_plan_stats();    // csrc/ops/fp8_gemm.cpp
-OpKernels fp8_transpose_kernels();                  // csrc/ops/fp8_transpose.cpp
-OpKernels fp8_tensor_scale_kernels();               // csrc/ops/fp8_quantize.cpp
-OpKernels fp8_quantize_rowwise_kernels();           // csrc/ops/fp8_quantize.cpp
-OpKernels fp8_cast_transpose_kernels();             // csrc/ops/fp8_cast_transpose.cpp
-OpKernels fp8_cast_transpose_dbias_kernels();       // csrc/ops/fp8_cast_transpose.cpp
+std::vector<std::int64_t> fp8_gemm_plan_stats();  // csrc/ops/fp8_gemm.cpp
+OpKernels fp8_transpose_kernels();                // csrc/ops/fp8_transpose.cpp
+OpKernels fp8_tensor_scale_kernels();             // csrc/ops/fp8_quantize.cpp
+OpKernels fp8_quantize_rowwise_kernels();         // csrc/ops/fp8_quantize.cpp
+OpKernels fp8_cast_transpose_kernels();           // csrc/ops/fp8_cast_transpose.cpp
+OpKernels fp8_cast_transpose_dbias_kernels();     // csrc/ops/fp8_cast_transpose.cpp
 
 }  // namespace ampfuse::ops
 
 // An op template's kernels: at at::kCPU and, in CUDA builds, at::kCUDA. A macro only because a
 // build without CUDA must not instantiate the CUDA kernel, whose launch it compiles out.
 #ifdef AMPFUSE_WITH_CUDA
-#define AMPFUSE_KERNELS(op)                                                  \
-  ::ampfuse::ops::OpKernels {                                                \
+#define AMPFUSE_KERNELS(op)                                               \
+  ::ampfuse::ops::OpKernels {                                             \
     torch::CppFunction(&op<at::kCPU>), torch::CppFunction(&op<at::kCUDA>) \
   }
 #else

@@ -212,16 +212,19 @@ TORCH_LIBRARY(ampfuse, m) {
   // FP8 current scaling. amax = max |input| (nan winning), scale = fp8_max(dtype) / amax /
   // 2**margin and scale_inv = 1 / scale, computed on the input's device (no host sync), each a
   // fresh fp32 [1]. amax 0 gives scale 1; an inf or nan amax gives a nan scale and scale_inv.
-  def(m, "fp8_tensor_scale(Tensor input, ScalarType dtype, float margin=0.) -> "
+  def(m,
+      "fp8_tensor_scale(Tensor input, ScalarType dtype, float margin=0.) -> "
       "(Tensor amax, Tensor scale, Tensor scale_inv)",
       ops::fp8_tensor_scale_kernels());
   // One pass over a 2-D input [m, k]: its fp8 codes (input * scale, saturated) [m, k], the
   // same codes transposed [k, m] (contiguous), and amax = max(amax, max |input|), nan winning.
-  def(m, "fp8_cast_transpose(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> "
+  def(m,
+      "fp8_cast_transpose(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType dtype) -> "
       "(Tensor, Tensor)",
       ops::fp8_cast_transpose_kernels());
   // fp8_cast_transpose plus dbias = input.sum(0) accumulated in fp32 (fp32 [k]).
-  def(m, "fp8_cast_transpose_dbias(Tensor input, Tensor scale, Tensor(a!) amax, "
+  def(m,
+      "fp8_cast_transpose_dbias(Tensor input, Tensor scale, Tensor(a!) amax, "
       "ScalarType dtype) -> (Tensor, Tensor, Tensor)",
       ops::fp8_cast_transpose_dbias_kernels());
   // Rowwise current scaling of a 2-D input [m, k]: transpose=False gives codes [m, k] and one

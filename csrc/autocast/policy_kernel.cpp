@@ -203,11 +203,14 @@ std::optional<Policy> PolicyKernel::policy_for_call(const c10::OperatorHandle& o
   const int64_t live = g_live_sets.load();
   bool agreed = false;
   const std::optional<Policy> policy = policies_->common_policy(live, agreed);
-  TORCH_CHECK(agreed, "amp O1: ", op.schema().name(), " ran under autocast during a backward "
+  TORCH_CHECK(agreed, "amp O1: ", op.schema().name(),
+              " ran under autocast during a backward "
               "pass (activation checkpointing recomputing part of a model's forward), where the ",
-              live, " O1 models alive cast it differently, so whose lists apply cannot be told. "
+              live,
+              " O1 models alive cast it differently, so whose lists apply cannot be told. "
               "To fix, give the O1 models the same custom lists, or do not checkpoint the parts "
-              "that call ", op.schema().name(), ".");
+              "that call ",
+              op.schema().name(), ".");
   return policy;
 }
 

@@ -25,7 +25,7 @@ struct AdagradConfig {
 // prologue from the device-side step count and lr. torch forms clr in Python (double); so do
 // these, rounding once.
 struct AdagradStep {
-  float clr;         // lr / (1 + steps_taken * lr_decay)
+  float clr;  // lr / (1 + steps_taken * lr_decay)
   float decay;
   float eps;
   float grad_scale;  // the loss scale the grads carry (1 when none)

@@ -26,9 +26,8 @@ struct AdamFunctor {
         constexpr MasterMode kMode = decltype(m_)::value;
         if (step.amsgrad) {
           const ChunkState<3> state{{m, v, fp32_list(table, chunk, 4)}, nullptr};
-          update_bf16_chunk<kMode, 3, kWrite>(table, chunk, grad, 5, state, seed,
-                                              step.steps_taken, step.grad_scale,
-                                              [&](float& p, float g, float* s) {
+          update_bf16_chunk<kMode, 3, kWrite>(table, chunk, grad, 5, state, seed, step.steps_taken,
+                                              step.grad_scale, [&](float& p, float g, float* s) {
                                                 adam_update<true>(p, g, s[0], s[1], s[2], step);
                                               });
         } else {
@@ -48,10 +47,9 @@ struct AdamFunctor {
       constexpr bool kWrite = decltype(write)::value;
       if (step.amsgrad) {
         const ChunkState<3> state{{m, v, fp32_list(table, chunk, 4)}, master};
-        update_chunk<3, kWrite>(param, grad, state, chunk.size, step.grad_scale,
-                                [&](float& p, float g, float* s) {
-                                  adam_update<true>(p, g, s[0], s[1], s[2], step);
-                                });
+        update_chunk<3, kWrite>(
+            param, grad, state, chunk.size, step.grad_scale,
+            [&](float& p, float g, float* s) { adam_update<true>(p, g, s[0], s[1], s[2], step); });
       } else {
         const ChunkState<2> state{{m, v}, master};
         update_chunk<2, kWrite>(param, grad, state, chunk.size, step.grad_scale,
@@ -72,9 +70,12 @@ void adam(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
           const AdamConfig& config, const StepScalars& scalars, bool write_grads,
           AdamStep* constants, StreamHandle stream, const MasterListMode& master_mode) {
   launch_step_prologue(config, scalars, constants, stream);
-  const std::vector<TensorRef>* lists[kAdamDepth] = {
-      &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(max_exp_avg_sqs, params),
-      or_params(masters, params)};
+  const std::vector<TensorRef>* lists[kAdamDepth] = {&params,
+                                                     &grads,
+                                                     &exp_avgs,
+                                                     &exp_avg_sqs,
+                                                     or_params(max_exp_avg_sqs, params),
+                                                     or_params(masters, params)};
   const bool stochastic = master_mode.mode == MasterMode::kStochastic;
   launch_multi_tensor_with_ids<kAdamDepth>(
       "fused_adam_", lists, stochastic ? &master_mode.param_ids : nullptr, stream, AdamFunctor{},

@@ -59,7 +59,8 @@ AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE float float_of(std::uint32_t u) {
 }
 
 // cond ? a : b on bit patterns, with masks so that CPU loops stay branch-free and vectorize.
-AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE std::uint32_t pick_bits(bool cond, std::uint32_t a, std::uint32_t b) {
+AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE std::uint32_t pick_bits(bool cond, std::uint32_t a,
+                                                                std::uint32_t b) {
   const std::uint32_t mask = 0u - static_cast<std::uint32_t>(cond);
   return (a & mask) | (b & ~mask);
 }
@@ -83,7 +84,8 @@ AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE std::uint16_t bf16_nearest(float f) {
 // random threshold by adding it, so |f| rounds away from zero with probability low / 2^16 and
 // the rounded value is f on average. Values a bf16 holds exactly are unchanged. inf and NaN
 // round to nearest (adding to their bits would turn inf into NaN).
-AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE std::uint16_t bf16_stochastic(float f, std::uint32_t random16) {
+AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE std::uint16_t bf16_stochastic(float f,
+                                                                      std::uint32_t random16) {
   const std::uint32_t u = bits_of(f);
   return static_cast<std::uint16_t>(
       pick_bits(finite_bits(u), (u + random16) >> 16, bf16_nearest(f)));
@@ -140,8 +142,9 @@ struct RoundingKey {
   std::uint32_t hi;
 };
 
-AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE RoundingKey rounding_key(std::uint64_t seed, float steps_taken,
-                                                    std::uint32_t param_id) {
+AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE RoundingKey rounding_key(std::uint64_t seed,
+                                                                 float steps_taken,
+                                                                 std::uint32_t param_id) {
   const auto step = static_cast<std::uint64_t>(steps_taken);
   const std::uint64_t k = mix64(mix64(seed) ^ ((step << 32) | param_id));
   return {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(k >> 32)};
@@ -151,14 +154,15 @@ AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE RoundingKey rounding_key(std::uint64_t s
 // start at multiples of 64K, so every element of one shares the high word of its index, which
 // is folded into the key here once instead of per element.
 AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE RoundingKey chunk_key(const RoundingKey& key,
-                                                             std::int64_t first_index) {
-  return {key.lo, key.hi ^ static_cast<std::uint32_t>(static_cast<std::uint64_t>(first_index) >> 32)};
+                                                              std::int64_t first_index) {
+  return {key.lo,
+          key.hi ^ static_cast<std::uint32_t>(static_cast<std::uint64_t>(first_index) >> 32)};
 }
 
 // 16 random bits for the element whose index has low word `index_lo`, under its chunk's key:
 // two rounds of mix32 (with the key's two words), so neighbouring elements are uncorrelated.
 AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE std::uint32_t rounding_bits(const RoundingKey& chunk,
-                                                                   std::uint32_t index_lo) {
+                                                                    std::uint32_t index_lo) {
   return mix32(mix32(index_lo ^ chunk.lo) ^ chunk.hi) >> 16;
 }
 
@@ -175,8 +179,9 @@ struct Bf16Param<MasterMode::kStochastic> {
   AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static float load(std::uint16_t param, std::uint16_t) {
     return widen_bf16(param);
   }
-  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static void store(float x, std::uint16_t& param, std::uint16_t&,
-                                        std::uint32_t random16) {
+  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static void store(float x, std::uint16_t& param,
+                                                            std::uint16_t&,
+                                                            std::uint32_t random16) {
     param = bf16_stochastic(x, random16);
   }
 };
@@ -187,11 +192,13 @@ struct Bf16Param<MasterMode::kStochastic> {
 // non-finite param leaves a zero compensation (inf - inf would be NaN at the next load).
 template <>
 struct Bf16Param<MasterMode::kKahan> {
-  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static float load(std::uint16_t param, std::uint16_t compensation) {
+  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static float load(std::uint16_t param,
+                                                            std::uint16_t compensation) {
     return widen_bf16(param) + widen_bf16(compensation);
   }
   AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static void store(float x, std::uint16_t& param,
-                                        std::uint16_t& compensation, std::uint32_t) {
+                                                            std::uint16_t& compensation,
+                                                            std::uint32_t) {
     const std::uint16_t rounded = bf16_nearest(x);
     const float error = x - widen_bf16(rounded);
     param = rounded;
@@ -234,11 +241,12 @@ AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE float join_master(std::uint16_t param, s
 
 template <>
 struct Bf16Param<MasterMode::kSplit> {
-  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static float load(std::uint16_t param, std::uint16_t low) {
+  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static float load(std::uint16_t param,
+                                                            std::uint16_t low) {
     return join_master(param, low);
   }
-  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static void store(float x, std::uint16_t& param, std::uint16_t& low,
-                                        std::uint32_t) {
+  AMPFUSE_HOST_DEVICE AMPFUSE_BF16_INLINE static void store(float x, std::uint16_t& param,
+                                                            std::uint16_t& low, std::uint32_t) {
     const SplitHalves halves = split_master(x);
     param = halves.param;
     low = halves.low;

@@ -19,8 +19,7 @@ namespace ampfuse::kernels {
 // In-place kernels may batch too: the packs of a batch are distinct memory.
 template <int N, int Batch, typename Load, typename Use, typename ElementOp>
 AMPFUSE_HOST_DEVICE void visit_chunk_in_batches(int thread, int threads, int n, bool aligned,
-                                                Load&& load, Use&& use,
-                                                ElementOp&& element_op) {
+                                                Load&& load, Use&& use, ElementOp&& element_op) {
   static_assert(N >= 1 && Batch >= 1, "a pack and a batch hold at least one element");
   const int packed_end = aligned ? n - n % N : 0;
   const int stride = threads * N;

@@ -55,8 +55,8 @@ template <MasterMode kMode>
 struct ModeParam {
   Bf16Chunk<kMode> bf16;
   __device__ float load(int i) const {
-    return bf16.value(bf16.param[i], Bf16Chunk<kMode>::kStochastic ? std::uint16_t{0}
-                                                                    : bf16.extra[i]);
+    return bf16.value(bf16.param[i],
+                      Bf16Chunk<kMode>::kStochastic ? std::uint16_t{0} : bf16.extra[i]);
   }
   __device__ void store(int i, float p) const {
     std::uint16_t param_bits, extra_bits;
@@ -67,8 +67,7 @@ struct ModeParam {
 };
 
 template <int Depth>
-__device__ std::uint8_t* code_list(const ChunkTable<Depth>& table, const BlockChunk& chunk,
-                                   int d) {
+__device__ std::uint8_t* code_list(const ChunkTable<Depth>& table, const BlockChunk& chunk, int d) {
   return static_cast<std::uint8_t*>(table.addresses[d][chunk.slot]) + chunk.start;
 }
 

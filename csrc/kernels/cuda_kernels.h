@@ -29,9 +29,8 @@ void nonfinite_check(const std::vector<TensorRef>& tensors, float* found_inf,
                      std::int32_t* tensor_flags, StreamHandle stream);
 
 // dst[i] = src[i] * *scale cast to dst's type; *found_inf = 1 if any src element is inf/nan.
-void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
-           const float* scale, float* found_inf, std::int32_t* tensor_flags,
-           StreamHandle stream);
+void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst, const float* scale,
+           float* found_inf, std::int32_t* tensor_flags, StreamHandle stream);
 
 // Scratch the l2norm launcher needs: one float and one int32 per 64K-element chunk.
 std::int64_t l2norm_scratch_chunks(const std::vector<TensorRef>& tensors);
@@ -84,8 +83,8 @@ void adam_coded(const std::vector<TensorRef>& params, const std::vector<TensorRe
 // constants and the step count as for adam.
 void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
          const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
-         const SgdConfig& config, const StepScalars& scalars, bool write_grads,
-         SgdStep* constants, StreamHandle stream, const MasterListMode& master_mode = {});
+         const SgdConfig& config, const StepScalars& scalars, bool write_grads, SgdStep* constants,
+         StreamHandle stream, const MasterListMode& master_mode = {});
 
 // Adagrad (adagrad_math.h); state_sums (fp32) hold each element's running sum of squared
 // grads, masters (fp32) optional or a bf16 mode's extra arrays (`master_mode`); grads,
@@ -119,9 +118,9 @@ std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params);
 void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
           const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
           const std::vector<TensorRef>& masters, const LambConfig& config,
-          const StepScalars& scalars, const float* grad_norm, bool write_grads,
-          LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream, LambPart part = LambPart::kBoth, double* tensor_sums = nullptr,
+          const StepScalars& scalars, const float* grad_norm, bool write_grads, LambStep* constants,
+          float* chunk_sums, std::int32_t* chunk_owner, float* ratios, StreamHandle stream,
+          LambPart part = LambPart::kBoth, double* tensor_sums = nullptr,
           const MasterListMode& master_mode = {});
 
 // lamb with Adam's moments as 8-bit block codes (fused_lamb_coded_; CodedMomentLists without
@@ -132,9 +131,9 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
 void lamb_coded(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
                 const CodedMomentLists& moments, const std::vector<TensorRef>& masters,
                 const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
-                bool write_grads, LambStep* constants, float* chunk_sums,
-                std::int32_t* chunk_owner, float* ratios, StreamHandle stream, LambPart part,
-                double* tensor_sums, const MasterListMode& master_mode);
+                bool write_grads, LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
+                float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
+                const MasterListMode& master_mode);
 
 // Scratch the novograd launcher needs: novograd_scratch_chunks(params) 64K-element chunks, each
 // with one float of chunk_partials (its grads' sum of squares, or max |g|) and one int32 of

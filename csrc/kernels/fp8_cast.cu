@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kCastThreads)
 // The vector path (see the top of the file).
 template <Fp8Format kFormat, typename T>
 __global__ void __launch_bounds__(kCastThreads)
-    cast_amax_vector_kernel(const T* src, std::uint8_t* dst, std::int64_t n,
-                            const float* scale_ptr, float* amax) {
+    cast_amax_vector_kernel(const T* src, std::uint8_t* dst, std::int64_t n, const float* scale_ptr,
+                            float* amax) {
   constexpr int kE = kElemsPer16B<T>;
   const float scale = *scale_ptr;
   const std::int64_t vectors = n / kE;
@@ -147,16 +147,16 @@ void launch_cast(const TensorRef& src, std::uint8_t* dst, const float* scale, fl
                  cudaStream_t stream) {
   switch (src.dtype) {
     case DType::kFloat32:
-      launch_typed_cast<kFormat>(static_cast<const float*>(src.data), dst, src.numel, scale,
-                                 amax, stream);
+      launch_typed_cast<kFormat>(static_cast<const float*>(src.data), dst, src.numel, scale, amax,
+                                 stream);
       break;
     case DType::kFloat16:
-      launch_typed_cast<kFormat>(static_cast<const __half*>(src.data), dst, src.numel, scale,
-                                 amax, stream);
+      launch_typed_cast<kFormat>(static_cast<const __half*>(src.data), dst, src.numel, scale, amax,
+                                 stream);
       break;
     case DType::kBFloat16:
-      launch_typed_cast<kFormat>(static_cast<const __nv_bfloat16*>(src.data), dst, src.numel,
-                                 scale, amax, stream);
+      launch_typed_cast<kFormat>(static_cast<const __nv_bfloat16*>(src.data), dst, src.numel, scale,
+                                 amax, stream);
       break;
   }
 }
@@ -227,13 +227,13 @@ void fp8_cast_amax(const TensorRef& src, std::uint8_t* dst, const float* scale, 
   throw_on_launch_error("fp8_cast_amax");
 }
 
-void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_factor,
-                       bool use_max, const float* skip, StreamHandle stream) {
+void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_factor, bool use_max,
+                       const float* skip, StreamHandle stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   for (std::size_t first = 0; first < states.size(); first += kFp8StatesPerLaunch) {
     static thread_local Fp8StateTable table;  // 24 KB: kept off the stack
-    table.count = static_cast<int>(
-        std::min<std::size_t>(kFp8StatesPerLaunch, states.size() - first));
+    table.count =
+        static_cast<int>(std::min<std::size_t>(kFp8StatesPerLaunch, states.size() - first));
     std::copy_n(states.begin() + static_cast<std::ptrdiff_t>(first), table.count, table.states);
     update_scales_kernel<<<table.count, kUpdateThreads, 0, s>>>(table, margin_factor, use_max,
                                                                 skip);

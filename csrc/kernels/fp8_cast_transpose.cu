@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kTileThreads) cast_transpose_tile_kernel(TileA
   if (out_row < a.cols) {
     std::uint8_t t[kSeg];
 #pragma unroll
-    for (int i = 0; i < kSeg; ++i) t[i] = (codes[rseg * kSeg + i][tc / 4] >> (8 * (tc % 4))) & 0xffu;
+    for (int i = 0; i < kSeg; ++i)
+      t[i] = (codes[rseg * kSeg + i][tc / 4] >> (8 * (tc % 4))) & 0xffu;
     std::uint8_t* dst = a.out_t + out_row * a.rows + out_col;
     if (a.vector_out_t && out_col + kSeg <= a.rows) {
       store_codes<kSeg>(dst, t);
@@ -156,8 +157,8 @@ __global__ void __launch_bounds__(kTileThreads) cast_transpose_tile_kernel(TileA
 }
 
 // dbias[c] = the tile rows' partial sums of column c, added in tile-row order.
-__global__ void dbias_reduce_kernel(const float* partial, std::int64_t tile_rows,
-                                    std::int64_t cols, float* dbias) {
+__global__ void dbias_reduce_kernel(const float* partial, std::int64_t tile_rows, std::int64_t cols,
+                                    float* dbias) {
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float sum = 0.0f;
@@ -179,7 +180,8 @@ __global__ void __launch_bounds__(256)
   if (col < cols) {
     for (std::int64_t band = static_cast<std::int64_t>(blockIdx.y) * kColumnRowsPerBlock;
          band < rows; band += static_cast<std::int64_t>(gridDim.y) * kColumnRowsPerBlock) {
-      const std::int64_t end = rows < band + kColumnRowsPerBlock ? rows : band + kColumnRowsPerBlock;
+      const std::int64_t end =
+          rows < band + kColumnRowsPerBlock ? rows : band + kColumnRowsPerBlock;
       for (std::int64_t r = band + lane; r < end; r += 4) {
         largest = max(largest, abs_bits(to_float(src[r * cols + col])));
       }
@@ -257,9 +259,15 @@ void with_cuda_types(DType dtype, Fp8Format format, F&& f) {
     }
   };
   switch (dtype) {
-    case DType::kFloat32: by_format(static_cast<float*>(nullptr)); break;
-    case DType::kFloat16: by_format(static_cast<__half*>(nullptr)); break;
-    case DType::kBFloat16: by_format(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case DType::kFloat32:
+      by_format(static_cast<float*>(nullptr));
+      break;
+    case DType::kFloat16:
+      by_format(static_cast<__half*>(nullptr));
+      break;
+    case DType::kBFloat16:
+      by_format(static_cast<__nv_bfloat16*>(nullptr));
+      break;
   }
 }
 
@@ -298,8 +306,18 @@ void fp8_cast_transpose(const Fp8CastTransposeArgs& args, StreamHandle stream) {
     }
     return;
   }
-  TileArgs a{args.src, args.rows, args.cols, 0, args.scale, nullptr, fp8_max(args.format),
-             args.amax, args.out, args.out_t, nullptr, args.dbias_workspace,
+  TileArgs a{args.src,
+             args.rows,
+             args.cols,
+             0,
+             args.scale,
+             nullptr,
+             fp8_max(args.format),
+             args.amax,
+             args.out,
+             args.out_t,
+             nullptr,
+             args.dbias_workspace,
              is_aligned_16(args.src) && is_aligned_16(args.out) && args.cols % kSeg == 0,
              is_aligned_16(args.out_t) && args.rows % kSeg == 0};
   with_cuda_types(args.src_dtype, args.format, [&](auto* typed, auto fmt) {
@@ -313,8 +331,8 @@ void fp8_cast_transpose(const Fp8CastTransposeArgs& args, StreamHandle stream) {
   throw_on_launch_error(args.dbias != nullptr ? "fp8_cast_transpose_dbias" : "fp8_cast_transpose");
   if (args.dbias != nullptr) {
     const auto blocks = static_cast<unsigned>((args.cols + 255) / 256);
-    dbias_reduce_kernel<<<blocks, 256, 0, s>>>(args.dbias_workspace, (args.rows + kTile - 1) / kTile,
-                                               args.cols, args.dbias);
+    dbias_reduce_kernel<<<blocks, 256, 0, s>>>(
+        args.dbias_workspace, (args.rows + kTile - 1) / kTile, args.cols, args.dbias);
     throw_on_launch_error("fp8_cast_transpose_dbias (column sums)");
   }
 }
@@ -346,9 +364,20 @@ void fp8_quantize_rowwise(const void* src, DType src_dtype, std::int64_t rows, s
                         (rows + kColumnRowsPerBlock - 1) / kColumnRowsPerBlock, 1024)));
     column_amax_kernel<<<grid, 256, 0, s>>>(static_cast<const T*>(src), rows, cols,
                                             column_amax_workspace);
-    TileArgs a{src, rows, cols, 0, nullptr, column_amax_workspace, fp8_max(format), nullptr,
-               nullptr, out, scale_inv, nullptr,
-               is_aligned_16(src) && cols % kSeg == 0, is_aligned_16(out) && rows % kSeg == 0};
+    TileArgs a{src,
+               rows,
+               cols,
+               0,
+               nullptr,
+               column_amax_workspace,
+               fp8_max(format),
+               nullptr,
+               nullptr,
+               out,
+               scale_inv,
+               nullptr,
+               is_aligned_16(src) && cols % kSeg == 0,
+               is_aligned_16(out) && rows % kSeg == 0};
     launch_tiles<decltype(fmt)::value, T, ScaleMode::kColumn, false>(a, s);
   });
   throw_on_launch_error("fp8_quantize_rowwise (transposed)");

@@ -22,8 +22,8 @@ void fp8_cast_amax(const TensorRef& src, std::uint8_t* dst, const float* scale, 
 // update_fp8_scale (fp8_math.h) for every state, in as few launches as the kernel-argument
 // table allows (one for up to kFp8StatesPerLaunch states). `skip` is a device flag (a
 // found_inf: nonzero drops this step's amaxes) or null.
-void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_factor,
-                       bool use_max, const float* skip, StreamHandle stream);
+void fp8_update_scales(const std::vector<Fp8ScaleState>& states, float margin_factor, bool use_max,
+                       const float* skip, StreamHandle stream);
 
 // major * 10 + minor of a device (89 for Ada, 90 for Hopper). Asked of the driver once per
 // device and process (the op layer checks it on every FP8 GEMM), then remembered.
@@ -73,9 +73,9 @@ struct Fp8GemmContext {
 // thread (a cached plan is only touched by its own thread), up to a fixed number of plans per
 // thread, the least recently used dropped first (the key holds m, so variable sequence lengths
 // would otherwise grow the cache without end). Returns whether the bias was fused into the
-// epilogue; when cuBLASLt has no kernel with the bias epilogue for a problem (its heuristic finds none, or it refuses the first launch; possible for rowwise
-// scaling, whose kernels are newer), the plan runs without it from then on and returns false,
-// and the caller adds the bias.
+// epilogue; when cuBLASLt has no kernel with the bias epilogue for a problem (its heuristic finds
+// none, or it refuses the first launch; possible for rowwise scaling, whose kernels are newer), the
+// plan runs without it from then on and returns false, and the caller adds the bias.
 //
 // Throws Fp8GemmUnsupported (below) when this cuBLASLt cannot run the problem on this device,
 // and std::runtime_error for any other failure.
@@ -106,8 +106,8 @@ Fp8GemmPlanStats fp8_gemm_plan_stats();
 
 // out (cols x rows, row-major) = the transpose of in (rows x cols, row-major), one-byte FP8
 // codes moved as they are (csrc/kernels/fp8_transpose.cu).
-void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
-                   std::int64_t cols, StreamHandle stream);
+void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows, std::int64_t cols,
+                   StreamHandle stream);
 
 // Current scaling of one tensor (fp8_tensor_scale): *amax = max |src| with nan winning (the
 // previous value of *amax is ignored), then *scale = current_fp8_scale(*amax, fp8_max,

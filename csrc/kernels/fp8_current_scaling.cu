@@ -23,8 +23,7 @@ constexpr std::int64_t kMaxBlocks = 2048;
 // Elements past the last whole vector (and every element when src is not 16-byte aligned)
 // are read one at a time.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    amax_kernel(const T* src, std::int64_t n, float* amax) {
+__global__ void __launch_bounds__(kThreads) amax_kernel(const T* src, std::int64_t n, float* amax) {
   constexpr int kE = kElemsPer16B<T>;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -55,8 +54,8 @@ __global__ void scale_from_amax_kernel(const float* amax, float* scale, float* s
 template <typename T>
 void launch_amax(const T* src, std::int64_t n, float* amax, cudaStream_t stream) {
   const std::int64_t per_block = std::int64_t{kThreads} * kElemsPer16B<T> * 4;
-  const auto blocks =
-      static_cast<unsigned>(std::clamp<std::int64_t>((n + per_block - 1) / per_block, 1, kMaxBlocks));
+  const auto blocks = static_cast<unsigned>(
+      std::clamp<std::int64_t>((n + per_block - 1) / per_block, 1, kMaxBlocks));
   amax_kernel<<<blocks, kThreads, 0, stream>>>(src, n, amax);
 }
 
@@ -65,7 +64,8 @@ void launch_amax(const T* src, std::int64_t n, float* amax, cudaStream_t stream)
 void fp8_tensor_scale(const TensorRef& src, float* amax, float* scale, float* scale_inv,
                       float fp8_max, float margin_factor, StreamHandle stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (cudaMemsetAsync(amax, 0, sizeof(float), s) != cudaSuccess) throw_on_launch_error("fp8_tensor_scale");
+  if (cudaMemsetAsync(amax, 0, sizeof(float), s) != cudaSuccess)
+    throw_on_launch_error("fp8_tensor_scale");
   if (src.numel > 0) {
     switch (src.dtype) {
       case DType::kFloat32:

@@ -32,8 +32,8 @@ namespace {
 
 void check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
-    throw std::runtime_error(std::string("ampfuse.fp8_gemm: ") + what + " failed: " +
-                             cublasLtGetStatusString(status));
+    throw std::runtime_error(std::string("ampfuse.fp8_gemm: ") + what +
+                             " failed: " + cublasLtGetStatusString(status));
   }
 }
 
@@ -43,17 +43,23 @@ cudaDataType_t fp8_type(Fp8Format format) {
 
 cudaDataType_t out_type(DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return CUDA_R_16BF;
-    case DType::kFloat16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
   }
 }
 
 const char* out_name(DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    default: return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    default:
+      return "float32";
   }
 }
 
@@ -94,7 +100,8 @@ struct PlanKeyHash {
     mix(std::hash<std::int64_t>()(key.n));
     mix(std::hash<std::int64_t>()(key.k));
     mix(static_cast<std::size_t>(key.device));
-    mix((static_cast<std::size_t>(key.a_format) << 0) | (static_cast<std::size_t>(key.b_format) << 2) |
+    mix((static_cast<std::size_t>(key.a_format) << 0) |
+        (static_cast<std::size_t>(key.b_format) << 2) |
         (static_cast<std::size_t>(key.scale_mode) << 4) | (std::size_t{key.fast_accum} << 6) |
         (std::size_t{key.bias} << 7) | (static_cast<std::size_t>(key.out_dtype) << 8));
     mix(key.alignment);
@@ -105,11 +112,11 @@ struct PlanKeyHash {
 
 // The problem in words, for errors.
 std::string problem(const PlanKey& key) {
-  return "m=" + std::to_string(key.m) + ", n=" + std::to_string(key.n) + ", k=" +
-         std::to_string(key.k) + ", " +
+  return "m=" + std::to_string(key.m) + ", n=" + std::to_string(key.n) +
+         ", k=" + std::to_string(key.k) + ", " +
          (key.scale_mode == Fp8ScaleMode::kRowwise ? "rowwise" : "tensorwise") +
-         " scales, out_dtype " + out_name(key.out_dtype) + ", use_fast_accum=" +
-         (key.fast_accum ? "True" : "False") + ", pointers aligned to " +
+         " scales, out_dtype " + out_name(key.out_dtype) +
+         ", use_fast_accum=" + (key.fast_accum ? "True" : "False") + ", pointers aligned to " +
          std::to_string(key.alignment) + " bytes";
 }
 
@@ -128,8 +135,8 @@ std::string library_version() {
 
 [[noreturn]] void unsupported(const PlanKey& key, const std::string& why) {
   throw Fp8GemmUnsupported("ampfuse.fp8_gemm: " + library_version() + " cannot run " +
-                           problem(key) + " on CUDA device " + std::to_string(key.device) +
-                           ": " + why + ". " + kRequirements);
+                           problem(key) + " on CUDA device " + std::to_string(key.device) + ": " +
+                           why + ". " + kRequirements);
 }
 
 template <typename T>
@@ -183,8 +190,8 @@ void describe(Plan& plan, const PlanKey& key, bool with_bias) {
     // A cuBLASLt older than 12.9 does not know the attribute or the mode: it cannot do
     // rowwise scales at all, which is a refusal, not a failure.
     const std::int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    for (const auto attribute : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                                 CUBLASLT_MATMUL_DESC_B_SCALE_MODE}) {
+    for (const auto attribute :
+         {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE}) {
       const cublasStatus_t status =
           cublasLtMatmulDescSetAttribute(plan.op, attribute, &outer, sizeof(outer));
       if (status != CUBLAS_STATUS_SUCCESS) {
@@ -198,8 +205,7 @@ void describe(Plan& plan, const PlanKey& key, bool with_bias) {
     // The bias has the output's type (bf16 or fp16: the op layer never fuses an fp32 bias).
     const std::int32_t bias_type = out_type(key.out_dtype);
     set_attribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue, "setting the bias epilogue");
-    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type,
-                  "setting the bias type");
+    set_attribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type, "setting the bias type");
   }
 }
 
@@ -234,8 +240,7 @@ cublasStatus_t pick_algorithm(Plan& plan, const PlanKey& key, cublasLtHandle_t h
   PreferenceOwner p;
   check(cublasLtMatmulPreferenceCreate(&p.preference), "cublasLtMatmulPreferenceCreate");
   const std::size_t workspace_bytes = key.workspace_bytes;
-  check(cublasLtMatmulPreferenceSetAttribute(p.preference,
-                                             CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  check(cublasLtMatmulPreferenceSetAttribute(p.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                              &workspace_bytes, sizeof(workspace_bytes)),
         "setting the workspace size");
   for (const auto attribute :
@@ -247,9 +252,8 @@ cublasStatus_t pick_algorithm(Plan& plan, const PlanKey& key, cublasLtHandle_t h
   }
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.out, plan.out,
-                                     p.preference, 1, &heuristic, &found);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan.op, plan.a, plan.b, plan.out, plan.out, p.preference, 1, &heuristic, &found);
   if (status != CUBLAS_STATUS_SUCCESS) return status;
   if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
   plan.algo = heuristic.algo;
@@ -405,10 +409,18 @@ bool launch_plan(Plan& plan, const PlanKey& key, const Fp8GemmArgs& args,
 
 bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHandle stream) {
   const auto handle = static_cast<cublasLtHandle_t>(context.blaslt_handle);
-  const PlanKey key{args.device,     args.m,          args.n,
-                    args.k,          args.a_format,   args.b_format,
-                    args.scale_mode, args.fast_accum, args.bias != nullptr,
-                    args.out_dtype,  common_alignment(args), context.workspace_bytes};
+  const PlanKey key{args.device,
+                    args.m,
+                    args.n,
+                    args.k,
+                    args.a_format,
+                    args.b_format,
+                    args.scale_mode,
+                    args.fast_accum,
+                    args.bias != nullptr,
+                    args.out_dtype,
+                    common_alignment(args),
+                    context.workspace_bytes};
   Plan& plan = plan_for(key, args, handle);
   try {
     return launch_plan(plan, key, args, context, handle, stream);
@@ -422,8 +434,7 @@ bool fp8_gemm(const Fp8GemmArgs& args, const Fp8GemmContext& context, StreamHand
 }
 
 Fp8GemmPlanStats fp8_gemm_plan_stats() {
-  return {plans_built.load(std::memory_order_relaxed),
-          plans_reused.load(std::memory_order_relaxed),
+  return {plans_built.load(std::memory_order_relaxed), plans_reused.load(std::memory_order_relaxed),
           plans_evicted.load(std::memory_order_relaxed),
           static_cast<std::int64_t>(kPlanCacheCapacity)};
 }

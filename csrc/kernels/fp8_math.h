@@ -139,8 +139,8 @@ AMPFUSE_FP8_HD std::uint32_t abs_bits(float x) { return fp8_detail::bits_of(x) &
 //    finite / smallest normal fp32, so scale and scale_inv both stay finite and positive.
 AMPFUSE_FP8_HD float current_fp8_scale(float amax, float fp8_max, float margin_factor) {
   const std::uint32_t a = abs_bits(amax);
-  const float quotient = fp8_detail::div_rn(fp8_detail::div_rn(fp8_max, fp8_detail::float_of(a)),
-                                            margin_factor);
+  const float quotient =
+      fp8_detail::div_rn(fp8_detail::div_rn(fp8_max, fp8_detail::float_of(a)), margin_factor);
   constexpr std::uint32_t kLargestFiniteBits = 0x7f7fffffu;
   constexpr std::uint32_t kSmallestNormalBits = 0x00800000u;
   std::uint32_t q = abs_bits(quotient);
@@ -153,12 +153,12 @@ AMPFUSE_FP8_HD float current_fp8_scale(float amax, float fp8_max, float margin_f
 
 // Where one FP8 tensor's delayed-scaling state lives (all fp32, on one device).
 struct Fp8ScaleState {
-  float* amax;          // the step's amax (cast ops fold into it); reset to 0 here
-  float* history;       // amax_history_len entries, newest first
+  float* amax;     // the step's amax (cast ops fold into it); reset to 0 here
+  float* history;  // amax_history_len entries, newest first
   std::int64_t history_len;
-  float* scale;         // multiplies the tensor before the cast
-  float* scale_inv;     // 1 / scale, handed to the GEMM to undo it
-  float fp8_max;        // of the tensor's format
+  float* scale;      // multiplies the tensor before the cast
+  float* scale_inv;  // 1 / scale, handed to the GEMM to undo it
+  float fp8_max;     // of the tensor's format
 };
 
 // One delayed-scaling update of one tensor's state. Unless `skip` (the step was skipped, so
@@ -171,8 +171,7 @@ struct Fp8ScaleState {
 // rule uses (the history's max or the step's). Shared with the CUDA kernel that rolls a
 // history with a whole block (csrc/kernels/fp8_cast.cu).
 AMPFUSE_FP8_HD void set_delayed_scale(const Fp8ScaleState& s, float amax, float margin_factor) {
-  const float candidate =
-      fp8_detail::div_rn(fp8_detail::div_rn(s.fp8_max, amax), margin_factor);
+  const float candidate = fp8_detail::div_rn(fp8_detail::div_rn(s.fp8_max, amax), margin_factor);
   const bool usable = amax > 0.0f && abs_bits(amax) < 0x7f800000u &&
                       abs_bits(candidate) < 0x7f800000u && candidate > 0.0f;
   if (usable) *s.scale = candidate;

@@ -18,7 +18,7 @@ constexpr int kRowsPerPass = 8;  // blockDim.y: each thread moves kTile / kRowsP
 // gridDim.y's limit; taller inputs are transposed in bands of this many tiles.
 constexpr std::int64_t kMaxTileRowsPerLaunch = 65535;
 
-__global__ void __launch_bounds__(kTile * kRowsPerPass)
+__global__ void __launch_bounds__(kTile* kRowsPerPass)
     transpose_bytes_kernel(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
                            std::int64_t cols, std::int64_t first_row) {
   // A row of 36 bytes: thread x of a warp reading column r finds its byte at x * 36 + r, in
@@ -42,8 +42,8 @@ __global__ void __launch_bounds__(kTile * kRowsPerPass)
 
 }  // namespace
 
-void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
-                   std::int64_t cols, StreamHandle stream) {
+void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows, std::int64_t cols,
+                   StreamHandle stream) {
   if (rows == 0 || cols == 0) return;
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   const std::int64_t tile_cols = (cols + kTile - 1) / kTile;
@@ -52,7 +52,7 @@ void fp8_transpose(const std::uint8_t* in, std::uint8_t* out, std::int64_t rows,
     const dim3 grid(static_cast<unsigned>(tile_cols),
                     static_cast<unsigned>(std::min(kMaxTileRowsPerLaunch, tile_rows - first)));
     transpose_bytes_kernel<<<grid, dim3(kTile, kRowsPerPass), 0, s>>>(in, out, rows, cols,
-                                                                        first * kTile);
+                                                                      first * kTile);
     throw_on_launch_error("fp8_transpose");
   }
 }

@@ -41,8 +41,8 @@ constexpr int kLambApplyDepth = 5;
 // when clipping is on (the launcher's caller may pass null otherwise: a 0 norm, no clip, which
 // kApply may pass since the second pass does not use the clip). The count advances only with
 // `advance` (not in kMoments: kApply advances it).
-__global__ void lamb_prologue_kernel(LambConfig config, StepScalars scalars,
-                                     const float* grad_norm, LambStep* constants, bool advance) {
+__global__ void lamb_prologue_kernel(LambConfig config, StepScalars scalars, const float* grad_norm,
+                                     LambStep* constants, bool advance) {
   const float grad_scale = scalars.grad_scale != nullptr ? *scalars.grad_scale : 1.0f;
   const float norm = config.max_grad_norm > 0.0 && grad_norm != nullptr ? *grad_norm : 0.0f;
   *constants = make_lamb_constants(config, *scalars.step, *scalars.lr, grad_scale, norm);
@@ -56,8 +56,7 @@ struct LambMomentsFunctor {
   // frame.
   __device__ void operator()(const ChunkTable<kLambMomentsDepth>& table, StepScalars scalars,
                              const LambStep* constants, bool has_master, bool write_grads,
-                             MasterMode mode, float* chunk_sums,
-                             std::int32_t* chunk_owner) const {
+                             MasterMode mode, float* chunk_sums, std::int32_t* chunk_owner) const {
     if (step_is_skipped(scalars)) return;
     const LambStep step = *constants;  // in registers, not read through the pointer
     const BlockChunk chunk = block_chunk(table);
@@ -145,8 +144,7 @@ __device__ void apply_bf16_chunk(const Bf16Chunk<kMode>& bf16, const float* m, c
     *reinterpret_cast<Bits*>(bf16.param + i) = pp;
     if constexpr (!stochastic) *reinterpret_cast<Bits*>(bf16.extra + i) = ee;
   };
-  const bool aligned =
-      bf16.template packs_aligned<kPack>() && is_aligned_16(m) && is_aligned_16(v);
+  const bool aligned = bf16.template packs_aligned<kPack>() && is_aligned_16(m) && is_aligned_16(v);
   visit_chunk<kPack>(n, aligned, pack, element);
 }
 
@@ -218,10 +216,10 @@ std::int64_t lamb_scratch_chunks(const std::vector<TensorRef>& params) {
   return total_chunks(params);
 }
 
-void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
-                     const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
-                     LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
-                     float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
+void run_lamb_passes(const char* op, const std::vector<TensorRef>& params, const LambConfig& config,
+                     const StepScalars& scalars, const float* grad_norm, LambStep* constants,
+                     float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
+                     StreamHandle stream, LambPart part, double* tensor_sums,
                      bool first_pass_only_sums, const std::function<void()>& first_pass,
                      const std::function<void(const std::vector<TensorRef>&)>& second_pass) {
   const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
@@ -281,10 +279,9 @@ void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
 void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
           const std::vector<TensorRef>& exp_avgs, const std::vector<TensorRef>& exp_avg_sqs,
           const std::vector<TensorRef>& masters, const LambConfig& config,
-          const StepScalars& scalars, const float* grad_norm, bool write_grads,
-          LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
-          StreamHandle stream, LambPart part, double* tensor_sums,
-          const MasterListMode& master_mode) {
+          const StepScalars& scalars, const float* grad_norm, bool write_grads, LambStep* constants,
+          float* chunk_sums, std::int32_t* chunk_owner, float* ratios, StreamHandle stream,
+          LambPart part, double* tensor_sums, const MasterListMode& master_mode) {
   const bool has_master = master_mode.mode == MasterMode::kFp32 && !masters.empty();
   const LambStep* step = constants;
   const auto first_pass = [&] {
@@ -292,8 +289,7 @@ void lamb(const std::vector<TensorRef>& params, const std::vector<TensorRef>& gr
         &params, &grads, &exp_avgs, &exp_avg_sqs, or_params(masters, params)};
     launch_multi_tensor<kLambMomentsDepth>("fused_lamb_ (moments)", lists, stream,
                                            LambMomentsFunctor{}, scalars, step, has_master,
-                                           write_grads, master_mode.mode, chunk_sums,
-                                           chunk_owner);
+                                           write_grads, master_mode.mode, chunk_sums, chunk_owner);
   };
   const auto second_pass = [&](const std::vector<TensorRef>& ratio_refs) {
     const std::vector<TensorRef>* lists[kLambApplyDepth] = {

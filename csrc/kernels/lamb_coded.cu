@@ -60,8 +60,7 @@ struct DecodedLambMoments {
 struct LambCodedMomentsFunctor {
   __device__ void operator()(const ChunkTable<kCodedMomentsDepth>& table, StepScalars scalars,
                              const LambStep* constants, bool has_master, MasterMode mode,
-                             StateCode code, float* chunk_sums,
-                             std::int32_t* chunk_owner) const {
+                             StateCode code, float* chunk_sums, std::int32_t* chunk_owner) const {
     if (step_is_skipped(scalars)) return;
     const LambStep step = *constants;
     const BlockChunk chunk = block_chunk(table);
@@ -90,8 +89,7 @@ __device__ void apply_coded_chunk(const ChunkTable<kCodedApplyDepth>& table,
                                   const BlockChunk& chunk, Grad* grad, const ParamAccess& param,
                                   float ratio, const LambStep& step, WarpMaxima<2>& maxima) {
   const int t = static_cast<int>(threadIdx.x);
-  const ChunkMoment<kCode, false> exp_avg{code_list(table, chunk, 2),
-                                          scale_list(table, chunk, 5)};
+  const ChunkMoment<kCode, false> exp_avg{code_list(table, chunk, 2), scale_list(table, chunk, 5)};
   const ChunkMoment<kCode, true> exp_avg_sq{code_list(table, chunk, 3),
                                             scale_list(table, chunk, 6)};
   int buffer = 0;
@@ -137,11 +135,9 @@ struct LambCodedApplyFunctor {
     const auto run = [&](auto* grad, auto write, const auto& param) {
       constexpr bool kWrite = decltype(write)::value;
       if (code == StateCode::kFp8) {
-        apply_coded_chunk<StateCode::kFp8, kWrite>(table, chunk, grad, param, ratio, step,
-                                                   maxima);
+        apply_coded_chunk<StateCode::kFp8, kWrite>(table, chunk, grad, param, ratio, step, maxima);
       } else {
-        apply_coded_chunk<StateCode::kInt8, kWrite>(table, chunk, grad, param, ratio, step,
-                                                    maxima);
+        apply_coded_chunk<StateCode::kInt8, kWrite>(table, chunk, grad, param, ratio, step, maxima);
       }
     };
     if (mode != MasterMode::kFp32) {
@@ -168,37 +164,41 @@ struct LambCodedApplyFunctor {
 void lamb_coded(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
                 const CodedMomentLists& moments, const std::vector<TensorRef>& masters,
                 const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
-                bool write_grads, LambStep* constants, float* chunk_sums,
-                std::int32_t* chunk_owner, float* ratios, StreamHandle stream, LambPart part,
-                double* tensor_sums, const MasterListMode& master_mode) {
+                bool write_grads, LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
+                float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
+                const MasterListMode& master_mode) {
   const bool has_master = master_mode.mode == MasterMode::kFp32 && !masters.empty();
   const LambStep* step = constants;
   const std::vector<TensorRef>* masters_or_params = or_params(masters, params);
   const auto first_pass = [&] {
-    const std::vector<TensorRef>* lists[kCodedMomentsDepth] = {
-        &params,           &grads,
-        &moments.exp_avg_codes, &moments.exp_avg_sq_codes,
-        masters_or_params, &moments.exp_avg_scales,
-        &moments.exp_avg_sq_scales};
-    launch_multi_tensor<kCodedMomentsDepth>("fused_lamb_coded_ (moments)", lists, stream,
-                                            LambCodedMomentsFunctor{}, scalars, step, has_master,
-                                            master_mode.mode, moments.code, chunk_sums,
-                                            chunk_owner);
+    const std::vector<TensorRef>* lists[kCodedMomentsDepth] = {&params,
+                                                               &grads,
+                                                               &moments.exp_avg_codes,
+                                                               &moments.exp_avg_sq_codes,
+                                                               masters_or_params,
+                                                               &moments.exp_avg_scales,
+                                                               &moments.exp_avg_sq_scales};
+    launch_multi_tensor<kCodedMomentsDepth>(
+        "fused_lamb_coded_ (moments)", lists, stream, LambCodedMomentsFunctor{}, scalars, step,
+        has_master, master_mode.mode, moments.code, chunk_sums, chunk_owner);
   };
   const auto second_pass = [&](const std::vector<TensorRef>& ratio_refs) {
-    const std::vector<TensorRef>* lists[kCodedApplyDepth] = {
-        &params,           &grads,
-        &moments.exp_avg_codes, &moments.exp_avg_sq_codes,
-        masters_or_params, &moments.exp_avg_scales,
-        &moments.exp_avg_sq_scales, &ratio_refs};
+    const std::vector<TensorRef>* lists[kCodedApplyDepth] = {&params,
+                                                             &grads,
+                                                             &moments.exp_avg_codes,
+                                                             &moments.exp_avg_sq_codes,
+                                                             masters_or_params,
+                                                             &moments.exp_avg_scales,
+                                                             &moments.exp_avg_sq_scales,
+                                                             &ratio_refs};
     const bool stochastic = master_mode.mode == MasterMode::kStochastic;
     launch_multi_tensor_with_ids<kCodedApplyDepth>(
-        "fused_lamb_coded_ (apply)", lists, stochastic ? &master_mode.param_ids : nullptr,
-        stream, LambCodedApplyFunctor{}, scalars, step, has_master, write_grads,
-        master_mode.mode, master_mode.seed, moments.code);
+        "fused_lamb_coded_ (apply)", lists, stochastic ? &master_mode.param_ids : nullptr, stream,
+        LambCodedApplyFunctor{}, scalars, step, has_master, write_grads, master_mode.mode,
+        master_mode.seed, moments.code);
   };
-  run_lamb_passes("fused_lamb_coded_", params, config, scalars, grad_norm, constants,
-                  chunk_sums, chunk_owner, ratios, stream, part, tensor_sums,
+  run_lamb_passes("fused_lamb_coded_", params, config, scalars, grad_norm, constants, chunk_sums,
+                  chunk_owner, ratios, stream, part, tensor_sums,
                   /*first_pass_only_sums=*/true, first_pass, second_pass);
 }
 

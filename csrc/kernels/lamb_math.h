@@ -49,10 +49,10 @@ struct LambStep {
   float clip_divisor;  // ||unscaled grads|| / max_grad_norm when above 1, else 1
   float grad_scale;    // the loss scale the grads carry (1 when none)
   float lr;
-  bool l2;          // adam_w_mode false and decay != 0: decay * p joins the grad
-  bool decoupled;   // adam_w_mode true and decay != 0: decay * p joins the update
-  bool clipped;     // clip_divisor != 1
-  bool trust;       // scale the update by the trust ratio (decay != 0 or use_nvlamb)
+  bool l2;         // adam_w_mode false and decay != 0: decay * p joins the grad
+  bool decoupled;  // adam_w_mode true and decay != 0: decay * p joins the update
+  bool clipped;    // clip_divisor != 1
+  bool trust;      // scale the update by the trust ratio (decay != 0 or use_nvlamb)
   float steps_taken;
 };
 

@@ -86,8 +86,7 @@ __device__ __forceinline__ void lamb_moments_chunk(Grad* grad, const Moments& mo
     }
     moments.store_pack(i, mm, vv);
   };
-  visit_chunk<kPack>(n, aligned && is_aligned_16(grad) && moments.packs_aligned(), pack,
-                     element);
+  visit_chunk<kPack>(n, aligned && is_aligned_16(grad) && moments.packs_aligned(), pack, element);
 }
 
 // The first pass over this block's chunk of `table` (lists as kLambMasterList says), with the
@@ -168,10 +167,10 @@ __device__ void lamb_moments_block(const ChunkTable<Depth>& table, const BlockCh
 // passes are not called where they have no chunk, nor the second in kMoments, nor, with
 // first_pass_only_sums (the first pass writes nothing the second reads), the first where no
 // ratio needs the sums. The arguments are lamb()'s (cuda_kernels.h); `op` names the op in errors.
-void run_lamb_passes(const char* op, const std::vector<TensorRef>& params,
-                     const LambConfig& config, const StepScalars& scalars, const float* grad_norm,
-                     LambStep* constants, float* chunk_sums, std::int32_t* chunk_owner,
-                     float* ratios, StreamHandle stream, LambPart part, double* tensor_sums,
+void run_lamb_passes(const char* op, const std::vector<TensorRef>& params, const LambConfig& config,
+                     const StepScalars& scalars, const float* grad_norm, LambStep* constants,
+                     float* chunk_sums, std::int32_t* chunk_owner, float* ratios,
+                     StreamHandle stream, LambPart part, double* tensor_sums,
                      bool first_pass_only_sums, const std::function<void()>& first_pass,
                      const std::function<void(const std::vector<TensorRef>&)>& second_pass);
 

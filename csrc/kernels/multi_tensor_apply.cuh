@@ -120,8 +120,8 @@ constexpr int batch_for() {
 template <int N, typename PackT, typename Load, typename Use, typename ElementOp>
 __device__ void visit_chunk_batched(int n, bool aligned, Load&& load, Use&& use,
                                     ElementOp&& element_op) {
-  visit_chunk_in_batches<N, batch_for<PackT>()>(static_cast<int>(threadIdx.x), kThreadsPerBlock,
-                                                n, aligned, load, use, element_op);
+  visit_chunk_in_batches<N, batch_for<PackT>()>(static_cast<int>(threadIdx.x), kThreadsPerBlock, n,
+                                                aligned, load, use, element_op);
 }
 
 // The sign bit of each lane of `pack` that holds an inf or nan (nonfinite_lanes on each of
@@ -171,8 +171,8 @@ __device__ T block_sum(T value) {
 
 // The first chunk whose owner is >= tensor, in the chunk_owner array that per-chunk reductions
 // (l2norm, lamb) fill with each chunk's list index: sorted, since chunks follow list order.
-__device__ inline std::int64_t first_chunk_of(const std::int32_t* chunk_owner,
-                                              std::int64_t chunks, std::int32_t tensor) {
+__device__ inline std::int64_t first_chunk_of(const std::int32_t* chunk_owner, std::int64_t chunks,
+                                              std::int32_t tensor) {
   std::int64_t lo = 0, hi = chunks;
   while (lo < hi) {
     const std::int64_t mid = (lo + hi) / 2;
@@ -199,8 +199,8 @@ __device__ inline std::int64_t first_chunk_of(const std::int32_t* chunk_owner,
 // pass never reads launch bounds.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 750)
 constexpr int kMaxThreadsPerSm = 1024;
-#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || \
-                                 __CUDA_ARCH__ >= 1200)
+#elif defined(__CUDA_ARCH__) && \
+    (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
 constexpr int kMaxThreadsPerSm = 1536;
 #else
 constexpr int kMaxThreadsPerSm = 2048;
@@ -248,7 +248,8 @@ inline void require_large_kernel_parameters() {
 // table slot's list_index is replaced by ids[list_index]: an identity the caller gives each
 // tensor (the optimizers' param ids, which key stochastic rounding), read by the functor.
 template <int Depth, typename Functor, typename... Args>
-void launch_multi_tensor_with_ids(const char* what, const std::vector<TensorRef>* const lists[Depth],
+void launch_multi_tensor_with_ids(const char* what,
+                                  const std::vector<TensorRef>* const lists[Depth],
                                   const std::vector<std::int32_t>* ids, StreamHandle stream,
                                   Functor functor, Args... args) {
   // Padding between parameters is at most 8 bytes each (no argument is over-aligned).
@@ -259,8 +260,9 @@ void launch_multi_tensor_with_ids(const char* what, const std::vector<TensorRef>
   require_large_kernel_parameters();
   plan_launches<Depth>(lists, [&](const ChunkTable<Depth>& planned, int blocks) {
     const auto launch = [&](const ChunkTable<Depth>& table) {
-      multi_tensor_kernel<Depth><<<blocks, kThreadsPerBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-          table, functor, args...);
+      multi_tensor_kernel<Depth>
+          <<<blocks, kThreadsPerBlock, 0, reinterpret_cast<cudaStream_t>(stream)>>>(table, functor,
+                                                                                    args...);
       throw_on_launch_error(what);
     };
     if (ids == nullptr) {

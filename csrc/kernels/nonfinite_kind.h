@@ -48,7 +48,7 @@ AMPFUSE_HOST_DEVICE constexpr NonfiniteWordTest nonfinite_word_test(DType dtype)
 
 // The sign bit of each lane of `word` that holds an inf or nan; 0 when every lane is finite.
 AMPFUSE_HOST_DEVICE constexpr std::uint32_t nonfinite_lanes(std::uint32_t word,
-                                                           NonfiniteWordTest test) {
+                                                            NonfiniteWordTest test) {
   return ((word & test.magnitudes) + test.carry) & test.signs;
 }
 

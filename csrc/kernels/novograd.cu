@@ -247,8 +247,8 @@ void novograd(const std::vector<TensorRef>& params, const std::vector<TensorRef>
   if (reduce && chunks > 0) {
     const std::vector<TensorRef>* norm_lists[kNovoGradNormsDepth] = {&grads};
     launch_multi_tensor<kNovoGradNormsDepth>("fused_novograd_ (grad norms)", norm_lists, stream,
-                                             NovoGradNormsFunctor{}, scalars, step,
-                                             chunk_partials, chunk_owner);
+                                             NovoGradNormsFunctor{}, scalars, step, chunk_partials,
+                                             chunk_owner);
   }
   // Always, even without chunks: every tensor of a shard may be empty while the other shards'
   // are not, and an empty tensor's reduction (0) is still written for the all-reduce and

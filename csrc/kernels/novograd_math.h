@@ -58,7 +58,7 @@ struct NovoGradStep {
   float bias_correction2;  // sqrt(1 - beta2^t): the running average is of norms
   float grad_scale;        // the loss scale the grads carry (1 when none)
   float lr;
-  bool decayed;            // decay != 0
+  bool decayed;  // decay != 0
   bool reg_inside_moment;
   bool max_norm;
   bool seed;  // first step without init_zero: the running norm starts at this step's norm
@@ -81,8 +81,7 @@ AMPFUSE_HOST_DEVICE inline NovoGradStep make_novograd_constants(const NovoGradCo
   s.bias_correction1 =
       c.bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(beta1), t)) : 1.0f;
   s.bias_correction2 =
-      c.bias_correction ? static_cast<float>(sqrt(1.0 - pow(static_cast<double>(beta2), t)))
-                        : 1.0f;
+      c.bias_correction ? static_cast<float>(sqrt(1.0 - pow(static_cast<double>(beta2), t))) : 1.0f;
   s.grad_scale = grad_scale;
   s.lr = lr;
   s.decayed = s.decay != 0.0f;

@@ -155,8 +155,7 @@ AMPFUSE_HOST_DEVICE inline AdamStep make_step_constants(const AdamConfig& c, flo
   s.eps = static_cast<float>(c.eps);
   s.l2_decay = c.adam_w_mode ? 0.0f : static_cast<float>(c.weight_decay);
   s.decoupled_decay =
-      c.adam_w_mode ? static_cast<float>(1.0 - mul(static_cast<double>(lr), c.weight_decay))
-                    : 1.0f;
+      c.adam_w_mode ? static_cast<float>(1.0 - mul(static_cast<double>(lr), c.weight_decay)) : 1.0f;
   s.step_size = static_cast<float>(static_cast<double>(lr) / bias_correction1);
   s.bias_correction2_sqrt = static_cast<float>(sqrt(bias_correction2));
   s.grad_scale = grad_scale;
@@ -226,7 +225,7 @@ struct SgdStep {
   bool decay_before;  // decay_before_momentum != 0
   bool decay_after;   // decay_after_momentum != 0
   bool nesterov;
-  bool first_step;  // seeds the momentum buffer with the grad, as torch does on its first step
+  bool first_step;    // seeds the momentum buffer with the grad, as torch does on its first step
   float steps_taken;  // the count before this step: keys stochastic rounding (bf16_modes.h)
 };
 

@@ -86,8 +86,8 @@ __device__ __forceinline__ float unscaled_grad(Grad* grad, int i, float grad_sca
 
 // update(p, g, s) with element i of the K state arrays loaded into s and stored back after.
 template <int K, typename Update>
-__device__ __forceinline__ void update_element(const ChunkState<K>& state, int i, float& p,
-                                               float g, Update& update) {
+__device__ __forceinline__ void update_element(const ChunkState<K>& state, int i, float& p, float g,
+                                               Update& update) {
   float s[K > 0 ? K : 1];
 #pragma unroll
   for (int k = 0; k < K; ++k) s[k] = state.arrays[k][i];
@@ -116,8 +116,8 @@ __device__ __forceinline__ void unscaled_grad_pack(Grad* grad, int i, float grad
 // stored after, p from param(j) and handed back through store_param(j, p).
 template <int K, int kPack, typename Update, typename Param, typename StoreParam>
 __device__ __forceinline__ void update_pack(const ChunkState<K>& state, int i,
-                                            const float (&g)[kPack], Update& update,
-                                            Param&& param, StoreParam&& store_param) {
+                                            const float (&g)[kPack], Update& update, Param&& param,
+                                            StoreParam&& store_param) {
   using F4 = Pack<float, kPack>;
   F4 ss[K > 0 ? K : 1];
 #pragma unroll
@@ -158,8 +158,8 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
     float g[kPack];
     unscaled_grad_pack<kWriteGrad>(grad, i, grad_scale, g);
     // With a master the param is only written: its old value is not read.
-    Pack<Param, kPack> pp = has_master ? Pack<Param, kPack>{}
-                                       : *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
+    Pack<Param, kPack> pp =
+        has_master ? Pack<Param, kPack>{} : *reinterpret_cast<const Pack<Param, kPack>*>(param + i);
     F4 ww = has_master ? *reinterpret_cast<const F4*>(state.master + i) : F4{};
     update_pack(
         state, i, g, update,
@@ -171,8 +171,8 @@ __device__ void update_chunk(Param* param, Grad* grad, const ChunkState<K>& stat
     *reinterpret_cast<Pack<Param, kPack>*>(param + i) = pp;
     if (has_master) *reinterpret_cast<F4*>(state.master + i) = ww;
   };
-  bool aligned = is_aligned_16(param) && is_aligned_16(grad) &&
-                 (!has_master || is_aligned_16(state.master));
+  bool aligned =
+      is_aligned_16(param) && is_aligned_16(grad) && (!has_master || is_aligned_16(state.master));
 #pragma unroll
   for (int k = 0; k < K; ++k) aligned = aligned && is_aligned_16(state.arrays[k]);
   visit_chunk<kPack>(n, aligned, pack, element);
@@ -194,8 +194,7 @@ struct Bf16Chunk {
   __device__ Bf16Chunk(const ChunkTable<Depth>& table, const BlockChunk& chunk, int extra_list,
                        std::uint64_t seed, float steps_taken)
       : param(static_cast<std::uint16_t*>(table.addresses[0][chunk.slot]) + chunk.start),
-        extra(static_cast<std::uint16_t*>(table.addresses[extra_list][chunk.slot]) +
-              chunk.start),
+        extra(static_cast<std::uint16_t*>(table.addresses[extra_list][chunk.slot]) + chunk.start),
         key(chunk_key(rounding_key(seed, steps_taken,
                                    static_cast<std::uint32_t>(table.list_index[chunk.slot])),
                       chunk.start)),
@@ -211,8 +210,7 @@ struct Bf16Chunk {
   __device__ float value(std::uint16_t param_bits, std::uint16_t extra_bits) const {
     return Bf16Param<kMode>::load(param_bits, kStochastic ? std::uint16_t{0} : extra_bits);
   }
-  __device__ void bits(float x, int i, std::uint16_t& param_bits,
-                       std::uint16_t& extra_bits) const {
+  __device__ void bits(float x, int i, std::uint16_t& param_bits, std::uint16_t& extra_bits) const {
     Bf16Param<kMode>::store(x, param_bits, extra_bits,
                             kStochastic ? rounding_bits(key, first_lo + i) : 0u);
   }
@@ -264,8 +262,7 @@ __device__ void update_bf16_chunk(const ChunkTable<Depth>& table, const BlockChu
   if constexpr (K > 2) {
     for (int i = threadIdx.x; i < chunk.size; i += blockDim.x) element(i);
   } else {
-    bool aligned = bf16.template packs_aligned<kPack>() &&
-                   is_aligned_for_pack<Grad, kPack>(grad);
+    bool aligned = bf16.template packs_aligned<kPack>() && is_aligned_for_pack<Grad, kPack>(grad);
 #pragma unroll
     for (int k = 0; k < K; ++k) aligned = aligned && is_aligned_16(state.arrays[k]);
     visit_chunk<kPack>(chunk.size, aligned, pack, element);

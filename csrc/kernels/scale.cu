@@ -146,9 +146,8 @@ void unscale(const std::vector<TensorRef>& grads, float* found_inf, const float*
                          tensor_flags, inv_scale);
 }
 
-void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst,
-           const float* scale, float* found_inf, std::int32_t* tensor_flags,
-           StreamHandle stream) {
+void scale(const std::vector<TensorRef>& src, const std::vector<TensorRef>& dst, const float* scale,
+           float* found_inf, std::int32_t* tensor_flags, StreamHandle stream) {
   const std::vector<TensorRef>* lists[2] = {&src, &dst};
   launch_multi_tensor<2>("multi_tensor_scale_", lists, stream, ScaleFunctor{}, found_inf,
                          tensor_flags, scale);

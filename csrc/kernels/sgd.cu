@@ -24,16 +24,13 @@ struct SgdFunctor {
         constexpr MasterMode kMode = decltype(m)::value;
         if (has_momentum) {
           const ChunkState<1> state{{fp32_list(table, chunk, 2)}, nullptr};
-          update_bf16_chunk<kMode, 1, kWrite>(table, chunk, grad, 3, state, seed,
-                                              step.steps_taken, step.grad_scale,
-                                              [&](float& p, float g, float* s) {
-                                                sgd_update<true>(p, g, s[0], step);
-                                              });
+          update_bf16_chunk<kMode, 1, kWrite>(
+              table, chunk, grad, 3, state, seed, step.steps_taken, step.grad_scale,
+              [&](float& p, float g, float* s) { sgd_update<true>(p, g, s[0], step); });
         } else {
           const ChunkState<0> state{{nullptr}, nullptr};
-          update_bf16_chunk<kMode, 0, kWrite>(table, chunk, grad, 3, state, seed,
-                                              step.steps_taken, step.grad_scale,
-                                              [&](float& p, float g, float*) {
+          update_bf16_chunk<kMode, 0, kWrite>(table, chunk, grad, 3, state, seed, step.steps_taken,
+                                              step.grad_scale, [&](float& p, float g, float*) {
                                                 float unused = 0.0f;
                                                 sgd_update<false>(p, g, unused, step);
                                               });
@@ -46,10 +43,9 @@ struct SgdFunctor {
       constexpr bool kWrite = decltype(write)::value;
       if (has_momentum) {
         const ChunkState<1> state{{fp32_list(table, chunk, 2)}, master};
-        update_chunk<1, kWrite>(param, grad, state, chunk.size, step.grad_scale,
-                                [&](float& p, float g, float* s) {
-                                  sgd_update<true>(p, g, s[0], step);
-                                });
+        update_chunk<1, kWrite>(
+            param, grad, state, chunk.size, step.grad_scale,
+            [&](float& p, float g, float* s) { sgd_update<true>(p, g, s[0], step); });
       } else {
         const ChunkState<0> state{{nullptr}, master};
         update_chunk<0, kWrite>(param, grad, state, chunk.size, step.grad_scale,
@@ -66,8 +62,8 @@ struct SgdFunctor {
 
 void sgd(const std::vector<TensorRef>& params, const std::vector<TensorRef>& grads,
          const std::vector<TensorRef>& momentum_buffers, const std::vector<TensorRef>& masters,
-         const SgdConfig& config, const StepScalars& scalars, bool write_grads,
-         SgdStep* constants, StreamHandle stream, const MasterListMode& master_mode) {
+         const SgdConfig& config, const StepScalars& scalars, bool write_grads, SgdStep* constants,
+         StreamHandle stream, const MasterListMode& master_mode) {
   launch_step_prologue(config, scalars, constants, stream);
   const std::vector<TensorRef>* lists[kSgdDepth] = {
       &params, &grads, or_params(momentum_buffers, params), or_params(masters, params)};

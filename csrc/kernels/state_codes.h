@@ -89,12 +89,11 @@ AMPFUSE_CODES_HD std::uint8_t encode_e4m3_unit(float normalised) {
 AMPFUSE_CODES_HD float decode_e4m3(std::uint8_t code) {
   const int exponent = (code & 0x7f) >> 3;
   const float mantissa = static_cast<float>(code & 0x7);
-  const float magnitude = exponent == 0
-                              ? mantissa * 0x1p-9f
-                              : (8.0f + mantissa) * fp8_detail::float_of(
-                                                        static_cast<std::uint32_t>(
-                                                            exponent - 7 - 3 + 127)
-                                                        << 23);
+  const float magnitude =
+      exponent == 0
+          ? mantissa * 0x1p-9f
+          : (8.0f + mantissa) *
+                fp8_detail::float_of(static_cast<std::uint32_t>(exponent - 7 - 3 + 127) << 23);
   return (code & 0x80) ? -magnitude : magnitude;
 }
 

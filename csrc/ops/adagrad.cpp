@@ -34,18 +34,17 @@ void adagrad_cpu(const AdagradArgs& a) {
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
     if (a.masters.is_bf16_mode()) {
-      kernels::cpu::adagrad_bf16_span(
-          static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
-          a.masters.span(span, adagrad_step.steps_taken), element_ptr(grad, span.offset),
-          grad.dtype, a.write_grads, optional_fp32_ptr(a.state_sums, span), span.size,
-          adagrad_step);
+      kernels::cpu::adagrad_bf16_span(static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+                                      a.masters.span(span, adagrad_step.steps_taken),
+                                      element_ptr(grad, span.offset), grad.dtype, a.write_grads,
+                                      optional_fp32_ptr(a.state_sums, span), span.size,
+                                      adagrad_step);
       return;
     }
     kernels::cpu::adagrad_span(element_ptr(param, span.offset), param.dtype,
                                element_ptr(grad, span.offset), grad.dtype, a.write_grads,
                                optional_fp32_ptr(a.state_sums, span),
-                               optional_fp32_ptr(a.masters.list, span), span.size,
-                               adagrad_step);
+                               optional_fp32_ptr(a.masters.list, span), span.size, adagrad_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -89,8 +88,8 @@ void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList 
   a.grads = grad_refs(kAdagrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   a.state_sums = companion_refs(kAdagrad, state_sums, "state_sums", dense, Access::kWrite,
                                 /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
-  a.masters = master_args(kAdagrad, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
+  a.masters =
+      master_args(kAdagrad, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
   a.config = {lr_decay, weight_decay, eps, decoupled_weight_decay, maximize};
   if constexpr (kDevice == at::kCPU) {
     adagrad_cpu(a);

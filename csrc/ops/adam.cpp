@@ -36,18 +36,17 @@ void adam_cpu(const AdamArgs& a) {
     if (a.masters.is_bf16_mode()) {
       kernels::cpu::adam_bf16_span(
           static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
-          a.masters.span(span, adam_step.steps_taken), element_ptr(grad, span.offset),
-          grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
+          a.masters.span(span, adam_step.steps_taken), element_ptr(grad, span.offset), grad.dtype,
+          a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
           optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.max_exp_avg_sqs, span),
           span.size, adam_step);
       return;
     }
-    kernels::cpu::adam_span(element_ptr(param, span.offset), param.dtype,
-                            element_ptr(grad, span.offset), grad.dtype, a.write_grads,
-                            optional_fp32_ptr(a.exp_avgs, span),
-                            optional_fp32_ptr(a.exp_avg_sqs, span),
-                            optional_fp32_ptr(a.max_exp_avg_sqs, span),
-                            optional_fp32_ptr(a.masters.list, span), span.size, adam_step);
+    kernels::cpu::adam_span(
+        element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
+        a.write_grads, optional_fp32_ptr(a.exp_avgs, span), optional_fp32_ptr(a.exp_avg_sqs, span),
+        optional_fp32_ptr(a.max_exp_avg_sqs, span), optional_fp32_ptr(a.masters.list, span),
+        span.size, adam_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -97,8 +96,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   a.exp_avgs = state(exp_avgs, "exp_avgs", false);
   a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
   a.max_exp_avg_sqs = state(max_exp_avg_sqs, "max_exp_avg_sqs", /*optional=*/!amsgrad);
-  a.masters = master_args(kAdam, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
+  a.masters = master_args(kAdam, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
   a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
   if constexpr (kDevice == at::kCPU) {
     adam_cpu(a);

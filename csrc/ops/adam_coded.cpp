@@ -41,11 +41,11 @@ void adam_coded_cpu(const AdamCodedArgs& a) {
     const bool bf16_mode = a.masters.is_bf16_mode();
     kernels::cpu::Bf16Span bf16{};
     if (bf16_mode) bf16 = a.masters.span(span, adam_step.steps_taken);
-    kernels::cpu::adam_coded_span(
-        element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
-        a.write_grads, span_moments(a.moments, span),
-        bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
-        bf16_mode ? &bf16 : nullptr, span.size, adam_step);
+    kernels::cpu::adam_coded_span(element_ptr(param, span.offset), param.dtype,
+                                  element_ptr(grad, span.offset), grad.dtype, a.write_grads,
+                                  span_moments(a.moments, span),
+                                  bf16_mode ? nullptr : optional_fp32_ptr(a.masters.list, span),
+                                  bf16_mode ? &bf16 : nullptr, span.size, adam_step);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -67,20 +67,20 @@ void adam_coded_cuda(const AdamCodedArgs& a, const at::Tensor& step) {
 
 // fused_adam_coded_ on kDevice (see ../ops.h): the checks, then the step on that device.
 template <c10::DeviceType kDevice>
-void fused_adam_coded_(at::TensorList params, at::TensorList grads,
-                       at::TensorList exp_avg_codes, at::TensorList exp_avg_scales,
-                       at::TensorList exp_avg_sq_codes, at::TensorList exp_avg_sq_scales,
-                       at::TensorList max_exp_avg_sq_codes, at::TensorList max_exp_avg_sq_scales,
-                       at::TensorList master_params, const at::Tensor& step, const at::Tensor& lr,
-                       double beta1, double beta2, double eps, double weight_decay,
-                       bool adam_w_mode, bool bias_correction, bool amsgrad, bool maximize,
-                       const c10::optional<at::Tensor>& grad_scale,
+void fused_adam_coded_(at::TensorList params, at::TensorList grads, at::TensorList exp_avg_codes,
+                       at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_codes,
+                       at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sq_codes,
+                       at::TensorList max_exp_avg_sq_scales, at::TensorList master_params,
+                       const at::Tensor& step, const at::Tensor& lr, double beta1, double beta2,
+                       double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+                       bool amsgrad, bool maximize, const c10::optional<at::Tensor>& grad_scale,
                        const c10::optional<at::Tensor>& found_inf, bool write_unscaled_grads,
                        c10::string_view state_dtype, c10::string_view master_mode,
                        at::IntArrayRef param_ids, int64_t seed) {
   check_moment_hyperparameters(kAdamCoded, beta1, beta2, eps);
   TORCH_CHECK(amsgrad || (max_exp_avg_sq_codes.empty() && max_exp_avg_sq_scales.empty()),
-              "ampfuse.", kAdamCoded, ": max_exp_avg_sq_codes and max_exp_avg_sq_scales must be "
+              "ampfuse.", kAdamCoded,
+              ": max_exp_avg_sq_codes and max_exp_avg_sq_scales must be "
               "empty when amsgrad is False.");
   AdamCodedArgs a;
   const StateCode code = parse_state_dtype(kAdamCoded, state_dtype, "fused_adam_");
@@ -97,16 +97,16 @@ void fused_adam_coded_(at::TensorList params, at::TensorList grads,
   a.grads = grad_refs(kAdamCoded, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   kernels::cuda::CodedMomentLists& m = a.moments;
   check_coded_moment(kAdamCoded, dense, exp_avg_codes, "exp_avg_codes", exp_avg_scales,
-                     "exp_avg_scales", code, /*second=*/false, /*optional=*/false,
-                     m.exp_avg_codes, m.exp_avg_scales);
+                     "exp_avg_scales", code, /*second=*/false, /*optional=*/false, m.exp_avg_codes,
+                     m.exp_avg_scales);
   check_coded_moment(kAdamCoded, dense, exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales,
                      "exp_avg_sq_scales", code, /*second=*/true, /*optional=*/false,
                      m.exp_avg_sq_codes, m.exp_avg_sq_scales);
   check_coded_moment(kAdamCoded, dense, max_exp_avg_sq_codes, "max_exp_avg_sq_codes",
                      max_exp_avg_sq_scales, "max_exp_avg_sq_scales", code, /*second=*/true,
                      /*optional=*/!amsgrad, m.max_exp_avg_sq_codes, m.max_exp_avg_sq_scales);
-  a.masters = master_args(kAdamCoded, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
+  a.masters =
+      master_args(kAdamCoded, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
   a.config = {beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, amsgrad, maximize};
   if constexpr (kDevice == at::kCPU) {
     adam_coded_cpu(a);

@@ -1,8 +1,8 @@
 #include "checks.h"
 
-#include <c10/core/ScalarType.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 namespace ampfuse::ops {
@@ -48,7 +48,8 @@ void check_scalar_tensor(const char* op, const at::Tensor& t, const ArgLabel& na
               " must hold exactly one element, got shape ", t.sizes(), ".");
   if (device.has_value()) {
     TORCH_CHECK(t.device() == *device, "ampfuse.", op, ": ", name, " is on ", t.device(),
-                " but must be on ", *device, " (the device of ", device_owner, ")", "; move ", name, " to ", *device, ".");
+                " but must be on ", *device, " (the device of ", device_owner, ")", "; move ", name,
+                " to ", *device, ".");
   }
 }
 
@@ -66,8 +67,8 @@ c10::optional<at::Device> list_device(const char* op, at::TensorList list, const
 kernels::TensorRef tensor_ref(const char* op, const at::Tensor& t, const ArgLabel& label,
                               bool mutated, std::vector<at::Tensor>& keep_alive) {
   TORCH_CHECK(t.defined(), "ampfuse.", op, ": ", label, " is an undefined tensor (None).");
-  TORCH_CHECK(t.layout() == at::kStrided, "ampfuse.", op, ": ", label, " has layout ",
-              t.layout(), "; only dense (strided) tensors are supported.");
+  TORCH_CHECK(t.layout() == at::kStrided, "ampfuse.", op, ": ", label, " has layout ", t.layout(),
+              "; only dense (strided) tensors are supported.");
   const kernels::DType dtype = kernel_dtype(op, t, label);
   // Dense means the elements fill one block of memory in some dimension order
   // (contiguous, channels_last, a transpose): element-wise kernels can then walk
@@ -93,7 +94,8 @@ WrittenList::WrittenList(const char* op, at::TensorList list, const char* name,
     if (!t.defined() || t.layout() != at::kStrided || t.is_non_overlapping_and_dense()) continue;
     TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "ampfuse.", op, ": ",
                 arg_label(name, static_cast<std::int64_t>(i)), " has strides ", t.strides(),
-                " for shape ", t.sizes(), ", so several of its elements share one memory "
+                " for shape ", t.sizes(),
+                ", so several of its elements share one memory "
                 "location (e.g. an expand()); it cannot be written in place. Pass a tensor with "
                 "its own memory (.clone()).");
     if (staged_.empty()) staged_.assign(list.begin(), list.end());
@@ -146,7 +148,8 @@ std::vector<kernels::TensorRef> companion_refs(const char* op, at::TensorList li
     }
     TORCH_CHECK(access != Access::kWrite, "ampfuse.", op, ": ", label, " has strides ",
                 list[i].strides(), " but ", arg_label("params", i), " has strides ",
-                params[i].strides(), "; create it with torch.zeros_like(param) so both share "
+                params[i].strides(),
+                "; create it with torch.zeros_like(param) so both share "
                 "one memory layout.");
     const at::Tensor copy = at::empty_like(params[i], list[i].options()).copy_(list[i]);
     keep_alive.push_back(copy);

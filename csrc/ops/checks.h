@@ -3,9 +3,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Optional.h>
-
 #include <ATen/core/TensorBody.h>
+#include <c10/util/Optional.h>
 
 #include <ostream>
 #include <string>

@@ -18,9 +18,7 @@ at::ScalarType code_dtype(kernels::StateCode code, bool second) {
   return second ? at::kByte : at::kChar;
 }
 
-std::string dtype_name(at::ScalarType dtype) {
-  return "torch." + c10::getDtypeNames(dtype).first;
-}
+std::string dtype_name(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
 
 }  // namespace
 
@@ -57,36 +55,39 @@ void check_coded_moment(const char* op, at::TensorList params, at::TensorList co
     TORCH_CHECK(c.defined(), "ampfuse.", op, ": ", label, " is an undefined tensor.");
     TORCH_CHECK(c.scalar_type() == expected, "ampfuse.", op, ": ", label, " must be ",
                 dtype_name(expected), " with state_dtype='", state_dtype, "', got ",
-                dtype_name(c.scalar_type()), "; create it with torch.zeros_like(param, dtype=",
-                dtype_name(expected), ").");
+                dtype_name(c.scalar_type()),
+                "; create it with torch.zeros_like(param, dtype=", dtype_name(expected), ").");
     TORCH_CHECK(c.sizes() == p.sizes(), "ampfuse.", op, ": ", label, " has shape ", c.sizes(),
-                " but ", param_label, " has shape ", p.sizes(), "; codes are shaped and laid "
-                "out like their param (torch.zeros_like(param, dtype=", dtype_name(expected),
-                ")).");
+                " but ", param_label, " has shape ", p.sizes(),
+                "; codes are shaped and laid "
+                "out like their param (torch.zeros_like(param, dtype=",
+                dtype_name(expected), ")).");
     TORCH_CHECK(c.device() == p.device(), "ampfuse.", op, ": ", label, " is on ", c.device(),
                 " but ", param_label, " is on ", p.device(), "; move it to its param's device.");
     // A tensor of at most one element has no layout to share.
     TORCH_CHECK(c.layout() == at::kStrided && c.is_non_overlapping_and_dense() &&
                     (c.numel() <= 1 || c.strides() == p.strides()),
                 "ampfuse.", op, ": ", label, " has strides ", c.strides(), " but ", param_label,
-                " has strides ", p.strides(), "; create it with torch.zeros_like(param, dtype=",
-                dtype_name(expected), ") so both share one memory layout.");
+                " has strides ", p.strides(),
+                "; create it with torch.zeros_like(param, dtype=", dtype_name(expected),
+                ") so both share one memory layout.");
     const std::int64_t blocks = (p.numel() + block - 1) / block;
     TORCH_CHECK(s.defined() && s.scalar_type() == at::kFloat, "ampfuse.", op, ": ", scale_label,
                 " must be torch.float32 (one absmax per block), got ",
                 s.defined() ? dtype_name(s.scalar_type()) : std::string("None"), ".");
-    TORCH_CHECK(s.device() == p.device(), "ampfuse.", op, ": ", scale_label, " is on ",
-                s.device(), " but ", param_label, " is on ", p.device(),
-                "; move it to its param's device.");
+    TORCH_CHECK(s.device() == p.device(), "ampfuse.", op, ": ", scale_label, " is on ", s.device(),
+                " but ", param_label, " is on ", p.device(), "; move it to its param's device.");
     TORCH_CHECK(s.dim() == 1 && s.numel() == blocks && s.is_contiguous(), "ampfuse.", op, ": ",
-                scale_label, " must be a contiguous 1-D tensor of ", blocks, " elements, one per "
-                "block of ", block, " of ", param_label, "'s ", p.numel(), " (ceil(numel / ",
-                block, ") = ", blocks, " elements), got shape ", s.sizes(), " and strides ",
-                s.strides(), "; create it with torch.zeros(", blocks, ", dtype=torch.float32).");
-    codes_out.push_back({c.numel() == 0 ? nullptr : c.data_ptr(), c.numel(),
-                         kernels::DType::kFloat32});
-    scales_out.push_back({s.numel() == 0 ? nullptr : s.data_ptr(), s.numel(),
-                          kernels::DType::kFloat32});
+                scale_label, " must be a contiguous 1-D tensor of ", blocks,
+                " elements, one per "
+                "block of ",
+                block, " of ", param_label, "'s ", p.numel(), " (ceil(numel / ", block,
+                ") = ", blocks, " elements), got shape ", s.sizes(), " and strides ", s.strides(),
+                "; create it with torch.zeros(", blocks, ", dtype=torch.float32).");
+    codes_out.push_back(
+        {c.numel() == 0 ? nullptr : c.data_ptr(), c.numel(), kernels::DType::kFloat32});
+    scales_out.push_back(
+        {s.numel() == 0 ? nullptr : s.data_ptr(), s.numel(), kernels::DType::kFloat32});
   }
 }
 

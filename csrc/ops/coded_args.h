@@ -41,18 +41,20 @@ void check_coded_moment(const char* op, at::TensorList params, at::TensorList co
 inline kernels::cpu::CodedMoments span_moments(const kernels::cuda::CodedMomentLists& m,
                                                const Span& s) {
   const auto codes = [&](const std::vector<kernels::TensorRef>& list) {
-    return list.empty() ? nullptr
-                        : static_cast<std::uint8_t*>(list[s.tensor].data) + s.offset;
+    return list.empty() ? nullptr : static_cast<std::uint8_t*>(list[s.tensor].data) + s.offset;
   };
   const auto scales = [&](const std::vector<kernels::TensorRef>& list) {
-    return list.empty() ? nullptr
-                        : static_cast<float*>(list[s.tensor].data) +
-                              s.offset / kernels::kStateBlock;
+    return list.empty()
+               ? nullptr
+               : static_cast<float*>(list[s.tensor].data) + s.offset / kernels::kStateBlock;
   };
   return {m.code,
-          codes(m.exp_avg_codes), scales(m.exp_avg_scales),
-          codes(m.exp_avg_sq_codes), scales(m.exp_avg_sq_scales),
-          codes(m.max_exp_avg_sq_codes), scales(m.max_exp_avg_sq_scales)};
+          codes(m.exp_avg_codes),
+          scales(m.exp_avg_scales),
+          codes(m.exp_avg_sq_codes),
+          scales(m.exp_avg_sq_scales),
+          codes(m.max_exp_avg_sq_codes),
+          scales(m.max_exp_avg_sq_scales)};
 }
 
 }  // namespace ampfuse::ops

@@ -14,9 +14,9 @@
 namespace ampfuse::ops {
 
 struct Span {
-  std::size_t tensor;      // index in the list
-  std::int64_t offset;     // first element
-  std::int64_t size;       // elements
+  std::size_t tensor;   // index in the list
+  std::int64_t offset;  // first element
+  std::int64_t size;    // elements
 };
 
 inline std::vector<Span> split_into_spans(const std::vector<kernels::TensorRef>& list) {

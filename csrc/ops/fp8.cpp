@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -62,7 +62,8 @@ void check_states_apart(at::TensorList amaxes, at::TensorList histories, at::Ten
     const Extent& before = extents[i - 1];
     const Extent& after = extents[i];
     TORCH_CHECK(after.first >= before.end, "ampfuse.", kUpdate, ": ", before.list, "[",
-                before.index, "] and ", after.list, "[", after.index, "] share memory; every FP8 "
+                before.index, "] and ", after.list, "[", after.index,
+                "] share memory; every FP8 "
                 "tensor needs its own amax, amax_history, scale and scale_inv (tensors of their "
                 "own, e.g. torch.zeros(1) each, not views of one another).");
   }
@@ -75,14 +76,19 @@ UpdateArgs prepare_update(at::TensorList amaxes, at::TensorList histories, at::T
   const std::size_t n = amaxes.size();
   TORCH_CHECK(histories.size() == n && scales.size() == n && scale_invs.size() == n &&
                   fp8_maxes.size() == n,
-              "ampfuse.", kUpdate, ": amaxes, amax_histories, scales, scale_invs and fp8_maxes "
-              "must have one entry per FP8 tensor; got ", n, ", ", histories.size(), ", ",
-              scales.size(), ", ", scale_invs.size(), " and ", fp8_maxes.size(), ".");
+              "ampfuse.", kUpdate,
+              ": amaxes, amax_histories, scales, scale_invs and fp8_maxes "
+              "must have one entry per FP8 tensor; got ",
+              n, ", ", histories.size(), ", ", scales.size(), ", ", scale_invs.size(), " and ",
+              fp8_maxes.size(), ".");
   TORCH_CHECK(amax_compute == "max" || amax_compute == "most_recent", "ampfuse.", kUpdate,
               ": amax_compute must be \"max\" (the largest amax of the history) or "
-              "\"most_recent\" (this step's), got \"", amax_compute, "\".");
-  TORCH_CHECK(margin >= 0 && margin <= 64, "ampfuse.", kUpdate, ": margin must be between 0 "
-              "and 64 (the scale is divided by 2**margin), got ", margin, ".");
+              "\"most_recent\" (this step's), got \"",
+              amax_compute, "\".");
+  TORCH_CHECK(margin >= 0 && margin <= 64, "ampfuse.", kUpdate,
+              ": margin must be between 0 "
+              "and 64 (the scale is divided by 2**margin), got ",
+              margin, ".");
   const c10::optional<at::Device> device = list_device(kUpdate, amaxes, "amaxes");
   if (found_inf.has_value()) {
     check_scalar_tensor(kUpdate, *found_inf, "found_inf", at::kFloat, device, "amaxes");
@@ -91,29 +97,32 @@ UpdateArgs prepare_update(at::TensorList amaxes, at::TensorList histories, at::T
   args.states.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
     const auto index = static_cast<std::int64_t>(i);
-    check_scalar_tensor(kUpdate, amaxes[i], ArgLabel{"amaxes", index}, at::kFloat,
-                        device, "amaxes[0]");
-    check_scalar_tensor(kUpdate, scales[i], ArgLabel{"scales", index}, at::kFloat,
-                        device, "amaxes[0]");
-    check_scalar_tensor(kUpdate, scale_invs[i], ArgLabel{"scale_invs", index},
-                        at::kFloat, device, "amaxes[0]");
+    check_scalar_tensor(kUpdate, amaxes[i], ArgLabel{"amaxes", index}, at::kFloat, device,
+                        "amaxes[0]");
+    check_scalar_tensor(kUpdate, scales[i], ArgLabel{"scales", index}, at::kFloat, device,
+                        "amaxes[0]");
+    check_scalar_tensor(kUpdate, scale_invs[i], ArgLabel{"scale_invs", index}, at::kFloat, device,
+                        "amaxes[0]");
     const at::Tensor& history = histories[i];
     const ArgLabel label{"amax_histories", index};
-    TORCH_CHECK(history.scalar_type() == at::kFloat && history.dim() == 1 &&
-                    history.numel() >= 1 && history.is_contiguous(),
-                "ampfuse.", kUpdate, ": ", label, " must be a contiguous 1-D torch.float32 "
-                "tensor of amax_history_len >= 1 entries, got dtype ", history.scalar_type(),
-                " and shape ", history.sizes(), ".");
+    TORCH_CHECK(history.scalar_type() == at::kFloat && history.dim() == 1 && history.numel() >= 1 &&
+                    history.is_contiguous(),
+                "ampfuse.", kUpdate, ": ", label,
+                " must be a contiguous 1-D torch.float32 "
+                "tensor of amax_history_len >= 1 entries, got dtype ",
+                history.scalar_type(), " and shape ", history.sizes(), ".");
     TORCH_CHECK(history.device() == *device, "ampfuse.", kUpdate, ": ", label, " is on ",
-                history.device(), " but amaxes[0] is on ", *device, "; keep an FP8 tensor's "
+                history.device(), " but amaxes[0] is on ", *device,
+                "; keep an FP8 tensor's "
                 "whole state on one device.");
     const double fp8_max = fp8_maxes[i];
     TORCH_CHECK(fp8_max == 448.0 || fp8_max == 57344.0, "ampfuse.", kUpdate, ": fp8_maxes[", i,
-                "] is ", fp8_max, "; it must be the largest value of the tensor's format, 448 "
+                "] is ", fp8_max,
+                "; it must be the largest value of the tensor's format, 448 "
                 "(float8_e4m3fn) or 57344 (float8_e5m2).");
-    args.states.push_back({amaxes[i].data_ptr<float>(), history.data_ptr<float>(),
-                           history.numel(), scales[i].data_ptr<float>(),
-                           scale_invs[i].data_ptr<float>(), static_cast<float>(fp8_max)});
+    args.states.push_back({amaxes[i].data_ptr<float>(), history.data_ptr<float>(), history.numel(),
+                           scales[i].data_ptr<float>(), scale_invs[i].data_ptr<float>(),
+                           static_cast<float>(fp8_max)});
   }
   check_states_apart(amaxes, histories, scales, scale_invs);
   return args;
@@ -155,10 +164,9 @@ at::Tensor fp8_cast_amax(const at::Tensor& input, const at::Tensor& scale, const
   } else {
 #ifdef AMPFUSE_WITH_CUDA
     const c10::cuda::CUDAGuard guard(input.device());
-    kernels::cuda::fp8_cast_amax({src.data_ptr(), src.numel(), src_dtype},
-                                 static_cast<std::uint8_t*>(out.data_ptr()),
-                                 scale.data_ptr<float>(), amax.data_ptr<float>(), format,
-                                 current_stream(input.device()));
+    kernels::cuda::fp8_cast_amax(
+        {src.data_ptr(), src.numel(), src_dtype}, static_cast<std::uint8_t*>(out.data_ptr()),
+        scale.data_ptr<float>(), amax.data_ptr<float>(), format, current_stream(input.device()));
 #endif
   }
   return out;
@@ -166,10 +174,9 @@ at::Tensor fp8_cast_amax(const at::Tensor& input, const at::Tensor& scale, const
 
 // fp8_update_scales_ on kDevice (see ../ops.h).
 template <c10::DeviceType kDevice>
-void fp8_update_scales_(at::TensorList amaxes, at::TensorList amax_histories,
-                        at::TensorList scales, at::TensorList scale_invs,
-                        at::ArrayRef<double> fp8_maxes, std::int64_t margin,
-                        c10::string_view amax_compute,
+void fp8_update_scales_(at::TensorList amaxes, at::TensorList amax_histories, at::TensorList scales,
+                        at::TensorList scale_invs, at::ArrayRef<double> fp8_maxes,
+                        std::int64_t margin, c10::string_view amax_compute,
                         const c10::optional<at::Tensor>& found_inf) {
   const UpdateArgs args = prepare_update(amaxes, amax_histories, scales, scale_invs, fp8_maxes,
                                          margin, std::string(amax_compute), found_inf);
@@ -202,14 +209,17 @@ void fp8_update_scales_fallback(at::TensorList amaxes, at::TensorList amax_histo
                    std::string(amax_compute), found_inf);
     return;
   }
-  for (const auto& [name, list] : {std::pair{"amaxes", amaxes}, {"amax_histories", amax_histories},
-                                   {"scales", scales}, {"scale_invs", scale_invs}}) {
+  for (const auto& [name, list] : {std::pair{"amaxes", amaxes},
+                                   {"amax_histories", amax_histories},
+                                   {"scales", scales},
+                                   {"scale_invs", scale_invs}}) {
     for (std::size_t i = 0; i < list.size(); ++i) {
       check_supported(kUpdate, arg_label(name, static_cast<std::int64_t>(i)), list[i]);
     }
   }
   if (found_inf.has_value()) check_supported(kUpdate, "found_inf", *found_inf);
-  TORCH_CHECK(false, "ampfuse.", kUpdate, ": no ampfuse kernel handles these arguments (they "
+  TORCH_CHECK(false, "ampfuse.", kUpdate,
+              ": no ampfuse kernel handles these arguments (they "
               "are not plain CPU or CUDA tensors); pass plain dense CPU or CUDA tensors.");
 }
 

@@ -12,11 +12,15 @@ namespace ampfuse::ops {
 
 // The kernel format of a float8_e4m3fn / float8_e5m2 dtype; any other dtype is an error that
 // says what `what` (an argument, or the requested output) must be.
-inline kernels::Fp8Format fp8_format(const char* op, at::ScalarType dtype, const std::string& what) {
+inline kernels::Fp8Format fp8_format(const char* op, at::ScalarType dtype,
+                                     const std::string& what) {
   if (dtype == at::kFloat8_e4m3fn) return kernels::Fp8Format::kE4M3;
   if (dtype == at::kFloat8_e5m2) return kernels::Fp8Format::kE5M2;
-  TORCH_CHECK(false, "ampfuse.", op, ": ", what, " must be torch.float8_e4m3fn or "
-              "torch.float8_e5m2, got ", dtype, ". ampfuse's FP8 formats are e4m3fn (weights "
+  TORCH_CHECK(false, "ampfuse.", op, ": ", what,
+              " must be torch.float8_e4m3fn or "
+              "torch.float8_e5m2, got ",
+              dtype,
+              ". ampfuse's FP8 formats are e4m3fn (weights "
               "and activations) and e5m2 (gradients); the fnuz variants are AMD's and not "
               "supported.");
 }
@@ -25,10 +29,11 @@ inline kernels::Fp8Format fp8_format(const char* op, at::ScalarType dtype, const
 // a dense 2-D fp32/fp16/bf16 matrix [m, k] (callers flatten leading dimensions). Returns it
 // contiguous (row-major), copied if it was not.
 inline at::Tensor fp8_matrix_input(const char* op, const at::Tensor& input) {
-  TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", op, ": input has layout ",
-              input.layout(), "; pass a dense tensor (t.to_dense()).");
+  TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", op, ": input has layout ", input.layout(),
+              "; pass a dense tensor (t.to_dense()).");
   TORCH_CHECK(input.dim() == 2, "ampfuse.", op, ": input must be 2-D [m, k], got shape ",
-              input.sizes(), "; flatten the leading dimensions first (x.reshape(-1, x.shape[-1])).");
+              input.sizes(),
+              "; flatten the leading dimensions first (x.reshape(-1, x.shape[-1])).");
   return input.contiguous();
 }
 

@@ -27,12 +27,9 @@ constexpr std::int64_t kGrain = std::int64_t{1} << 16;
 
 // Both ops; dbias is filled only when `with_dbias`.
 template <c10::DeviceType kDevice>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const char* op,
-                                                              const at::Tensor& input,
-                                                              const at::Tensor& scale,
-                                                              const at::Tensor& amax,
-                                                              at::ScalarType dtype,
-                                                              bool with_dbias) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(
+    const char* op, const at::Tensor& input, const at::Tensor& scale, const at::Tensor& amax,
+    at::ScalarType dtype, bool with_dbias) {
   const at::Tensor src = fp8_matrix_input(op, input);
   const kernels::DType src_dtype = kernel_dtype(op, src, ArgLabel{"input"});
   const kernels::Fp8Format format = fp8_format(op, dtype, "dtype");
@@ -50,7 +47,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const char* op,
     const float scale_value = *scale.data_ptr<float>();
     // At least 64 rows (about 64K elements) per task: a task's transposed writes then fill
     // 64-byte runs of out_t rows, and few cache lines are shared between tasks.
-    const std::int64_t grain = std::max<std::int64_t>(64, (kGrain / std::max<std::int64_t>(cols, 1) + 63) / 64 * 64);
+    const std::int64_t grain =
+        std::max<std::int64_t>(64, (kGrain / std::max<std::int64_t>(cols, 1) + 63) / 64 * 64);
     std::atomic<std::uint32_t> largest{0};
     at::parallel_for(0, rows, grain, [&](std::int64_t begin, std::int64_t end) {
       const std::uint32_t bits = kernels::cpu::fp8_cast_transpose_rows(
@@ -65,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const char* op,
     *amax_ptr = __builtin_bit_cast(float, folded);
     if (with_dbias) {
       float* sums = dbias.data_ptr<float>();
-      const std::int64_t col_grain = std::max<std::int64_t>(64, kGrain / std::max<std::int64_t>(rows, 1));
+      const std::int64_t col_grain =
+          std::max<std::int64_t>(64, kGrain / std::max<std::int64_t>(rows, 1));
       at::parallel_for(0, cols, col_grain, [&](std::int64_t begin, std::int64_t end) {
         kernels::cpu::fp8_column_sums(data, src_dtype, rows, cols, begin, end, sums);
       });
@@ -75,8 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose(const char* op,
     const c10::cuda::CUDAGuard guard(src.device());
     at::Tensor workspace;
     if (with_dbias) {
-      workspace = at::empty({std::max<std::int64_t>(kernels::cuda::fp8_dbias_workspace_floats(rows, cols), 1)},
-                            src.options().dtype(at::kFloat));
+      workspace = at::empty(
+          {std::max<std::int64_t>(kernels::cuda::fp8_dbias_workspace_floats(rows, cols), 1)},
+          src.options().dtype(at::kFloat));
     }
     kernels::cuda::fp8_cast_transpose(
         {src.data_ptr(), src_dtype, rows, cols, scale.data_ptr<float>(), amax.data_ptr<float>(),

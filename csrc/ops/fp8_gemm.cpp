@@ -38,17 +38,17 @@ constexpr const char* kGemm = "fp8_gemm";
 // Tensorwise when both scale_invs hold one element; rowwise when a_scale_inv is [m] and
 // b_scale_inv is [n] (then both operands must be e4m3: the layout cuBLASLt's outer-vector
 // scaling and torch._scaled_mm's rowwise path take). Anything else is refused, naming both.
-kernels::cuda::Fp8ScaleMode scale_mode(const at::Tensor& a_scale_inv,
-                                       const at::Tensor& b_scale_inv, std::int64_t m,
-                                       std::int64_t n, kernels::Fp8Format a_format,
+kernels::cuda::Fp8ScaleMode scale_mode(const at::Tensor& a_scale_inv, const at::Tensor& b_scale_inv,
+                                       std::int64_t m, std::int64_t n, kernels::Fp8Format a_format,
                                        kernels::Fp8Format b_format, const at::Device& device) {
-  for (const auto& [t, name] : {std::pair{&a_scale_inv, "a_scale_inv"},
-                                std::pair{&b_scale_inv, "b_scale_inv"}}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "ampfuse.", kGemm, ": ", name, " must be a "
-                "torch.float32 tensor, got ", t->scalar_type(), ".");
+  for (const auto& [t, name] :
+       {std::pair{&a_scale_inv, "a_scale_inv"}, std::pair{&b_scale_inv, "b_scale_inv"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "ampfuse.", kGemm, ": ", name,
+                " must be a "
+                "torch.float32 tensor, got ",
+                t->scalar_type(), ".");
     TORCH_CHECK(t->device() == device, "ampfuse.", kGemm, ": ", name, " is on ", t->device(),
-                " but must be on ", device, " (the device of a); move ", name, " to ", device,
-                ".");
+                " but must be on ", device, " (the device of a); move ", name, " to ", device, ".");
   }
   if (a_scale_inv.numel() == 1 && b_scale_inv.numel() == 1) {
     return kernels::cuda::Fp8ScaleMode::kTensorwise;
@@ -56,14 +56,19 @@ kernels::cuda::Fp8ScaleMode scale_mode(const at::Tensor& a_scale_inv,
   const bool rowwise = a_scale_inv.dim() == 1 && a_scale_inv.size(0) == m &&
                        b_scale_inv.dim() == 1 && b_scale_inv.size(0) == n;
   TORCH_CHECK(rowwise, "ampfuse.", kGemm, ": a_scale_inv has shape ", a_scale_inv.sizes(),
-              " and b_scale_inv has shape ", b_scale_inv.sizes(), "; they must be either one "
-              "element each (tensorwise scaling) or 1-D of m=", m, " and n=", n, " elements "
+              " and b_scale_inv has shape ", b_scale_inv.sizes(),
+              "; they must be either one "
+              "element each (tensorwise scaling) or 1-D of m=",
+              m, " and n=", n,
+              " elements "
               "(rowwise scaling: one per row of a [m, k] and one per row of b [n, k]).");
   TORCH_CHECK(a_format == kernels::Fp8Format::kE4M3 && b_format == kernels::Fp8Format::kE4M3,
-              "ampfuse.", kGemm, ": rowwise scales (a_scale_inv [m], b_scale_inv [n]) need both "
+              "ampfuse.", kGemm,
+              ": rowwise scales (a_scale_inv [m], b_scale_inv [n]) need both "
               "a and b in torch.float8_e4m3fn, got a ",
               a_format == kernels::Fp8Format::kE4M3 ? "e4m3fn" : "e5m2", " and b ",
-              b_format == kernels::Fp8Format::kE4M3 ? "e4m3fn" : "e5m2", ". Quantize both "
+              b_format == kernels::Fp8Format::kE4M3 ? "e4m3fn" : "e5m2",
+              ". Quantize both "
               "rowwise operands to e4m3fn, or use one-element (tensorwise) scales for e5m2.");
   return kernels::cuda::Fp8ScaleMode::kRowwise;
 }
@@ -97,12 +102,17 @@ at::Tensor dense_aligned(const at::Tensor& t) {
 
 kernels::DType gemm_out_dtype(at::ScalarType out_dtype) {
   switch (out_dtype) {
-    case at::kBFloat16: return kernels::DType::kBFloat16;
-    case at::kHalf: return kernels::DType::kFloat16;
-    case at::kFloat: return kernels::DType::kFloat32;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kFloat:
+      return kernels::DType::kFloat32;
     default:
-      TORCH_CHECK(false, "ampfuse.", kGemm, ": out_dtype must be torch.bfloat16, torch.float16 "
-                  "or torch.float32, got ", out_dtype, ".");
+      TORCH_CHECK(false, "ampfuse.", kGemm,
+                  ": out_dtype must be torch.bfloat16, torch.float16 "
+                  "or torch.float32, got ",
+                  out_dtype, ".");
   }
 }
 
@@ -114,21 +124,27 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   const kernels::Fp8Format a_format = fp8_format(kGemm, a.scalar_type(), "a");
   const kernels::Fp8Format b_format = fp8_format(kGemm, b.scalar_type(), "b");
   TORCH_CHECK(a_format == kernels::Fp8Format::kE4M3 || b_format == kernels::Fp8Format::kE4M3,
-              "ampfuse.", kGemm, ": a and b are both float8_e5m2; cuBLASLt's FP8 GEMMs take at "
+              "ampfuse.", kGemm,
+              ": a and b are both float8_e5m2; cuBLASLt's FP8 GEMMs take at "
               "most one e5m2 operand. Quantize one of them (the weight or the activation) to "
               "float8_e4m3fn.");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "ampfuse.", kGemm, ": a and b must be 2-D, got "
-              "shapes ", a.sizes(), " and ", b.sizes(), "; flatten leading dimensions first.");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "ampfuse.", kGemm,
+              ": a and b must be 2-D, got "
+              "shapes ",
+              a.sizes(), " and ", b.sizes(), "; flatten leading dimensions first.");
   TORCH_CHECK(a.size(1) == b.size(1), "ampfuse.", kGemm, ": a is ", a.sizes(), " and b is ",
-              b.sizes(), "; both hold K along dimension 1 (out = a @ b.T), so their sizes there "
+              b.sizes(),
+              "; both hold K along dimension 1 (out = a @ b.T), so their sizes there "
               "must agree.");
   TORCH_CHECK(a.device() == b.device(), "ampfuse.", kGemm, ": a is on ", a.device(),
               " but b is on ", b.device(), "; move both to one device.");
   const std::int64_t m = a.size(0), n = b.size(0), k = a.size(1);
-  TORCH_CHECK(m % 16 == 0 && n % 16 == 0 && k % 16 == 0, "ampfuse.", kGemm, ": m=", m, ", n=",
-              n, ", k=", k, " must all be multiples of 16 (cuBLASLt's FP8 layout rule); pad the "
+  TORCH_CHECK(m % 16 == 0 && n % 16 == 0 && k % 16 == 0, "ampfuse.", kGemm, ": m=", m, ", n=", n,
+              ", k=", k,
+              " must all be multiples of 16 (cuBLASLt's FP8 layout rule); pad the "
               "rows of a (e.g. the batch) with zeros up to a multiple of 16.");
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "ampfuse.", kGemm, ": a and b must be "
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "ampfuse.", kGemm,
+              ": a and b must be "
               "row-major contiguous with K contiguous (the TN layout of FP8 GEMMs); pass "
               "a.contiguous() and b.contiguous() (for b = w.T, a transposed copy of w).");
   const kernels::cuda::Fp8ScaleMode mode =
@@ -138,9 +154,11 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == out_dtype &&
                     bias->device() == a.device(),
-                "ampfuse.", kGemm, ": bias must be a 1-D tensor of n=", n, " elements with "
-                "dtype out_dtype (", out_dtype, ") on ", a.device(), ", got shape ",
-                bias->sizes(), ", dtype ", bias->scalar_type(), " on ", bias->device(), ".");
+                "ampfuse.", kGemm, ": bias must be a 1-D tensor of n=", n,
+                " elements with "
+                "dtype out_dtype (",
+                out_dtype, ") on ", a.device(), ", got shape ", bias->sizes(), ", dtype ",
+                bias->scalar_type(), " on ", bias->device(), ".");
   }
   if constexpr (kDevice == at::kCPU) {
     // use_fast_accum changes only how a GPU keeps its partial sums, so the emulation, which
@@ -152,8 +170,8 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     const int device = a.device().index();
     const int capability = kernels::cuda::compute_capability(device);
     TORCH_CHECK_NOT_IMPLEMENTED(capability >= 89, "ampfuse.", kGemm, ": CUDA device ", device,
-                                " has compute capability ", capability / 10, ".",
-                                capability % 10, "; FP8 GEMMs need 8.9 or newer (Ada, Hopper, "
+                                " has compute capability ", capability / 10, ".", capability % 10,
+                                "; FP8 GEMMs need 8.9 or newer (Ada, Hopper, "
                                 "Blackwell). Train this model without fp8, or on such a GPU.");
     // cuBLASLt's outer-vector (rowwise) scaling exists for Hopper (cuBLAS 12.9+); Ada has
     // tensorwise FP8 only (torch._scaled_mm has its own rowwise kernel there). Blackwell
@@ -161,10 +179,12 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     // (torch excludes them, pytorch PRs #160693 and #161236; its heuristic answers
     // NOT_SUPPORTED, pytorch issue #192707): that refusal comes from the plan's heuristic query
     // as NotImplementedError, which the rowwise Linear's "auto" reads as "use torch._scaled_mm".
-    TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || capability >= 90, "ampfuse.", kGemm, ": rowwise "
+    TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || capability >= 90, "ampfuse.", kGemm,
+                                ": rowwise "
                                 "scales need a GPU of compute capability 9.0 or newer "
-                                "(cuBLASLt's outer-vector scaling); CUDA device ", device,
-                                " has ", capability / 10, ".", capability % 10, ". Use "
+                                "(cuBLASLt's outer-vector scaling); CUDA device ",
+                                device, " has ", capability / 10, ".", capability % 10,
+                                ". Use "
                                 "one-element (tensorwise) scales on this GPU, or "
                                 "torch._scaled_mm's rowwise path.");
     for (const at::Tensor* t : {&a, &b}) {
@@ -196,15 +216,21 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
     // a and b either, so such a bias would make the whole GEMM a refusal.
     const at::Tensor fused_bias_values = fused_bias ? dense_aligned(*bias) : at::Tensor();
     const kernels::StreamHandle stream = current_stream(a.device());
-    kernels::cuda::Fp8GemmArgs args{
-        a.data_ptr(),   a_format,
-        b.data_ptr(),   b_format,
-        m,              n,
-        k,              a_scales.data_ptr<float>(),
-        b_scales.data_ptr<float>(), mode,
-        use_fast_accum, fused_bias ? fused_bias_values.data_ptr() : nullptr,
-        out.data_ptr(), out_kernel_dtype,
-        device};
+    kernels::cuda::Fp8GemmArgs args{a.data_ptr(),
+                                    a_format,
+                                    b.data_ptr(),
+                                    b_format,
+                                    m,
+                                    n,
+                                    k,
+                                    a_scales.data_ptr<float>(),
+                                    b_scales.data_ptr<float>(),
+                                    mode,
+                                    use_fast_accum,
+                                    fused_bias ? fused_bias_values.data_ptr() : nullptr,
+                                    out.data_ptr(),
+                                    out_kernel_dtype,
+                                    device};
     // torch's cuBLASLt handle (one per thread and device) and its workspace for this handle
     // and the current stream: allocated once from the caching allocator and kept, so memory
     // stats and CUDA graphs see it, and shared with torch's own GEMMs on the stream (stream

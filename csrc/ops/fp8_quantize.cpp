@@ -29,15 +29,16 @@ constexpr std::int64_t kAmaxGrain = std::int64_t{1} << 16;
 // fp8_tensor_scale on kDevice (see ../ops.h and the schema's comment).
 template <c10::DeviceType kDevice>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_tensor_scale(const at::Tensor& input,
-                                                                 at::ScalarType dtype,
-                                                                 double margin) {
+                                                                at::ScalarType dtype,
+                                                                double margin) {
   TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", kTensorScale, ": input has layout ",
               input.layout(), "; pass a dense tensor (t.to_dense()).");
   const kernels::DType src_dtype = kernel_dtype(kTensorScale, input, ArgLabel{"input"});
   const kernels::Fp8Format format = fp8_format(kTensorScale, dtype, "dtype");
-  TORCH_CHECK(std::isfinite(margin) && margin >= 0.0 && margin <= 64.0, "ampfuse.",
-              kTensorScale, ": margin must be a finite number between 0 and 64 (the scale is "
-              "divided by 2**margin), got ", margin, ".");
+  TORCH_CHECK(std::isfinite(margin) && margin >= 0.0 && margin <= 64.0, "ampfuse.", kTensorScale,
+              ": margin must be a finite number between 0 and 64 (the scale is "
+              "divided by 2**margin), got ",
+              margin, ".");
   const float margin_factor = static_cast<float>(std::exp2(margin));
   const float fp8_max = kernels::fp8_max(format);
   const at::Tensor src = input.contiguous();
@@ -63,10 +64,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_tensor_scale(const at::Tensor
   } else {
 #ifdef AMPFUSE_WITH_CUDA
     const c10::cuda::CUDAGuard guard(input.device());
-    kernels::cuda::fp8_tensor_scale({src.data_ptr(), src.numel(), src_dtype},
-                                    amax.data_ptr<float>(), scale.data_ptr<float>(),
-                                    scale_inv.data_ptr<float>(), fp8_max, margin_factor,
-                                    current_stream(input.device()));
+    kernels::cuda::fp8_tensor_scale(
+        {src.data_ptr(), src.numel(), src_dtype}, amax.data_ptr<float>(), scale.data_ptr<float>(),
+        scale_inv.data_ptr<float>(), fp8_max, margin_factor, current_stream(input.device()));
 #endif
   }
   return {amax, scale, scale_inv};
@@ -90,12 +90,14 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_rowwise(const at::Tensor& input,
     const void* data = src.data_ptr();
     if (!transpose) {
       // Rows per task: about 64K elements each.
-      const std::int64_t grain = std::max<std::int64_t>(1, kAmaxGrain / std::max<std::int64_t>(cols, 1));
+      const std::int64_t grain =
+          std::max<std::int64_t>(1, kAmaxGrain / std::max<std::int64_t>(cols, 1));
       at::parallel_for(0, rows, grain, [&](std::int64_t begin, std::int64_t end) {
         kernels::cpu::fp8_quantize_rows(data, src_dtype, cols, begin, end, format, dst, inv);
       });
     } else {
-      const std::int64_t grain = std::max<std::int64_t>(64, kAmaxGrain / std::max<std::int64_t>(rows, 1));
+      const std::int64_t grain =
+          std::max<std::int64_t>(64, kAmaxGrain / std::max<std::int64_t>(rows, 1));
       at::parallel_for(0, cols, grain, [&](std::int64_t begin, std::int64_t end) {
         kernels::cpu::fp8_quantize_columns_transposed(data, src_dtype, rows, cols, begin, end,
                                                       format, dst, inv);
@@ -107,7 +109,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_rowwise(const at::Tensor& input,
     // An empty row (or column) has amax 0, hence scale 1: the kernels have no element to visit.
     if (rows == 0 || cols == 0) scale_inv.fill_(1.0f);
     at::Tensor workspace;
-    if (transpose) workspace = at::empty({std::max<std::int64_t>(cols, 1)}, src.options().dtype(at::kInt));
+    if (transpose)
+      workspace = at::empty({std::max<std::int64_t>(cols, 1)}, src.options().dtype(at::kInt));
     kernels::cuda::fp8_quantize_rowwise(
         src.data_ptr(), src_dtype, rows, cols, transpose, dst, inv,
         transpose ? static_cast<std::uint32_t*>(workspace.data_ptr()) : nullptr, format,

@@ -21,8 +21,11 @@ at::Tensor fp8_transpose(const at::Tensor& input) {
   TORCH_CHECK(input.layout() == at::kStrided, "ampfuse.", kTranspose, ": input has layout ",
               input.layout(), "; pass a dense tensor (t.to_dense()).");
   fp8_format(kTranspose, input.scalar_type(), "input");
-  TORCH_CHECK(input.dim() == 2, "ampfuse.", kTranspose, ": input must be 2-D (rows x "
-              "columns), got shape ", input.sizes(), "; reshape it to 2-D first (an FP8 GEMM "
+  TORCH_CHECK(input.dim() == 2, "ampfuse.", kTranspose,
+              ": input must be 2-D (rows x "
+              "columns), got shape ",
+              input.sizes(),
+              "; reshape it to 2-D first (an FP8 GEMM "
               "operand is a matrix).");
   const at::Tensor src = input.contiguous();  // row-major [m, k]
   if constexpr (kDevice == at::kCPU) {

@@ -2,6 +2,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <cmath>
+
 #include "../kernels/cpu/cpu_kernels.h"
 #include "../kernels/cuda_kernels.h"
 #include "../ops.h"
@@ -9,8 +11,6 @@
 #include "cpu_spans.h"
 #include "cuda_context.h"
 #include "refusals.h"
-
-#include <cmath>
 
 namespace ampfuse::ops {
 namespace {
@@ -38,8 +38,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors, b
     for_each_span(spans, [&](std::size_t s) {
       const Span& span = spans[s];
       const kernels::TensorRef& t = refs[span.tensor];
-      span_sums[s] = kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype,
-                                                       span.size);
+      span_sums[s] =
+          kernels::cpu::sum_of_squares_span(element_ptr(t, span.offset), t.dtype, span.size);
     });
     // Sums are combined in a fixed order, so the result does not depend on the
     // number of threads.
@@ -61,8 +61,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors, b
     const auto scratch = at::TensorOptions().device(*device);
     at::Tensor chunk_sums = at::empty({chunks}, scratch.dtype(at::kFloat));
     at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
-    kernels::cuda::l2norm(refs, chunk_sums.data_ptr<float>(),
-                          chunk_owner.data_ptr<std::int32_t>(), global.data_ptr<float>(),
+    kernels::cuda::l2norm(refs, chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
+                          global.data_ptr<float>(),
                           per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
                           current_stream(*device));
 #endif

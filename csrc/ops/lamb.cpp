@@ -61,18 +61,17 @@ void lamb_cpu(const LambArgs& a) {
       if (a.masters.is_bf16_mode()) {
         kernels::cpu::lamb_moments_bf16_span(
             static_cast<const std::uint16_t*>(element_ptr(param, span.offset)),
-            a.masters.span(span, lamb_step.steps_taken), element_ptr(grad, span.offset),
-            grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
+            a.masters.span(span, lamb_step.steps_taken), element_ptr(grad, span.offset), grad.dtype,
+            a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
             optional_fp32_ptr(a.exp_avg_sqs, span), span.size, lamb_step, &param_sq[s],
             &update_sq[s]);
         return;
       }
       kernels::cpu::lamb_moments_span(
-          element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset),
-          grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
+          element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
+          a.write_grads, optional_fp32_ptr(a.exp_avgs, span),
           optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.masters.list, span),
-          span.size,
-          lamb_step, &param_sq[s], &update_sq[s]);
+          span.size, lamb_step, &param_sq[s], &update_sq[s]);
     });
     for (std::size_t s = 0; s < spans.size(); ++s) {
       sums[2 * spans[s].tensor] += param_sq[s];
@@ -102,11 +101,10 @@ void lamb_cpu(const LambArgs& a) {
           optional_fp32_ptr(a.exp_avg_sqs, span), span.size, lamb_step, ratios[span.tensor]);
       return;
     }
-    kernels::cpu::lamb_apply_span(element_ptr(param, span.offset), param.dtype,
-                                  optional_fp32_ptr(a.exp_avgs, span),
-                                  optional_fp32_ptr(a.exp_avg_sqs, span),
-                                  optional_fp32_ptr(a.masters.list, span), span.size, lamb_step,
-                                  ratios[span.tensor]);
+    kernels::cpu::lamb_apply_span(
+        element_ptr(param, span.offset), param.dtype, optional_fp32_ptr(a.exp_avgs, span),
+        optional_fp32_ptr(a.exp_avg_sqs, span), optional_fp32_ptr(a.masters.list, span), span.size,
+        lamb_step, ratios[span.tensor]);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -120,20 +118,18 @@ void lamb_cuda(const LambArgs& a, const at::Tensor& step) {
   const at::Tensor constants = step_constants_buffer<kernels::LambStep>(step.device());
   // Scratch from torch's caching allocator: no host sync, and graph capture takes it from the
   // graph's pool. The second half alone reads no chunk sums (its sums are tensor_sums).
-  const std::int64_t chunks = a.part == kernels::LambPart::kApply
-                                  ? 0
-                                  : kernels::cuda::lamb_scratch_chunks(a.params);
+  const std::int64_t chunks =
+      a.part == kernels::LambPart::kApply ? 0 : kernels::cuda::lamb_scratch_chunks(a.params);
   const auto scratch = at::TensorOptions().device(step.device());
   at::Tensor chunk_sums = at::empty({2 * chunks}, scratch.dtype(at::kFloat));
   at::Tensor chunk_owner = at::empty({chunks}, scratch.dtype(at::kInt));
   at::Tensor ratios =
       at::empty({static_cast<std::int64_t>(a.params.size())}, scratch.dtype(at::kFloat));
-  kernels::cuda::lamb(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.masters.list, a.config,
-                      a.scalars, a.grad_norm, a.write_grads,
-                      static_cast<kernels::LambStep*>(constants.data_ptr()),
-                      chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
-                      ratios.data_ptr<float>(), current_stream(step.device()), a.part,
-                      a.tensor_sums, a.masters.how);
+  kernels::cuda::lamb(
+      a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.masters.list, a.config, a.scalars,
+      a.grad_norm, a.write_grads, static_cast<kernels::LambStep*>(constants.data_ptr()),
+      chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(), ratios.data_ptr<float>(),
+      current_stream(step.device()), a.part, a.tensor_sums, a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif
@@ -157,8 +153,8 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   a.part = parse_lamb_part(kLamb, part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // The second half forms no clip: it needs no norm.
-  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply,
-              "ampfuse.", kLamb, ": max_grad_norm=", max_grad_norm,
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm || a.part == kernels::LambPart::kApply, "ampfuse.",
+              kLamb, ": max_grad_norm=", max_grad_norm,
               " clips by the global grad norm; pass it as grad_norm (a "
               "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
               "the step), or max_grad_norm=0 for no clipping.");
@@ -174,8 +170,8 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
     a.grad_norm = grad_norm->data_ptr<float>();
   }
   // Only the first pass reads (and may write back) the grads.
-  a.write_grads = a.part != kernels::LambPart::kApply &&
-                  writes_grads(write_unscaled_grads, a.scalars);
+  a.write_grads =
+      a.part != kernels::LambPart::kApply && writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kLamb, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   const auto state = [&](at::TensorList list, const char* name, bool optional) {
     return companion_refs(kLamb, list, name, dense, Access::kWrite, /*fp32_only=*/true, optional,
@@ -183,10 +179,9 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   };
   a.exp_avgs = state(exp_avgs, "exp_avgs", false);
   a.exp_avg_sqs = state(exp_avg_sqs, "exp_avg_sqs", false);
-  a.masters = master_args(kLamb, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
-              adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
+  a.masters = master_args(kLamb, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
+  a.config = {beta1,           beta2,          eps,       weight_decay, max_grad_norm, adam_w_mode,
+              bias_correction, grad_averaging, use_nvlamb};
   if constexpr (kDevice == at::kCPU) {
     lamb_cpu(a);
   } else {

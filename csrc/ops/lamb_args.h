@@ -30,15 +30,18 @@ inline double* lamb_sums_ptr(const char* op, const c10::optional<at::Tensor>& su
   const bool given = sums.has_value() && sums->defined();
   TORCH_CHECK(given || part == kernels::LambPart::kBoth, "ampfuse.", op,
               ": part='moments' and part='apply' pass each tensor's sums of squares through "
-              "tensor_sums; give a torch.float64 tensor of shape (", n, ", 2).");
+              "tensor_sums; give a torch.float64 tensor of shape (",
+              n, ", 2).");
   if (!given) return nullptr;
   const at::Tensor& t = *sums;
   TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 2 &&
                   t.size(0) == static_cast<std::int64_t>(n) && t.size(1) == 2 &&
                   t.is_contiguous() && t.device() == device,
-              "ampfuse.", op, ": tensor_sums must be a contiguous torch.float64 tensor of "
-              "shape (", n, ", 2) on ", device, ", got ", t.scalar_type(), " of shape ",
-              t.sizes(), " on ", t.device(), ".");
+              "ampfuse.", op,
+              ": tensor_sums must be a contiguous torch.float64 tensor of "
+              "shape (",
+              n, ", 2) on ", device, ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+              t.device(), ".");
   return t.data_ptr<double>();
 }
 

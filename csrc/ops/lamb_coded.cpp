@@ -13,6 +13,8 @@
 // code inside the kernels.
 // part="moments" is the first pass alone (it leaves only tensor_sums); part="apply" is the
 // second, which therefore takes the grads and, when clipping, grad_norm as well.
+#include "../kernels/cpu/lamb_coded.h"
+
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -20,7 +22,6 @@
 #include <vector>
 
 #include "../kernels/cpu/cpu_kernels.h"
-#include "../kernels/cpu/lamb_coded.h"
 #include "../kernels/cuda_kernels.h"
 #include "../kernels/state_codes.h"
 #include "../ops.h"
@@ -94,8 +95,8 @@ void step_span(const LambCodedArgs& a, const Span& span, const kernels::LambStep
                float ratio) {
   const SpanArgs s = span_args(a, span, lamb_step.steps_taken);
   kernels::cpu::lamb_coded_step_span(s.param, s.param_dtype, s.bf16_span(), s.master, s.grad,
-                                     s.grad_dtype, a.write_grads, s.moments, span.size,
-                                     lamb_step, ratio);
+                                     s.grad_dtype, a.write_grads, s.moments, span.size, lamb_step,
+                                     ratio);
 }
 
 // The CPU step from the checked arguments (see the file comment for the two passes).
@@ -110,8 +111,8 @@ void lamb_coded_cpu(const LambCodedArgs& a) {
   std::vector<double> sums(2 * n, 0.0);
   // Without a trust ratio (no weight decay, no use_nvlamb) every ratio is lr: a whole step that
   // returns no sums needs no first pass.
-  const bool sums_unused = !lamb_step.trust && a.part == kernels::LambPart::kBoth &&
-                           a.tensor_sums == nullptr;
+  const bool sums_unused =
+      !lamb_step.trust && a.part == kernels::LambPart::kBoth && a.tensor_sums == nullptr;
   if (a.part == kernels::LambPart::kApply) {
     std::copy(a.tensor_sums, a.tensor_sums + 2 * n, sums.begin());
   } else if (!sums_unused) {
@@ -133,9 +134,8 @@ void lamb_coded_cpu(const LambCodedArgs& a) {
                                     static_cast<float>(std::sqrt(sums[2 * i + 1])), lamb_step);
   }
   // Second pass: the new moments again, the params from them, the moments coded.
-  for_each_span(spans, [&](std::size_t s) {
-    step_span(a, spans[s], lamb_step, ratios[spans[s].tensor]);
-  });
+  for_each_span(spans,
+                [&](std::size_t s) { step_span(a, spans[s], lamb_step, ratios[spans[s].tensor]); });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
 }
@@ -152,12 +152,11 @@ void lamb_coded_cuda(const LambCodedArgs& a, const at::Tensor& step) {
   at::Tensor chunk_owner = at::empty({chunks}, options.dtype(at::kInt));
   at::Tensor ratios =
       at::empty({static_cast<std::int64_t>(a.params.size())}, options.dtype(at::kFloat));
-  kernels::cuda::lamb_coded(a.params, a.grads, a.moments, a.masters.list, a.config, a.scalars,
-                            a.grad_norm, a.write_grads,
-                            static_cast<kernels::LambStep*>(constants.data_ptr()),
-                            chunk_sums.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
-                            ratios.data_ptr<float>(), current_stream(step.device()), a.part,
-                            a.tensor_sums, a.masters.how);
+  kernels::cuda::lamb_coded(
+      a.params, a.grads, a.moments, a.masters.list, a.config, a.scalars, a.grad_norm, a.write_grads,
+      static_cast<kernels::LambStep*>(constants.data_ptr()), chunk_sums.data_ptr<float>(),
+      chunk_owner.data_ptr<std::int32_t>(), ratios.data_ptr<float>(), current_stream(step.device()),
+      a.part, a.tensor_sums, a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif
@@ -182,8 +181,9 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
   a.part = parse_lamb_part(kLambCoded, part);
   const bool has_norm = grad_norm.has_value() && grad_norm->defined();
   // part="apply" forms the clipped moments again: it needs the norm too.
-  TORCH_CHECK(max_grad_norm == 0.0 || has_norm, "ampfuse.", kLambCoded, ": max_grad_norm=",
-              max_grad_norm, " clips by the global grad norm; pass it as grad_norm (a "
+  TORCH_CHECK(max_grad_norm == 0.0 || has_norm, "ampfuse.", kLambCoded,
+              ": max_grad_norm=", max_grad_norm,
+              " clips by the global grad norm; pass it as grad_norm (a "
               "one-element float32 tensor, e.g. ampfuse's multi_tensor_l2norm of every grad of "
               "the step; with the coded moments part='apply' needs it too), or max_grad_norm=0 "
               "for no clipping.");
@@ -194,8 +194,8 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
   const c10::optional<at::Device> device = list_device(kLambCoded, params, "params");
   a.params = tensor_refs(kLambCoded, dense, "params", /*mutated=*/true, a.keep_alive);
   a.scalars = step_scalars(kLambCoded, step, lr, grad_scale, found_inf, device);
-  a.tensor_sums = lamb_sums_ptr(kLambCoded, tensor_sums, a.part, params.size(),
-                                device.value_or(step.device()));
+  a.tensor_sums =
+      lamb_sums_ptr(kLambCoded, tensor_sums, a.part, params.size(), device.value_or(step.device()));
   a.grad_norm = nullptr;
   if (max_grad_norm > 0.0) {
     check_scalar_tensor(kLambCoded, *grad_norm, "grad_norm", at::kFloat,
@@ -204,8 +204,8 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
     a.grad_norm = grad_norm->data_ptr<float>();
   }
   // The second pass writes the grads (part="moments" reads them only).
-  a.write_grads = a.part != kernels::LambPart::kMoments &&
-                  writes_grads(write_unscaled_grads, a.scalars);
+  a.write_grads =
+      a.part != kernels::LambPart::kMoments && writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kLambCoded, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   check_coded_moment(kLambCoded, dense, exp_avg_codes, "exp_avg_codes", exp_avg_scales,
                      "exp_avg_scales", a.moments.code, /*second=*/false, /*optional=*/false,
@@ -213,10 +213,10 @@ void fused_lamb_coded_(at::TensorList params, at::TensorList grads, at::TensorLi
   check_coded_moment(kLambCoded, dense, exp_avg_sq_codes, "exp_avg_sq_codes", exp_avg_sq_scales,
                      "exp_avg_sq_scales", a.moments.code, /*second=*/true, /*optional=*/false,
                      a.moments.exp_avg_sq_codes, a.moments.exp_avg_sq_scales);
-  a.masters = master_args(kLambCoded, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {beta1,       beta2,           eps,           weight_decay, max_grad_norm,
-              adam_w_mode, bias_correction, grad_averaging, use_nvlamb};
+  a.masters =
+      master_args(kLambCoded, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
+  a.config = {beta1,           beta2,          eps,       weight_decay, max_grad_norm, adam_w_mode,
+              bias_correction, grad_averaging, use_nvlamb};
   if constexpr (kDevice == at::kCPU) {
     lamb_coded_cpu(a);
   } else {

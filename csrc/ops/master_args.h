@@ -33,8 +33,8 @@ struct MasterArgs {
   // update, as the step constants carry it.
   kernels::cpu::Bf16Span span(const Span& s, float steps_taken) const {
     const bool stochastic = how.mode == kernels::MasterMode::kStochastic;
-    auto* extra = stochastic ? nullptr
-                             : static_cast<std::uint16_t*>(element_ptr(list[s.tensor], s.offset));
+    auto* extra =
+        stochastic ? nullptr : static_cast<std::uint16_t*>(element_ptr(list[s.tensor], s.offset));
     const kernels::RoundingKey key =
         stochastic ? kernels::rounding_key(how.seed, steps_taken,
                                            static_cast<std::uint32_t>(how.param_ids[s.tensor]))
@@ -64,8 +64,7 @@ inline std::vector<kernels::TensorRef> low_half_refs(const char* op, at::TensorL
     const at::Tensor& t = lows[i];
     const std::string label = arg_label("master_params", static_cast<std::int64_t>(i));
     TORCH_CHECK(t.sizes() == params[i].sizes(), "ampfuse.", op, ": ", label, " has shape ",
-                t.sizes(), " but ", arg_label("params", i), " has shape ", params[i].sizes(),
-                ".");
+                t.sizes(), " but ", arg_label("params", i), " has shape ", params[i].sizes(), ".");
     TORCH_CHECK(t.device() == params[i].device(), "ampfuse.", op, ": ", label, " is on ",
                 t.device(), " but ", arg_label("params", i), " is on ", params[i].device(), ".");
     TORCH_CHECK(t.layout() == at::kStrided && t.is_non_overlapping_and_dense() &&
@@ -93,7 +92,8 @@ inline MasterArgs master_args(const char* op, c10::string_view master_mode, at::
   const char* name = kMasterModeNames[static_cast<int>(mode)];
   TORCH_CHECK(mode == kernels::MasterMode::kStochastic || param_ids.empty(), "ampfuse.", op,
               ": param_ids key stochastic rounding; pass them with master_mode='stochastic' only "
-              "(got ", param_ids.size(), " with master_mode='", name, "').");
+              "(got ",
+              param_ids.size(), " with master_mode='", name, "').");
   if (!m.is_bf16_mode()) {
     m.list = companion_refs(op, master_params, "master_params", params, Access::kWrite,
                             /*fp32_only=*/true, /*optional=*/true, keep_alive);
@@ -106,11 +106,14 @@ inline MasterArgs master_args(const char* op, c10::string_view master_mode, at::
                 ". Step it in a call with master_mode='fp32' (with or without fp32 masters).");
   }
   if (mode == kernels::MasterMode::kStochastic) {
-    TORCH_CHECK(master_params.empty(), "ampfuse.", op, ": master_mode='stochastic' keeps no "
-                "state besides the param; pass master_params=[] (got ", master_params.size(),
-                " tensors).");
-    TORCH_CHECK(param_ids.size() == params.size(), "ampfuse.", op, ": master_mode='stochastic' "
-                "needs one param id per param (", params.size(), "), got ", param_ids.size(), ".");
+    TORCH_CHECK(master_params.empty(), "ampfuse.", op,
+                ": master_mode='stochastic' keeps no "
+                "state besides the param; pass master_params=[] (got ",
+                master_params.size(), " tensors).");
+    TORCH_CHECK(param_ids.size() == params.size(), "ampfuse.", op,
+                ": master_mode='stochastic' "
+                "needs one param id per param (",
+                params.size(), "), got ", param_ids.size(), ".");
     for (std::size_t i = 0; i < param_ids.size(); ++i) {
       TORCH_CHECK(param_ids[i] >= 0 && param_ids[i] <= INT32_MAX, "ampfuse.", op, ": ",
                   arg_label("param_ids", i), " is ", param_ids[i], "; ids must be in [0, 2^31).");
@@ -122,16 +125,15 @@ inline MasterArgs master_args(const char* op, c10::string_view master_mode, at::
   const at::ScalarType expected = split ? at::kShort : at::kBFloat16;
   TORCH_CHECK(master_params.size() == params.size(), "ampfuse.", op, ": master_mode='", name,
               "' needs one ", split ? "torch.int16 low half" : "torch.bfloat16 compensation",
-              " per param in master_params (", params.size(), "), got ", master_params.size(),
-              ".");
+              " per param in master_params (", params.size(), "), got ", master_params.size(), ".");
   for (std::size_t i = 0; i < master_params.size(); ++i) {
     const at::Tensor& t = master_params[i];
-    TORCH_CHECK(t.defined() && t.scalar_type() == expected, "ampfuse.", op, ": ",
-                arg_label("master_params", i), " must be torch.",
-                c10::getDtypeNames(expected).first, " with master_mode='", name, "', got ",
-                t.defined() ? "torch." + c10::getDtypeNames(t.scalar_type()).first
-                            : std::string("None"),
-                ".");
+    TORCH_CHECK(
+        t.defined() && t.scalar_type() == expected, "ampfuse.", op, ": ",
+        arg_label("master_params", i), " must be torch.", c10::getDtypeNames(expected).first,
+        " with master_mode='", name, "', got ",
+        t.defined() ? "torch." + c10::getDtypeNames(t.scalar_type()).first : std::string("None"),
+        ".");
   }
   m.list = split ? low_half_refs(op, master_params, params)
                  : companion_refs(op, master_params, "master_params", params, Access::kWrite,

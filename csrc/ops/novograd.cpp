@@ -47,8 +47,8 @@ kernels::NovoGradPart parse_part(c10::string_view part) {
 // apex's norm_type: 2 (L2) or 0 (the max, infinity norm); anything else is refused, as apex
 // refuses it.
 bool parse_norm_type(std::int64_t norm_type) {
-  TORCH_CHECK(norm_type == 2 || norm_type == 0, "ampfuse.", kNovoGrad, ": norm_type=",
-              norm_type, " is not supported; use 2 (the L2 norm) or 0 (the max norm), as "
+  TORCH_CHECK(norm_type == 2 || norm_type == 0, "ampfuse.", kNovoGrad, ": norm_type=", norm_type,
+              " is not supported; use 2 (the L2 norm) or 0 (the max norm), as "
               "apex.optimizers.FusedNovoGrad.");
   return norm_type == 0;
 }
@@ -56,20 +56,23 @@ bool parse_norm_type(std::int64_t norm_type) {
 // tensor_reductions: what the first half leaves for the second (each tensor's sum of squares,
 // or max |g|, of its unscaled grads), a contiguous float64 [n] tensor on the params' device;
 // required by the halves, optional (an extra output) for kBoth.
-double* reductions_ptr(const c10::optional<at::Tensor>& given_tensor,
-                       kernels::NovoGradPart part, std::size_t n, const at::Device& device) {
+double* reductions_ptr(const c10::optional<at::Tensor>& given_tensor, kernels::NovoGradPart part,
+                       std::size_t n, const at::Device& device) {
   const bool given = given_tensor.has_value() && given_tensor->defined();
   TORCH_CHECK(given || part == kernels::NovoGradPart::kBoth, "ampfuse.", kNovoGrad,
               ": part='norms' and part='apply' pass each tensor's grad reduction through "
-              "tensor_reductions; give a torch.float64 tensor of shape (", n, ",).");
+              "tensor_reductions; give a torch.float64 tensor of shape (",
+              n, ",).");
   if (!given) return nullptr;
   const at::Tensor& t = *given_tensor;
   TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 &&
                   t.size(0) == static_cast<std::int64_t>(n) && t.is_contiguous() &&
                   t.device() == device,
-              "ampfuse.", kNovoGrad, ": tensor_reductions must be a contiguous torch.float64 "
-              "tensor of shape (", n, ",) on ", device, ", got ", t.scalar_type(), " of shape ",
-              t.sizes(), " on ", t.device(), ".");
+              "ampfuse.", kNovoGrad,
+              ": tensor_reductions must be a contiguous torch.float64 "
+              "tensor of shape (",
+              n, ",) on ", device, ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+              t.device(), ".");
   return t.data_ptr<double>();
 }
 
@@ -94,8 +97,8 @@ std::vector<kernels::TensorRef> norm_avg_refs(at::TensorList norm_avgs, at::Tens
 void novograd_cpu(const NovoGradArgs& a) {
   if (cpu_step_skipped(a.scalars)) return;
   const float grad_scale_value = a.scalars.grad_scale != nullptr ? *a.scalars.grad_scale : 1.0f;
-  const kernels::NovoGradStep novograd_step = kernels::make_novograd_constants(
-      a.config, *a.scalars.step, *a.scalars.lr, grad_scale_value);
+  const kernels::NovoGradStep novograd_step =
+      kernels::make_novograd_constants(a.config, *a.scalars.step, *a.scalars.lr, grad_scale_value);
   const std::vector<Span> spans = split_into_spans(a.params);
   const std::size_t n = a.params.size();
   // Each tensor's reduction, from its spans' reductions combined in span order: the same for
@@ -108,9 +111,9 @@ void novograd_cpu(const NovoGradArgs& a) {
     for_each_span(spans, [&](std::size_t s) {
       const Span& span = spans[s];
       const kernels::TensorRef& grad = a.grads[span.tensor];
-      per_span[s] = kernels::cpu::novograd_norm_span(element_ptr(grad, span.offset), grad.dtype,
-                                                     span.size, grad_scale_value,
-                                                     a.config.max_norm);
+      per_span[s] =
+          kernels::cpu::novograd_norm_span(element_ptr(grad, span.offset), grad.dtype, span.size,
+                                           grad_scale_value, a.config.max_norm);
     });
     for (std::size_t s = 0; s < spans.size(); ++s) {
       double& r = reductions[spans[s].tensor];
@@ -135,18 +138,17 @@ void novograd_cpu(const NovoGradArgs& a) {
     const kernels::TensorRef& param = a.params[span.tensor];
     const kernels::TensorRef& grad = a.grads[span.tensor];
     if (a.masters.is_bf16_mode()) {
-      kernels::cpu::novograd_bf16_span(
-          static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
-          a.masters.span(span, novograd_step.steps_taken), element_ptr(grad, span.offset),
-          grad.dtype, a.write_grads, optional_fp32_ptr(a.exp_avgs, span), span.size,
-          novograd_step, denominators[span.tensor]);
+      kernels::cpu::novograd_bf16_span(static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
+                                       a.masters.span(span, novograd_step.steps_taken),
+                                       element_ptr(grad, span.offset), grad.dtype, a.write_grads,
+                                       optional_fp32_ptr(a.exp_avgs, span), span.size,
+                                       novograd_step, denominators[span.tensor]);
       return;
     }
-    kernels::cpu::novograd_apply_span(element_ptr(param, span.offset), param.dtype,
-                                      element_ptr(grad, span.offset), grad.dtype, a.write_grads,
-                                      optional_fp32_ptr(a.exp_avgs, span),
-                                      optional_fp32_ptr(a.masters.list, span), span.size,
-                                      novograd_step, denominators[span.tensor]);
+    kernels::cpu::novograd_apply_span(
+        element_ptr(param, span.offset), param.dtype, element_ptr(grad, span.offset), grad.dtype,
+        a.write_grads, optional_fp32_ptr(a.exp_avgs, span), optional_fp32_ptr(a.masters.list, span),
+        span.size, novograd_step, denominators[span.tensor]);
   });
   finish_copy_back(a.copy_back);
   *a.scalars.step += 1.0f;
@@ -176,9 +178,8 @@ void novograd_cuda(const NovoGradArgs& a, const at::Tensor& step) {
   kernels::cuda::novograd(a.params, a.grads, a.exp_avgs, a.norm_avgs, a.masters.list, a.config,
                           a.scalars, a.write_grads,
                           static_cast<kernels::NovoGradStep*>(constants.data_ptr()),
-                          chunk_partials.data_ptr<float>(),
-                          chunk_owner.data_ptr<std::int32_t>(), reductions,
-                          current_stream(step.device()), a.part, a.masters.how);
+                          chunk_partials.data_ptr<float>(), chunk_owner.data_ptr<std::int32_t>(),
+                          reductions, current_stream(step.device()), a.part, a.masters.how);
   finish_copy_back(a.copy_back);
 }
 #endif
@@ -209,18 +210,19 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
   a.scalars = step_scalars(kNovoGrad, step, lr, grad_scale, found_inf, device);
   a.tensor_reductions = reductions_ptr(tensor_reductions, a.part, params.size(), home);
   // Only the second pass writes the grads back: the first reads them.
-  a.write_grads = a.part != kernels::NovoGradPart::kNorms &&
-                  writes_grads(write_unscaled_grads, a.scalars);
+  a.write_grads =
+      a.part != kernels::NovoGradPart::kNorms && writes_grads(write_unscaled_grads, a.scalars);
   a.grads = grad_refs(kNovoGrad, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   a.exp_avgs = companion_refs(kNovoGrad, exp_avgs, "exp_avgs", dense, Access::kWrite,
                               /*fp32_only=*/true, /*optional=*/false, a.keep_alive);
   a.norm_avgs = norm_avg_refs(norm_avgs, dense, home, a.keep_alive);
   // Checked in every part, though kNorms does not read it: both halves of a step take the
   // same arguments.
-  a.masters = master_args(kNovoGrad, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
-  a.config = {beta1,          beta2,             eps,      weight_decay, bias_correction,
-              grad_averaging, reg_inside_moment, max_norm, init_zero};
+  a.masters =
+      master_args(kNovoGrad, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
+  a.config = {
+      beta1,    beta2,    eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
+      max_norm, init_zero};
   if constexpr (kDevice == at::kCPU) {
     novograd_cpu(a);
   } else {

@@ -34,12 +34,11 @@ inline kernels::StepScalars step_scalars(const char* op, const at::Tensor& step,
 }
 
 // The hyperparameters of Adam's moments, which fused_adam_ and fused_lamb_ share.
-inline void check_moment_hyperparameters(const char* op, double beta1, double beta2,
-                                         double eps) {
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", op, ": beta1 must be in [0, 1), got ",
-              beta1, ".");
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", op, ": beta2 must be in [0, 1), got ",
-              beta2, ".");
+inline void check_moment_hyperparameters(const char* op, double beta1, double beta2, double eps) {
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "ampfuse.", op, ": beta1 must be in [0, 1), got ", beta1,
+              ".");
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "ampfuse.", op, ": beta2 must be in [0, 1), got ", beta2,
+              ".");
   TORCH_CHECK(eps >= 0.0, "ampfuse.", op, ": eps must be >= 0, got ", eps, ".");
 }
 

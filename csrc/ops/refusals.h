@@ -46,15 +46,19 @@ inline std::string sparse_fix(const std::string& op, bool compressed) {
 inline void check_supported(const char* op, const std::string& label, const at::Tensor& t) {
   if (!t.defined()) return;
   const std::string prefix = std::string("ampfuse.") + op + ": " + label;
-  TORCH_CHECK(!t.is_sparse(), prefix, " is a sparse COO tensor; ampfuse ops take dense "
-              "(strided) tensors. ", refusal_detail::sparse_fix(op, false));
+  TORCH_CHECK(!t.is_sparse(), prefix,
+              " is a sparse COO tensor; ampfuse ops take dense "
+              "(strided) tensors. ",
+              refusal_detail::sparse_fix(op, false));
   TORCH_CHECK(!t.is_sparse_csr(), prefix, " is a sparse tensor of layout ", t.layout(),
               "; ampfuse ops take dense (strided) tensors. ", refusal_detail::sparse_fix(op, true));
-  TORCH_CHECK(!t.is_mkldnn(), prefix, " is an mkldnn tensor; ampfuse ops take dense "
+  TORCH_CHECK(!t.is_mkldnn(), prefix,
+              " is an mkldnn tensor; ampfuse ops take dense "
               "(strided) tensors. Pass t.to_dense().");
   TORCH_CHECK(!t.is_quantized(), prefix, " is a quantized tensor (", t.scalar_type(),
               "); ampfuse ops take float32, float16 or bfloat16 tensors. Pass t.dequantize().");
-  TORCH_CHECK(!t.is_nested(), prefix, " is a nested tensor; ampfuse ops take lists of "
+  TORCH_CHECK(!t.is_nested(), prefix,
+              " is a nested tensor; ampfuse ops take lists of "
               "dense tensors. Pass its components as separate tensors (t.unbind()).");
   TORCH_CHECK(t.layout() == at::kStrided, prefix, " has layout ", t.layout(),
               "; ampfuse ops take dense (strided) tensors. Pass t.to_dense().");
@@ -92,7 +96,8 @@ inline void refuse_unsupported_inputs(const c10::OperatorHandle& op, torch::jit:
   }
   // Every tensor is of a supported kind, yet no CPU or CUDA kernel was picked: the dispatch
   // keys came from something else (a tensor subclass or mode that does not handle the op).
-  TORCH_CHECK(false, "ampfuse.", name, ": no ampfuse kernel handles these arguments (they are "
+  TORCH_CHECK(false, "ampfuse.", name,
+              ": no ampfuse kernel handles these arguments (they are "
               "not plain CPU or CUDA tensors); pass plain dense CPU or CUDA tensors.");
 }
 

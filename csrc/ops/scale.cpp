@@ -27,8 +27,8 @@ std::int32_t* tensor_flags_data(const char* op, const c10::optional<at::Tensor>&
   TORCH_CHECK(flags.scalar_type() == at::kInt && flags.dim() == 1 &&
                   flags.numel() == static_cast<std::int64_t>(count) && flags.is_contiguous(),
               "ampfuse.", op, ": tensor_flags must be a contiguous 1-D torch.int32 tensor with ",
-              "one element per tensor of ", list_name, " (", count, "), got shape ",
-              flags.sizes(), " and dtype torch.", c10::getDtypeNames(flags.scalar_type()).first,
+              "one element per tensor of ", list_name, " (", count, "), got shape ", flags.sizes(),
+              " and dtype torch.", c10::getDtypeNames(flags.scalar_type()).first,
               ". Create it with torch.zeros(len(", list_name, "), dtype=torch.int32, ",
               "device=...).");
   TORCH_CHECK(flags.device() == found_inf.device(), "ampfuse.", op, ": tensor_flags is on ",
@@ -116,8 +116,8 @@ void multi_tensor_scale_(at::TensorList src, at::TensorList dst, const at::Tenso
               " tensors but dst has ", dst.size(), "; pass one destination per source.");
   const auto device = list_device(kScale, src, "src");
   const auto dst_device = list_device(kScale, dst, "dst");
-  TORCH_CHECK(device == dst_device, "ampfuse.", kScale, ": src is on ", *device,
-              " but dst is on ", *dst_device, "; both lists must be on one device.");
+  TORCH_CHECK(device == dst_device, "ampfuse.", kScale, ": src is on ", *device, " but dst is on ",
+              *dst_device, "; both lists must be on one device.");
   check_scalar_tensor(kScale, scale, "scale", at::kFloat, device);
   check_scalar_tensor(kScale, found_inf, "found_inf", at::kFloat, device);
   std::vector<at::Tensor> keep_alive;
@@ -132,17 +132,17 @@ void multi_tensor_scale_(at::TensorList src, at::TensorList dst, const at::Tenso
   src_refs.reserve(src.size());
   for (std::size_t i = 0; i < src.size(); ++i) {
     const ArgLabel label{"src", static_cast<std::int64_t>(i)};
-    TORCH_CHECK(src[i].sizes() == dst[i].sizes(), "ampfuse.", kScale, ": ", label,
-                " has shape ", src[i].sizes(), " but ", arg_label("dst", i), " has shape ",
-                dst[i].sizes(), "; each destination must match its source's shape.");
+    TORCH_CHECK(src[i].sizes() == dst[i].sizes(), "ampfuse.", kScale, ": ", label, " has shape ",
+                src[i].sizes(), " but ", arg_label("dst", i), " has shape ", dst[i].sizes(),
+                "; each destination must match its source's shape.");
     if (src[i].numel() > 0 && src[i].storage().is_alias_of(dst[i].storage())) {
       const auto overlap = at::get_overlap_status(src[i], dst[i]);
-      TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
-                      (overlap == at::MemOverlapStatus::Full &&
-                       src[i].scalar_type() == dst[i].scalar_type()),
-                  "ampfuse.", kScale, ": ", label, " and ", arg_label("dst", i),
-                  " share memory without being the same tensor; use separate storage, or the "
-                  "very same tensor for an in-place scale.");
+      TORCH_CHECK(
+          overlap == at::MemOverlapStatus::No || (overlap == at::MemOverlapStatus::Full &&
+                                                  src[i].scalar_type() == dst[i].scalar_type()),
+          "ampfuse.", kScale, ": ", label, " and ", arg_label("dst", i),
+          " share memory without being the same tensor; use separate storage, or the "
+          "very same tensor for an in-place scale.");
     }
     const bool same_layout = src[i].is_non_overlapping_and_dense() &&
                              (src[i].numel() <= 1 || src[i].strides() == dense_dst[i].strides());
@@ -171,8 +171,8 @@ void multi_tensor_scale_(at::TensorList src, at::TensorList dst, const at::Tenso
 #ifdef AMPFUSE_WITH_CUDA
     if (dst_refs.empty()) return;
     const c10::cuda::CUDAGuard guard(found_inf.device());
-    kernels::cuda::scale(src_refs, dst_refs, scale.data_ptr<float>(),
-                         found_inf.data_ptr<float>(), flags, current_stream(found_inf.device()));
+    kernels::cuda::scale(src_refs, dst_refs, scale.data_ptr<float>(), found_inf.data_ptr<float>(),
+                         flags, current_stream(found_inf.device()));
     finish_copy_back(copy_back);
 #endif
   }

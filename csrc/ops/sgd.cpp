@@ -37,8 +37,7 @@ void sgd_cpu(const SgdArgs& a) {
       kernels::cpu::sgd_bf16_span(static_cast<std::uint16_t*>(element_ptr(param, span.offset)),
                                   a.masters.span(span, sgd_step.steps_taken),
                                   element_ptr(grad, span.offset), grad.dtype, a.write_grads,
-                                  optional_fp32_ptr(a.momentum_buffers, span), span.size,
-                                  sgd_step);
+                                  optional_fp32_ptr(a.momentum_buffers, span), span.size, sgd_step);
       return;
     }
     kernels::cpu::sgd_span(element_ptr(param, span.offset), param.dtype,
@@ -89,8 +88,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   a.grads = grad_refs(kSgd, grads, dense, a.write_grads, a.keep_alive, a.copy_back);
   a.momentum_buffers = companion_refs(kSgd, momentum_buffers, "momentum_buffers", dense,
                                       Access::kWrite, true, /*optional=*/true, a.keep_alive);
-  a.masters = master_args(kSgd, master_mode, dense, master_params, param_ids, seed,
-                          a.keep_alive);
+  a.masters = master_args(kSgd, master_mode, dense, master_params, param_ids, seed, a.keep_alive);
   a.config = {momentum, dampening, weight_decay, nesterov, maximize, wd_after_momentum};
   if constexpr (kDevice == at::kCPU) {
     sgd_cpu(a);

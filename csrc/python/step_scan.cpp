@@ -11,13 +11,12 @@
 // python/ampfuse/optimizers/_plan.py). scan_step() checks, here, that nothing it depends on
 // changed and returns the grads; anything unexpected makes it return None and the Python loop
 // runs instead, so this file only ever confirms the common case and decides nothing else.
-#include <Python.h>
+#include "step_scan.h"
 
+#include <Python.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-
-#include "step_scan.h"
 
 namespace ampfuse::python {
 namespace {
@@ -135,17 +134,16 @@ int entry_holds(PyObject* entry, PyObject* param, PyObject* state_map, PyObject*
   static PyObject* step_key = PyUnicode_InternFromString("step");
   static PyObject* mark_name = PyUnicode_InternFromString("mark");
   static PyObject* strides_name = PyUnicode_InternFromString("strides");
-  if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 1 ||
-      PyTuple_GET_ITEM(entry, 0) != param || !plain_tensor(param)) {
+  if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 1 || PyTuple_GET_ITEM(entry, 0) != param ||
+      !plain_tensor(param)) {
     return 0;
   }
   const at::Tensor& t = THPVariable_Unpack(param);
   const at::Tensor& grad = t.grad();
   if (PyTuple_GET_SIZE(entry) == 1) return grad.defined() ? 0 : 1;
   try {
-    if (PyTuple_GET_SIZE(entry) != 8 ||
-        !stepping_param_holds(entry, param, t, grad, state_map, step_key, mark_name,
-                              strides_name)) {
+    if (PyTuple_GET_SIZE(entry) != 8 || !stepping_param_holds(entry, param, t, grad, state_map,
+                                                              step_key, mark_name, strides_name)) {
       return 0;
     }
   } catch (const c10::Error&) {

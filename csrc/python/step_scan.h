@@ -1,4 +1,5 @@
-// ampfuse.ops._step_scan's Python functions that speed up a fused optimizer's step (see step_scan.cpp).
+// ampfuse.ops._step_scan's Python functions that speed up a fused optimizer's step (see
+// step_scan.cpp).
 #pragma once
 
 #include <Python.h>

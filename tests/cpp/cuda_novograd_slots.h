@@ -10,7 +10,6 @@
 #pragma once
 
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -103,10 +102,13 @@ struct HostStep {
   float* master;
 
   HostStep(NovoGradSlot& s, bool with_masters)
-      : slot(s), p(s.param.host), g(s.grad.host), m(s.m.host), w(s.master.host),
+      : slot(s),
+        p(s.param.host),
+        g(s.grad.host),
+        m(s.m.host),
+        w(s.master.host),
         norm_avg(initial_norm(s)),
-        master(with_masters ? reinterpret_cast<float*>(s.host_at(w, DType::kFloat32))
-                            : nullptr) {}
+        master(with_masters ? reinterpret_cast<float*>(s.host_at(w, DType::kFloat32)) : nullptr) {}
 
   // The first pass: the reduction of the unscaled grads (the grads are only read).
   double reduction(const NovoGradStep& step) {
@@ -147,10 +149,9 @@ void for_each_novograd_case(F&& f) {
     for (float steps_taken : kStepsTaken) {
       for (bool with_masters : {false, true}) {
         for (bool write_grads : {false, true}) {
-          INFO("max_norm " << config.max_norm << ", reg_inside_moment "
-                           << config.reg_inside_moment << ", init_zero " << config.init_zero
-                           << ", steps taken " << steps_taken << ", masters " << with_masters
-                           << ", write_grads " << write_grads);
+          INFO("max_norm " << config.max_norm << ", reg_inside_moment " << config.reg_inside_moment
+                           << ", init_zero " << config.init_zero << ", steps taken " << steps_taken
+                           << ", masters " << with_masters << ", write_grads " << write_grads);
           f(config, steps_taken, with_masters, write_grads);
         }
       }

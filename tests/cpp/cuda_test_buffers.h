@@ -4,9 +4,9 @@
 // units in the last place. Every CUDA call is a REQUIRE.
 #pragma once
 
-#include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -72,7 +72,8 @@ struct OptimizerSlot {
 
   OptimizerSlot(DType param_dtype, DType grad_dtype, std::int64_t size, std::int64_t off,
                 std::uint32_t seed, float grad_bound)
-      : n(size), offset(off),
+      : n(size),
+        offset(off),
         param(param_dtype, size + off, seed, -1.0f, 1.0f),
         grad(grad_dtype, size + off, seed + 1, -grad_bound, grad_bound),
         m(DType::kFloat32, size + off, seed + 2, -0.1f, 0.1f) {}

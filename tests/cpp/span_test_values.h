@@ -44,11 +44,17 @@ std::vector<Storage> stored(const std::vector<float>& x) {
 template <typename Storage>
 DType dtype_of();
 template <>
-inline DType dtype_of<float>() { return DType::kFloat32; }
+inline DType dtype_of<float>() {
+  return DType::kFloat32;
+}
 template <>
-inline DType dtype_of<cpu::Fp16Bits>() { return DType::kFloat16; }
+inline DType dtype_of<cpu::Fp16Bits>() {
+  return DType::kFloat16;
+}
 template <>
-inline DType dtype_of<cpu::Bf16Bits>() { return DType::kBFloat16; }
+inline DType dtype_of<cpu::Bf16Bits>() {
+  return DType::kBFloat16;
+}
 
 template <typename Storage>
 const char* name_of() {

@@ -7,7 +7,6 @@
 // for fp16/bf16; test_optimizer_variants.cpp holds the software-converting lanes to the same
 // bits.)
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -198,8 +197,8 @@ void check_nonfinite_step(std::int64_t n, const Case& c, const Options& o) {
 
   for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
     for (float bad : {kNan, kInf, -kInf}) {
-      INFO(c.name << ": " << name_of<Param>() << " params, " << name_of<Grad>() << " grads, n "
-                  << n << ", master " << o.with_master << ", " << bad << " at " << where);
+      INFO(c.name << ": " << name_of<Param>() << " params, " << name_of<Grad>() << " grads, n " << n
+                  << ", master " << o.with_master << ", " << bad << " at " << where);
       std::vector<float> poisoned_values(grad_values);
       const auto w = static_cast<std::size_t>(where);
       poisoned_values[w] = bad;
@@ -273,9 +272,10 @@ TEST_CASE("Adagrad constants: clr formed in double and rounded once, the decay's
   }
 }
 
-TEST_CASE("Adagrad span: float64 torch and apex references, and the scalar math's bits in "
-          "lanes and tails",
-          "[adagrad]") {
+TEST_CASE(
+    "Adagrad span: float64 torch and apex references, and the scalar math's bits in "
+    "lanes and tails",
+    "[adagrad]") {
   for (const Case& c : kCases) {
     for (std::int64_t n : kSpanSizes) {
       for (bool with_master : {false, true}) {

@@ -2,7 +2,6 @@
 // probabilities counted exactly, the split and kahan representations, and split against the
 // fp32-master kernel bit for bit (Adam and Adagrad).
 #include <catch2/catch.hpp>
-
 #include <cstring>
 #include <random>
 #include <vector>
@@ -43,10 +42,10 @@ TEST_CASE("rounding bits depend on every part of the key and on the index") {
     sum += bits[i];
   }
   REQUIRE(std::abs(sum / bits.size() / 65535.0 - 0.5) < 0.01);
-  for (const RoundingKey other : {chunk_key(rounding_key(2, 5.0f, 7), 0),
-                                  chunk_key(rounding_key(1, 6.0f, 7), 0),
-                                  chunk_key(rounding_key(1, 5.0f, 8), 0),
-                                  chunk_key(rounding_key(1, 5.0f, 7), std::int64_t{1} << 32)}) {
+  for (const RoundingKey other :
+       {chunk_key(rounding_key(2, 5.0f, 7), 0), chunk_key(rounding_key(1, 6.0f, 7), 0),
+        chunk_key(rounding_key(1, 5.0f, 8), 0),
+        chunk_key(rounding_key(1, 5.0f, 7), std::int64_t{1} << 32)}) {
     int same = 0;
     for (std::uint32_t i = 0; i < 1024; ++i) same += rounding_bits(other, i) == bits[i];
     REQUIRE(same < 8);
@@ -119,8 +118,8 @@ TEST_CASE("split's masters equal the fp32-master kernel's bit for bit") {
     adam_span(param1.data(), DType::kBFloat16, grad.data(), DType::kBFloat16, false, m1.data(),
               v1.data(), nullptr, master.data(), n, step);
     const Bf16Span split{MasterMode::kSplit, low.data(), {0u, 0u}, 0};
-    adam_bf16_span(param2.data(), split, grad.data(), DType::kBFloat16, false, m2.data(),
-                   v2.data(), nullptr, n, step);
+    adam_bf16_span(param2.data(), split, grad.data(), DType::kBFloat16, false, m2.data(), v2.data(),
+                   nullptr, n, step);
   }
   for (std::int64_t i = 0; i < n; ++i) {
     const float joined = Bf16Param<MasterMode::kSplit>::load(param2[i], low[i]);
@@ -152,16 +151,16 @@ TEST_CASE("Adagrad's bf16 spans: split equals the fp32-master kernel; spans do n
       adagrad_span(param1.data(), DType::kBFloat16, grad.data(), DType::kBFloat16, false,
                    sum1.data(), master.data(), n, step);
       const Bf16Span split{MasterMode::kSplit, low.data(), {0u, 0u}, 0};
-      adagrad_bf16_span(param2.data(), split, grad.data(), DType::kBFloat16, false, sum2.data(),
-                        n, step);
+      adagrad_bf16_span(param2.data(), split, grad.data(), DType::kBFloat16, false, sum2.data(), n,
+                        step);
       const RoundingKey key = rounding_key(3, static_cast<float>(t), 5);
       adagrad_bf16_span(whole.data(), {MasterMode::kStochastic, nullptr, key, 0}, grad.data(),
                         DType::kBFloat16, false, sum3.data(), n, step);
       adagrad_bf16_span(parts.data(), {MasterMode::kStochastic, nullptr, key, 0}, grad.data(),
                         DType::kBFloat16, false, sum4.data(), half, step);
       adagrad_bf16_span(parts.data() + half, {MasterMode::kStochastic, nullptr, key, half},
-                        grad.data() + half, DType::kBFloat16, false, sum4.data() + half,
-                        n - half, step);
+                        grad.data() + half, DType::kBFloat16, false, sum4.data() + half, n - half,
+                        step);
     }
   }
   for (std::int64_t i = 0; i < n; ++i) {

@@ -2,7 +2,6 @@
 // inf/nan test (nonfinite_kind.h), checked on the host: both are plain functions shared with
 // the device code, so every thread of a block can be simulated here.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -141,8 +140,8 @@ TEST_CASE("the word test finds every fp16 and bf16 inf/nan in either lane, and n
     const NonfiniteWordTest test = nonfinite_word_test(dtype);
     // Every 16-bit pattern in each lane, beside partners that reach the largest magnitude,
     // an inf, a nan and zero: a carry out of one lane would show in the other.
-    const std::uint16_t partners[] = {0x0000, 0x7fff, 0xffff, 0x7c00, 0x7f80, 0x7bff, 0x7f7f,
-                                      0x8000, 0x3c00};
+    const std::uint16_t partners[] = {0x0000, 0x7fff, 0xffff, 0x7c00, 0x7f80,
+                                      0x7bff, 0x7f7f, 0x8000, 0x3c00};
     bool all_right = true;
     for (std::uint32_t h = 0; h <= 0xffff; ++h) {
       for (std::uint16_t other : partners) {
@@ -153,7 +152,8 @@ TEST_CASE("the word test finds every fp16 and bf16 inf/nan in either lane, and n
         const bool h_bad = half_nonfinite(static_cast<std::uint16_t>(h), dtype);
         const bool other_bad = half_nonfinite(other, dtype);
         all_right &= lane_nonfinite(low, 0, 16) == h_bad && lane_nonfinite(low, 1, 16) == other_bad;
-        all_right &= lane_nonfinite(high, 1, 16) == h_bad && lane_nonfinite(high, 0, 16) == other_bad;
+        all_right &=
+            lane_nonfinite(high, 1, 16) == h_bad && lane_nonfinite(high, 0, 16) == other_bad;
         all_right &= (low & ~test.signs) == 0 && (high & ~test.signs) == 0;
       }
     }

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "bf16_modes.h"
-#include "cpu/coded_moments.h"
-#include "cpu/lanes_avx512.h"
-#include "cpu/cpu_kernels.h"
 #include "coded_test_values.h"
+#include "cpu/coded_moments.h"
+#include "cpu/cpu_kernels.h"
+#include "cpu/lanes_avx512.h"
 #include "variant_test_arrays.h"
 
 using namespace ampfuse::kernels;

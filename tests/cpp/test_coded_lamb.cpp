@@ -4,18 +4,17 @@
 // grad) dtype pair, size, master, grad write-back and non-finite grads of the variant
 // comparisons, each master-free bf16 mode, both codes, L2 and decoupled decay, clipping.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
 #include "bf16_modes.h"
+#include "coded_test_values.h"
 #include "cpu/coded_moments.h"
 #include "cpu/lamb_coded.h"
 #include "cpu/lanes_avx512.h"
 #include "span_test_values.h"
-#include "coded_test_values.h"
 #include "variant_test_arrays.h"
 
 using namespace ampfuse::kernels;
@@ -46,8 +45,13 @@ struct State {
         exp_avg_sq(squares(test_values(n, 4, false)), code, true) {}
 
   CodedMoments moments() {
-    return {code,    exp_avg.codes.data(), exp_avg.scales.data(), exp_avg_sq.codes.data(),
-            exp_avg_sq.scales.data(), nullptr, nullptr};
+    return {code,
+            exp_avg.codes.data(),
+            exp_avg.scales.data(),
+            exp_avg_sq.codes.data(),
+            exp_avg_sq.scales.data(),
+            nullptr,
+            nullptr};
   }
 };
 
@@ -76,8 +80,7 @@ std::vector<Passes> fused_passes() {
   return passes;
 }
 
-const Passes kPortable{"portable", portable::lamb_coded_sums_span,
-                       portable::lamb_coded_step_span};
+const Passes kPortable{"portable", portable::lamb_coded_sums_span, portable::lamb_coded_step_span};
 
 // One step as the op runs it on a one-span tensor: the sums, the trust ratio (the plain learning
 // rate where non-finite grads make it so, for the reason test_lamb_variants.cpp gives), the step.

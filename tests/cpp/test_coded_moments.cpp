@@ -4,9 +4,8 @@
 // Each check runs the dispatching functions and every implementation the processor has
 // (portable::, avx2_fma::, avx512::), the vector ones also at the edges of their vector path.
 // Their division-free quotients are checked in test_exact_quotient.cpp.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,9 +35,9 @@ float nan_with_payload(std::uint32_t payload) {
 }
 
 using DecodeSpan = void (*)(const std::uint8_t*, const float*, std::int64_t, std::int64_t,
-                           StateCode, bool, float*);
+                            StateCode, bool, float*);
 using EncodeSpan = void (*)(const float*, std::int64_t, std::int64_t, StateCode, bool,
-                           std::uint8_t*, float*);
+                            std::uint8_t*, float*);
 
 struct Implementation {
   const char* name;
@@ -53,12 +52,12 @@ std::vector<Implementation> implementations() {
       {"portable", k::cpu::portable::decode_moment_span, k::cpu::portable::encode_moment_span}};
 #ifdef AMPFUSE_HAVE_CODED_AVX2_FMA
   if (k::cpu::avx2_fma::supported()) {
-    all.push_back({"avx2_fma", k::cpu::avx2_fma::decode_moment_span,
-                   k::cpu::avx2_fma::encode_moment_span});
+    all.push_back(
+        {"avx2_fma", k::cpu::avx2_fma::decode_moment_span, k::cpu::avx2_fma::encode_moment_span});
   }
   if (k::cpu::cpu_has_avx512()) {
-    all.push_back({"avx512", k::cpu::avx512::decode_moment_span,
-                   k::cpu::avx512::encode_moment_span});
+    all.push_back(
+        {"avx512", k::cpu::avx512::decode_moment_span, k::cpu::avx512::encode_moment_span});
   }
 #endif
   return all;
@@ -68,8 +67,8 @@ template <StateCode kCode, bool kSecond>
 void check_decode(const Implementation& impl) {
   // Every code under several scales, as one span of 256-element blocks.
   // (The last block is short, so its tail runs the scalar loop.)
-  const float scales[] = {1.0f, 0.0f, 3.0e-5f, 7.5f, -2.0f, 1.0e-40f, INFINITY,
-                          nan_with_payload(2)};
+  const float scales[] = {1.0f,  0.0f,     3.0e-5f,  7.5f,
+                          -2.0f, 1.0e-40f, INFINITY, nan_with_payload(2)};
   constexpr int kBlocks = 8;
   std::vector<std::uint8_t> codes(256 * kBlocks - 3);
   for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint8_t>(i);
@@ -97,8 +96,8 @@ void check_encode(const Implementation& impl, const std::vector<float>& moment) 
   impl.encode(moment.data(), 0, n, kCode, kSecond, codes.data(), scales.data());
   for (std::int64_t b = 0; b < blocks; ++b) {
     const int size = static_cast<int>(std::min<std::int64_t>(256, n - 256 * b));
-    k::encode_block<kCode, kSecond>(moment.data() + 256 * b, size,
-                                    expected_codes.data() + 256 * b, &expected_scales[b]);
+    k::encode_block<kCode, kSecond>(moment.data() + 256 * b, size, expected_codes.data() + 256 * b,
+                                    &expected_scales[b]);
   }
   INFO(impl.name);
   for (std::int64_t b = 0; b < blocks; ++b) {

@@ -1,7 +1,6 @@
 // CPU span kernels against a float64 reference, at sizes around the vector
 // block and the 64K chunk, with inf/nan placed at the first, a middle and the last element.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -37,10 +36,13 @@ struct Buffer {
     if (d == DType::kFloat32) {
       single = values;
     } else {
-      for (float x : values) half.push_back(d == DType::kFloat16 ? float_to_fp16(x) : float_to_bf16(x));
+      for (float x : values)
+        half.push_back(d == DType::kFloat16 ? float_to_fp16(x) : float_to_bf16(x));
     }
   }
-  void* data() { return dtype == DType::kFloat32 ? static_cast<void*>(single.data()) : half.data(); }
+  void* data() {
+    return dtype == DType::kFloat32 ? static_cast<void*>(single.data()) : half.data();
+  }
   float at(std::size_t i) const {
     if (dtype == DType::kFloat32) return single[i];
     return dtype == DType::kFloat16 ? fp16_to_float(half[i]) : bf16_to_float(half[i]);
@@ -105,7 +107,10 @@ TEST_CASE("the span kernels tell inf from nan, wherever they are, on every imple
         // (values planted, kinds expected): a second value, when there is one, goes to the
         // element after `where` (or before it at the end), often in the same vector block.
         const std::vector<std::pair<std::vector<float>, std::uint32_t>> cases = {
-            {{inf}, kHeldInf}, {{-inf}, kHeldInf}, {{nan}, kHeldNan}, {{-nan}, kHeldNan},
+            {{inf}, kHeldInf},
+            {{-inf}, kHeldInf},
+            {{nan}, kHeldNan},
+            {{-nan}, kHeldNan},
             {{inf, nan}, kHeldInf | kHeldNan}};
         for (const auto& [planted, expected] : cases) {
           if (planted.size() > static_cast<std::size_t>(n)) continue;
@@ -122,8 +127,7 @@ TEST_CASE("the span kernels tell inf from nan, wherever they are, on every imple
             Buffer in_place(dtype, values);
             REQUIRE(scale(in_place.data(), dtype, in_place.data(), dtype, n, 0.5f) == expected);
             Buffer to_fp32(DType::kFloat32, std::vector<float>(static_cast<std::size_t>(n)));
-            REQUIRE(scale(buf.data(), dtype, to_fp32.data(), DType::kFloat32, n, 2.0f) ==
-                    expected);
+            REQUIRE(scale(buf.data(), dtype, to_fp32.data(), DType::kFloat32, n, 2.0f) == expected);
           }
           REQUIRE(unscale_span(Buffer(dtype, values).data(), dtype, n, 0.5f) == expected);
         }
@@ -133,8 +137,12 @@ TEST_CASE("the span kernels tell inf from nan, wherever they are, on every imple
 }
 
 TEST_CASE("no false positive on the largest finite values") {
-  const std::vector<float> big = {65504.0f, -65504.0f, 3.0e38f, -3.0e38f,
-                                  std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min()};
+  const std::vector<float> big = {65504.0f,
+                                  -65504.0f,
+                                  3.0e38f,
+                                  -3.0e38f,
+                                  std::numeric_limits<float>::max(),
+                                  std::numeric_limits<float>::denorm_min()};
   Buffer f32(DType::kFloat32, big);
   REQUIRE_FALSE(unscale_span(f32.data(), DType::kFloat32, 6, 1.0f));
   Buffer f16(DType::kFloat16, {65504.0f, -65504.0f, 6.0e-8f});
@@ -144,10 +152,9 @@ TEST_CASE("no false positive on the largest finite values") {
 }
 
 TEST_CASE("nonfinite_span flags inf and nan at the first, a middle and the last element") {
-  const float bad_values[] = {std::numeric_limits<float>::infinity(),
-                              -std::numeric_limits<float>::infinity(),
-                              std::numeric_limits<float>::quiet_NaN(),
-                              -std::numeric_limits<float>::quiet_NaN()};
+  const float bad_values[] = {
+      std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+      std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()};
   for (DType dtype : kDtypes) {
     for (std::int64_t n : kSizes) {
       const Buffer clean(dtype, random_floats(n, 6));

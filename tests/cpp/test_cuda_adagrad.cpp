@@ -3,9 +3,9 @@
 // product into an FMA; the CPU build passes -ffp-contract=off), so from the same constants the
 // GPU's params, masters, sums and written-back grads are the CPU's, also in the bf16 master
 // modes. And a skipped step writes nothing; the step count advances even over an empty list.
-#include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -88,8 +88,8 @@ void require_matches_cpu(const Slots& slots, bool with_masters, bool write_grads
       return reinterpret_cast<float*>(s.host_at(h, DType::kFloat32));
     };
     cpu::adagrad_span(s.host_at(p, s.param.dtype), s.param.dtype, s.host_at(g, s.grad.dtype),
-                      s.grad.dtype, write_grads, fp32(sum), with_masters ? fp32(w) : nullptr,
-                      s.n, used);
+                      s.grad.dtype, write_grads, fp32(sum), with_masters ? fp32(w) : nullptr, s.n,
+                      used);
     INFO("tensor " << t << " (" << s.n << " elements)");
     REQUIRE(s.param.download() == p);
     REQUIRE(s.grad.download() == g);
@@ -108,8 +108,8 @@ TEST_CASE("CUDA Adagrad is bit-identical to the CPU span, and skips on overflow"
       for (bool with_masters : {false, true}) {
         for (bool write_grads : {false, true}) {
           INFO("weight_decay " << config.weight_decay << ", decoupled " << config.decoupled
-                               << ", steps taken " << steps_taken << ", masters "
-                               << with_masters << ", write_grads " << write_grads);
+                               << ", steps taken " << steps_taken << ", masters " << with_masters
+                               << ", write_grads " << write_grads);
           const Slots slots = adagrad_slots();
           const AdagradLists lists(slots, with_masters);
           DeviceScalar<AdagradStep> constants(AdagradStep{});
@@ -139,8 +139,8 @@ TEST_CASE("CUDA Adagrad is bit-identical to the CPU span, and skips on overflow"
           // stay as they are.
           const std::vector<std::vector<unsigned char>> before = download_slots(slots);
           found.set(1.0f);
-          cuda::adagrad(lists.P, lists.G, lists.S, lists.W, config, scalars, true,
-                        constants.device, nullptr);
+          cuda::adagrad(lists.P, lists.G, lists.S, lists.W, config, scalars, true, constants.device,
+                        nullptr);
           check(cudaDeviceSynchronize());
           REQUIRE(step.get() == steps_taken + 1.0f);
           REQUIRE(download_slots(slots) == before);
@@ -188,8 +188,8 @@ TEST_CASE("CUDA Adagrad's bf16 modes are bit-identical to the CPU spans, and ski
     DeviceScalar<AdagradStep> constants(AdagradStep{});
     DeviceScalar<float> step(3.0f), lr(kLr), scale(kLossScale), found(0.0f);
     const StepScalars scalars{step.device, lr.device, scale.device, found.device};
-    cuda::adagrad(lists.P, lists.G, lists.S, lists.W, kConfigs[0], scalars, true,
-                  constants.device, nullptr, how);
+    cuda::adagrad(lists.P, lists.G, lists.S, lists.W, kConfigs[0], scalars, true, constants.device,
+                  nullptr, how);
     check(cudaDeviceSynchronize());
     const AdagradStep used = constants.get();
     for (std::size_t t = 0; t < slots.size(); ++t) {
@@ -200,11 +200,9 @@ TEST_CASE("CUDA Adagrad's bf16 modes are bit-identical to the CPU spans, and ski
         return reinterpret_cast<std::uint16_t*>(s.host_at(h, DType::kBFloat16));
       };
       const cpu::Bf16Span span{mode, stochastic ? nullptr : bits(x),
-                               stochastic ? rounding_key(9, 3.0f, ids[t]) : RoundingKey{0u, 0u},
-                               0};
+                               stochastic ? rounding_key(9, 3.0f, ids[t]) : RoundingKey{0u, 0u}, 0};
       cpu::adagrad_bf16_span(bits(p), span, s.host_at(g, s.grad.dtype), s.grad.dtype, true,
-                             reinterpret_cast<float*>(s.host_at(sum, DType::kFloat32)), s.n,
-                             used);
+                             reinterpret_cast<float*>(s.host_at(sum, DType::kFloat32)), s.n, used);
       INFO("tensor " << t);
       REQUIRE(s.param.download() == p);
       REQUIRE(s.grad.download() == g);
@@ -214,8 +212,8 @@ TEST_CASE("CUDA Adagrad's bf16 modes are bit-identical to the CPU spans, and ski
     std::vector<std::vector<unsigned char>> before = download_slots(slots);
     for (const auto& e : extras) before.push_back(e->download());
     found.set(1.0f);
-    cuda::adagrad(lists.P, lists.G, lists.S, lists.W, kConfigs[0], scalars, true,
-                  constants.device, nullptr, how);
+    cuda::adagrad(lists.P, lists.G, lists.S, lists.W, kConfigs[0], scalars, true, constants.device,
+                  nullptr, how);
     check(cudaDeviceSynchronize());
     std::vector<std::vector<unsigned char>> after = download_slots(slots);
     for (const auto& e : extras) after.push_back(e->download());

@@ -1,8 +1,8 @@
 // The CUDA launchers against the CPU kernels, on a GPU machine. Host code only
 // (the CUDA runtime API), so it builds with the C++ compiler.
-#include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -46,7 +46,8 @@ TEST_CASE("CUDA unscale is bit-identical to the CPU kernel, over many tensors") 
 }
 
 TEST_CASE("CUDA unscale and scale flag inf/nan at the first, middle and last element") {
-  const float bad[] = {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  const float bad[] = {std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN()};
   for (DType dtype : kDtypes) {
     for (std::int64_t n : {std::int64_t{1}, std::int64_t{65537}}) {
       for (std::int64_t where : {std::int64_t{0}, n / 2, n - 1}) {
@@ -207,8 +208,10 @@ TEST_CASE("CUDA scale casts between every dtype pair like the CPU kernel, aligne
         for (std::int64_t offset : {std::int64_t{0}, std::int64_t{1}}) {
           if (offset >= n) continue;
           const std::int64_t len = n - offset;
-          std::vector<TensorRef> s = {{static_cast<char*>(src.device) + offset * element_size(from), len, from}};
-          std::vector<TensorRef> d = {{static_cast<char*>(dst.device) + offset * element_size(to), len, to}};
+          std::vector<TensorRef> s = {
+              {static_cast<char*>(src.device) + offset * element_size(from), len, from}};
+          std::vector<TensorRef> d = {
+              {static_cast<char*>(dst.device) + offset * element_size(to), len, to}};
           DeviceScalar<float> found(0.0f), factor(3.0f);
           cuda::scale(s, d, factor.device, found.device, nullptr, nullptr);
           std::vector<unsigned char> expected = dst.download();
@@ -264,7 +267,8 @@ TEST_CASE("CUDA update_scale follows the host rule step by step") {
     found.set(overflow);
     cuda::update_scale(scale.device, growth.device, hysteresis.device, found.device, 2.0, 0.5, 7, 2,
                        1.0, 1e6, nullptr);
-    apply_scale_rule(&host_scale, &host_growth, &host_hysteresis, overflow, 2.0, 0.5, 7, 2, 1.0, 1e6);
+    apply_scale_rule(&host_scale, &host_growth, &host_hysteresis, overflow, 2.0, 0.5, 7, 2, 1.0,
+                     1e6);
     REQUIRE(scale.get() == host_scale);
     REQUIRE(growth.get() == host_growth);
     REQUIRE(hysteresis.get() == host_hysteresis);
@@ -280,9 +284,7 @@ Constants download_constants(const void* device) {
 }
 
 // Floats one unit in the last place apart at most.
-bool within_one_ulp(float a, float b) {
-  return a == b || std::nextafter(a, b) == b;
-}
+bool within_one_ulp(float a, float b) { return a == b || std::nextafter(a, b) == b; }
 
 // The FMA contract (docs/design/kernels.md): the element updates use explicitly rounded
 // products on the GPU, so for the same inputs and step constants CUDA and CPU agree bit for
@@ -300,8 +302,10 @@ TEST_CASE("CUDA Adam and SGD are bit-identical to the CPU kernels, and skip on o
         // 65537 elements: packs and a scalar tail; offset 1 breaks 16-byte alignment.
         for (std::int64_t offset : {std::int64_t{0}, std::int64_t{1}}) {
           const std::int64_t n = offset == 0 ? 65537 : 5;
-          DeviceTensor param(param_dtype, n + offset, 1, 1.0f), grad(grad_dtype, n + offset, 2, 1.0f);
-          DeviceTensor m(DType::kFloat32, n + offset, 3, 0.1f), v(DType::kFloat32, n + offset, 4, 0.0f);
+          DeviceTensor param(param_dtype, n + offset, 1, 1.0f),
+              grad(grad_dtype, n + offset, 2, 1.0f);
+          DeviceTensor m(DType::kFloat32, n + offset, 3, 0.1f),
+              v(DType::kFloat32, n + offset, 4, 0.0f);
           DeviceTensor vmax(DType::kFloat32, n + offset, 5, 0.0f);
           DeviceTensor master(DType::kFloat32, n + offset, 6, 1.0f);
           DeviceScalar<float> step(3.0f), lr(1e-3f), scale(512.0f), found(0.0f);

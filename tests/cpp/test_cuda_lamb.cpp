@@ -7,9 +7,9 @@
 // result: where p - ratio * update nearly cancels, a 2-ulp ratio difference moves the param by
 // thousands of its own ulps. The first H100 run failed that way: 2048 ulps, at a param of
 // -3.3e-7 that started at -3.9e-4.)
-#include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -80,9 +80,13 @@ struct HostStep {
   float* master;
 
   HostStep(LambSlot& s, bool with_masters)
-      : slot(s), p(s.param.host), g(s.grad.host), m(s.m.host), v(s.v.host), w(s.master.host),
-        master(with_masters ? reinterpret_cast<float*>(s.host_at(w, DType::kFloat32))
-                            : nullptr) {}
+      : slot(s),
+        p(s.param.host),
+        g(s.grad.host),
+        m(s.m.host),
+        v(s.v.host),
+        w(s.master.host),
+        master(with_masters ? reinterpret_cast<float*>(s.host_at(w, DType::kFloat32)) : nullptr) {}
 
   float* moment(std::vector<unsigned char>& h) {
     return reinterpret_cast<float*>(slot.host_at(h, DType::kFloat32));
@@ -96,8 +100,8 @@ struct HostStep {
     return {param_sq, update_sq};
   }
   void apply(const LambStep& step, float ratio) {
-    cpu::lamb_apply_span(slot.host_at(p, slot.param.dtype), slot.param.dtype, moment(m),
-                         moment(v), master, slot.n, step, ratio);
+    cpu::lamb_apply_span(slot.host_at(p, slot.param.dtype), slot.param.dtype, moment(m), moment(v),
+                         master, slot.n, step, ratio);
   }
 };
 
@@ -122,17 +126,15 @@ TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
         const float* norm = config.max_grad_norm > 0.0 ? grad_norm.device : nullptr;
 
         cuda::lamb(lists.P, lists.G, lists.M, lists.V, lists.W, config, scalars, norm, write_grads,
-                   constants.device, chunk_sums.device, chunk_owner.device, ratios.device,
-                   nullptr);
+                   constants.device, chunk_sums.device, chunk_owner.device, ratios.device, nullptr);
         check(cudaDeviceSynchronize());
         REQUIRE(step.get() == 4.0f);
 
         // The CPU reference runs with the constants the GPU used (each side's double pow may
         // differ in the last bit; compared to within one ulp here).
         const LambStep used = constants.get();
-        const LambStep host = make_lamb_constants(config, 3.0f, 1e-3f, 512.0f,
-                                                  config.max_grad_norm > 0.0 ? 512.0f * 300.0f
-                                                                             : 0.0f);
+        const LambStep host = make_lamb_constants(
+            config, 3.0f, 1e-3f, 512.0f, config.max_grad_norm > 0.0 ? 512.0f * 300.0f : 0.0f);
         REQUIRE(floats_within_ulps(used.bias_correction1, host.bias_correction1, 1));
         REQUIRE(floats_within_ulps(used.bias_correction2, host.bias_correction2, 1));
         REQUIRE(used.clip_divisor == host.clip_divisor);
@@ -164,8 +166,7 @@ TEST_CASE("CUDA LAMB matches the CPU LAMB spans, and skips on overflow") {
         const std::vector<std::vector<unsigned char>> before = download_slots(slots);
         found.set(1.0f);
         cuda::lamb(lists.P, lists.G, lists.M, lists.V, lists.W, config, scalars, norm, true,
-                   constants.device, chunk_sums.device, chunk_owner.device, ratios.device,
-                   nullptr);
+                   constants.device, chunk_sums.device, chunk_owner.device, ratios.device, nullptr);
         check(cudaDeviceSynchronize());
         REQUIRE(step.get() == 4.0f);
         REQUIRE(download_slots(slots) == before);
@@ -211,8 +212,8 @@ TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bi
         DeviceArray<double> sums_a(2 * static_cast<std::int64_t>(n)),
             sums_b(2 * static_cast<std::int64_t>(n));
         DeviceScalar<LambStep> constants_a(LambStep{}), constants_b(LambStep{});
-        DeviceScalar<float> step_a(3.0f), step_b(3.0f), lr(1e-3f), scale(512.0f),
-            found(0.0f), grad_norm(512.0f * 300.0f);
+        DeviceScalar<float> step_a(3.0f), step_b(3.0f), lr(1e-3f), scale(512.0f), found(0.0f),
+            grad_norm(512.0f * 300.0f);
         const StepScalars scalars_a{step_a.device, lr.device, scale.device, found.device};
         const StepScalars scalars_b{step_b.device, lr.device, scale.device, found.device};
         const float* norm = config.max_grad_norm > 0.0 ? grad_norm.device : nullptr;
@@ -243,9 +244,8 @@ TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bi
 
         // The second half, as the op runs it: no grad norm (it forms no clip), no grad
         // write-back, no chunk scratch (it reads neither grads nor chunk sums).
-        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, nullptr, false,
-                   constants_b.device, nullptr, nullptr, ratios_b.device, nullptr,
-                   LambPart::kApply, sums_b.device);
+        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, nullptr, false, constants_b.device,
+                   nullptr, nullptr, ratios_b.device, nullptr, LambPart::kApply, sums_b.device);
         check(cudaDeviceSynchronize());
         REQUIRE(step_b.get() == 4.0f);
         const LambStep used_b = constants_b.get();
@@ -280,9 +280,8 @@ TEST_CASE("CUDA LAMB in two halves (moments, then apply) is the one-call step bi
         REQUIRE(download_slots(two) == before);
         REQUIRE(download_array(sums_b.device, 2 * n) == host_sums_a);
         check(cudaMemset(sums_b.device, 0, sizeof(double) * 2 * n));  // would change ratios
-        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, nullptr, false,
-                   constants_b.device, nullptr, nullptr, ratios_b.device, nullptr,
-                   LambPart::kApply, sums_b.device);
+        cuda::lamb(b.P, b.G, b.M, b.V, b.W, config, scalars_b, nullptr, false, constants_b.device,
+                   nullptr, nullptr, ratios_b.device, nullptr, LambPart::kApply, sums_b.device);
         check(cudaDeviceSynchronize());
         REQUIRE(step_b.get() == 4.0f);
         REQUIRE(download_slots(two) == before);
@@ -310,8 +309,8 @@ TEST_CASE("CUDA LAMB's halves on a shard without elements: zero sums, and the co
   check(cudaDeviceSynchronize());
   REQUIRE(step.get() == 7.0f);
   REQUIRE(download_array(sums.device, 2) == std::vector<double>{0.0, 0.0});
-  cuda::lamb(l.P, l.G, l.M, l.V, l.W, config, scalars, nullptr, false, constants.device,
-             nullptr, nullptr, ratio.device, nullptr, LambPart::kApply, sums.device);
+  cuda::lamb(l.P, l.G, l.M, l.V, l.W, config, scalars, nullptr, false, constants.device, nullptr,
+             nullptr, ratio.device, nullptr, LambPart::kApply, sums.device);
   check(cudaDeviceSynchronize());
   REQUIRE(step.get() == 8.0f);
   REQUIRE(download_array(ratio.device, 1) == std::vector<float>{1e-3f});

@@ -1,9 +1,9 @@
 // Entry point of the CUDA kernel tests: without a usable GPU there is nothing to
 // run, and exit code 77 tells ctest to report the test as skipped, not passed.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 
 int main(int argc, char* argv[]) {

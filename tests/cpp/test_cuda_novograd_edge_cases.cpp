@@ -1,9 +1,9 @@
 // cuda::novograd at its edges: an empty list, a missing reductions array, a shard without
 // elements, a NaN grad under the max norm, and more tensors than one launch holds. The CPU
 // reference is cuda_novograd_slots.h's.
-#include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -124,9 +124,9 @@ TEST_CASE("CUDA NovoGrad's max norm lets a NaN grad through, across threads and 
       DeviceScalar<NovoGradStep> constants(NovoGradStep{});
       DeviceScalar<float> step(3.0f), lr(1e-3f), scale(kLossScale);
       const StepScalars scalars{step.device, lr.device, scale.device, nullptr};
-      cuda::novograd(l.P, l.G, l.M, l.A, l.W, kNovoGradConfigs[2], scalars, false,
-                     constants.device, chunk_partials.device, chunk_owner.device,
-                     reductions.device, nullptr, NovoGradPart::kNorms);
+      cuda::novograd(l.P, l.G, l.M, l.A, l.W, kNovoGradConfigs[2], scalars, false, constants.device,
+                     chunk_partials.device, chunk_owner.device, reductions.device, nullptr,
+                     NovoGradPart::kNorms);
       check(cudaDeviceSynchronize());
       const std::vector<double> r = download_array(reductions.device, 2);
       HostStep host(s, false), finite(*slots[1], false);

@@ -4,9 +4,8 @@
 // dividend of thousands of divisors (hidden), and a proof over every pair of significands: the
 // quotients near a rounding midpoint, the only ones the correction could round the wrong way,
 // found for each of the 2^23 divisor significands and checked.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -39,12 +38,10 @@ std::vector<std::pair<const char*, Quotients>> quotient_paths() {
 // How many of `quotients`' dividend[i] / divisor, among the first `counted`, differ from the
 // division's bits. `quotient` is the output's buffer, kept by the caller (a fresh 32 MB per call
 // was mostly page faults).
-std::size_t wrong_quotients(Quotients quotients, const std::vector<float>& dividend,
-                            float divisor, std::vector<float>& quotient,
-                            std::size_t counted = SIZE_MAX) {
+std::size_t wrong_quotients(Quotients quotients, const std::vector<float>& dividend, float divisor,
+                            std::vector<float>& quotient, std::size_t counted = SIZE_MAX) {
   quotient.resize(dividend.size());
-  quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()), divisor,
-            quotient.data());
+  quotients(dividend.data(), static_cast<std::int64_t>(dividend.size()), divisor, quotient.data());
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < std::min(counted, dividend.size()); ++i) {
     wrong += bits_of(quotient[i]) != bits_of(dividend[i] / divisor);
@@ -111,8 +108,8 @@ TEST_CASE("exact quotient: division-free quotients for every dividend of many di
   std::vector<float> divisors;
   for (std::uint32_t i = 0; i < count; ++i) {
     divisors.push_back(float_of(0x3f800000u + (gen() & 0x7fffffu)));  // random
-    divisors.push_back(float_of(0x3fffffffu - i));                     // largest
-    divisors.push_back(float_of(0x3f800000u + i));                     // smallest
+    divisors.push_back(float_of(0x3fffffffu - i));                    // largest
+    divisors.push_back(float_of(0x3f800000u + i));                    // smallest
     float d;
     do {
       d = float_of(0x3f800000u + (gen() & 0x7fffffu));
@@ -171,8 +168,8 @@ void near_midpoint_dividends(std::uint32_t divisor_bits, std::vector<std::uint32
       const std::uint64_t period = std::uint64_t{1} << period_bits;
       const std::uint64_t m0 = (static_cast<std::uint64_t>(-n) * inverse) & (period - 1);
       const std::uint64_t low = std::uint64_t{1} << 24;
-      std::uint64_t m = m0 < low ? m0 + ((low - m0 + period - 1) >> period_bits << period_bits)
-                                 : m0;
+      std::uint64_t m =
+          m0 < low ? m0 + ((low - m0 + period - 1) >> period_bits << period_bits) : m0;
       for (; m < (std::uint64_t{1} << 25); m += period) {
         const std::uint64_t numerator = m * D + static_cast<std::uint64_t>(N);  // m D + N
         const std::uint64_t X = numerator >> shift;
@@ -237,9 +234,9 @@ TEST_CASE("exact quotient: the near-midpoint pairs are the ones a search of ever
   std::mt19937 gen(31);
   // 1, its neighbours, the largest, 127 and 448 (no pairs: powers of two times 127 and 7),
   // significands with three trailing zeros (the most N allows), and random ones.
-  std::vector<std::uint32_t> divisors = {1u << 23,   (1u << 23) + 1, (1u << 24) - 1, 127u << 17,
-                                         7u << 21,   (1u << 23) + 8, (1u << 23) + 24, 0xabcde8u,
-                                         0xfffff8u};
+  std::vector<std::uint32_t> divisors = {1u << 23,        (1u << 23) + 1, (1u << 24) - 1,
+                                         127u << 17,      7u << 21,       (1u << 23) + 8,
+                                         (1u << 23) + 24, 0xabcde8u,      0xfffff8u};
   for (int i = 0; i < 12; ++i) divisors.push_back((1u << 23) | (gen() & 0x7fffffu));
   std::vector<std::uint32_t> found;
   std::size_t pairs = 0;
@@ -255,8 +252,8 @@ TEST_CASE("exact quotient: the near-midpoint pairs are the ones a search of ever
   CHECK(pairs > 50);  // the sets compared are not all empty
   // The pairs are the hard ones: the first quotient alone rounds many of them wrongly.
   std::size_t checked = 0;
-  const std::size_t wrong = wrong_near_midpoints(uncorrected_quotients, 1u << 23,
-                                                 (1u << 23) + 4096, checked);
+  const std::size_t wrong =
+      wrong_near_midpoints(uncorrected_quotients, 1u << 23, (1u << 23) + 4096, checked);
   CHECK(checked > 10000);
   CHECK(wrong > checked / 10);
 }

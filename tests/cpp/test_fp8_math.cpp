@@ -1,7 +1,6 @@
 // The FP8 cast and the delayed-scaling rule of fp8_math.h against references built from
 // the formats' definitions (decode every code, round to the nearest by search).
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -74,10 +73,10 @@ TEST_CASE("values between two codes round to the nearer, ties to the even code")
 
 TEST_CASE("the scaled cast saturates inf and large values and keeps nan") {
   using ampfuse::kernels::scale_to_fp8;
-  CHECK(scale_to_fp8<Fp8Format::kE4M3>(INFINITY, 1.0f) == 0x7e);   // 448
-  CHECK(scale_to_fp8<Fp8Format::kE4M3>(-1e30f, 1.0f) == 0xfe);     // -448
+  CHECK(scale_to_fp8<Fp8Format::kE4M3>(INFINITY, 1.0f) == 0x7e);  // 448
+  CHECK(scale_to_fp8<Fp8Format::kE4M3>(-1e30f, 1.0f) == 0xfe);    // -448
   CHECK(scale_to_fp8<Fp8Format::kE4M3>(1.0f, INFINITY) == 0x7e);
-  CHECK(scale_to_fp8<Fp8Format::kE5M2>(INFINITY, 1.0f) == 0x7b);   // 57344
+  CHECK(scale_to_fp8<Fp8Format::kE5M2>(INFINITY, 1.0f) == 0x7b);  // 57344
   CHECK(scale_to_fp8<Fp8Format::kE5M2>(-60000.0f, 1.0f) == 0xfb);
   CHECK((scale_to_fp8<Fp8Format::kE4M3>(std::nanf(""), 2.0f) & 0x7f) == 0x7f);
   CHECK((scale_to_fp8<Fp8Format::kE5M2>(std::nanf(""), 2.0f) & 0x7f) == 0x7f);
@@ -87,8 +86,8 @@ TEST_CASE("the scaled cast saturates inf and large values and keeps nan") {
 float amax_of_span(const std::vector<float>& x, std::vector<std::uint8_t>& out) {
   out.resize(x.size());
   const std::uint32_t bits = ampfuse::kernels::cpu::fp8_cast_amax_span(
-      x.data(), ampfuse::kernels::DType::kFloat32, out.data(),
-      static_cast<std::int64_t>(x.size()), 100.0f, Fp8Format::kE4M3);
+      x.data(), ampfuse::kernels::DType::kFloat32, out.data(), static_cast<std::int64_t>(x.size()),
+      100.0f, Fp8Format::kE4M3);
   float amax;
   std::memcpy(&amax, &bits, sizeof(amax));
   return amax;
@@ -114,8 +113,8 @@ struct OneState {
   float scale = 1.0f;
   float scale_inv = 1.0f;
   Fp8ScaleState view(float fp8_max = 448.0f) {
-    return {&amax, history.data(), static_cast<std::int64_t>(history.size()), &scale,
-            &scale_inv, fp8_max};
+    return {&amax,  history.data(), static_cast<std::int64_t>(history.size()),
+            &scale, &scale_inv,     fp8_max};
   }
 };
 

@@ -1,7 +1,6 @@
 // Current scaling's rule (current_fp8_scale) and the torch-free CPU kernels of the quantize
 // ops (cpu/fp8_quantize_kernels.h), against values worked out by hand.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -10,9 +9,9 @@
 #include "cpu/fp8_quantize_kernels.h"
 #include "fp8_math.h"
 
+using ampfuse::kernels::current_fp8_scale;
 using ampfuse::kernels::DType;
 using ampfuse::kernels::Fp8Format;
-using ampfuse::kernels::current_fp8_scale;
 using ampfuse::kernels::scale_to_fp8;
 
 TEST_CASE("current scaling: fp8_max / amax / margin, 1 for zero, nan for non-finite, clamped") {

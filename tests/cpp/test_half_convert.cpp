@@ -2,7 +2,6 @@
 // plain round-to-nearest-even reference for bfloat16, NaNs as c10 converts them,
 // and the AVX2+F16C conversions against the software ones, bit for bit.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -75,7 +74,7 @@ TEST_CASE("float to fp16 rounds like IEEE round-to-nearest-even") {
     REQUIRE(float_to_fp16(mid) == half_bits(static_cast<_Float16>(mid)));
     REQUIRE(float_to_fp16(-mid) == half_bits(static_cast<_Float16>(-mid)));
   }
-  REQUIRE(float_to_fp16(65520.0f) == 0x7c00u);  // rounds up to inf
+  REQUIRE(float_to_fp16(65520.0f) == 0x7c00u);   // rounds up to inf
   REQUIRE(float_to_fp16(65519.99f) == 0x7bffu);  // largest finite half
 }
 
@@ -92,8 +91,8 @@ TEST_CASE("bf16 conversions") {
     REQUIRE(float_to_bf16(f) == bf16_reference(f));
   }
   REQUIRE(float_to_bf16(std::numeric_limits<float>::max()) == 0x7f80u);  // rounds to inf
-  REQUIRE(float_to_bf16(bits_to_float(0x3f808000u)) == 0x3f80u);          // tie to even
-  REQUIRE(float_to_bf16(bits_to_float(0x3f818000u)) == 0x3f82u);          // tie to even, up
+  REQUIRE(float_to_bf16(bits_to_float(0x3f808000u)) == 0x3f80u);         // tie to even
+  REQUIRE(float_to_bf16(bits_to_float(0x3f818000u)) == 0x3f82u);         // tie to even, up
 }
 
 TEST_CASE("NaNs convert as c10 converts them") {
@@ -188,9 +187,8 @@ TEST_CASE("AVX2+F16C conversions give the software conversions' bits") {
   std::vector<float> wide(all.size());
   const auto wide_bits = [&](std::size_t i) { return float_to_bits(wide[i]); };
   REQUIRE(avx2::scale(all.data(), DType::kFloat16, wide.data(), DType::kFloat32, 65536, 1.0f));
-  REQUIRE(first_mismatch(all, wide_bits, [](std::uint16_t h) {
-            return float_to_bits(fp16_to_float(h));
-          }) == "");
+  REQUIRE(first_mismatch(all, wide_bits,
+                         [](std::uint16_t h) { return float_to_bits(fp16_to_float(h)); }) == "");
   REQUIRE(avx2::scale(all.data(), DType::kBFloat16, wide.data(), DType::kFloat32, 65536, 1.0f));
   REQUIRE(first_mismatch(all, wide_bits, [](std::uint16_t h) {
             // A multiply by one sets a signaling NaN's quiet bit, and changes nothing else.

@@ -4,7 +4,6 @@
 // masters and grad write-back; and the bf16 "split" mode against fp32 masters, bit for bit.
 // The float64 comparison is in tests/python/test_lamb.py.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -41,9 +40,8 @@ void check_against_scalar_math(std::size_t n, bool with_master, bool write_grad)
   lamb_moments_span(param.data(), dtype_of<Param>(), grad.data(), dtype_of<Param>(), write_grad,
                     m.data(), v.data(), with_master ? masters.data() : nullptr,
                     static_cast<std::int64_t>(n), step, &param_sq, &update_sq);
-  const float ratio =
-      lamb_ratio(static_cast<float>(std::sqrt(param_sq)), static_cast<float>(std::sqrt(update_sq)),
-                 step);
+  const float ratio = lamb_ratio(static_cast<float>(std::sqrt(param_sq)),
+                                 static_cast<float>(std::sqrt(update_sq)), step);
   lamb_apply_span(param.data(), dtype_of<Param>(), m.data(), v.data(),
                   with_master ? masters.data() : nullptr, static_cast<std::int64_t>(n), step,
                   ratio);
@@ -77,8 +75,8 @@ void check_against_scalar_math(std::size_t n, bool with_master, bool write_grad)
 }  // namespace
 
 TEST_CASE("LAMB spans give the scalar element math's bits, lanes and tails alike") {
-  for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{133},
-                        std::size_t{1000}}) {
+  for (std::size_t n :
+       {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{133}, std::size_t{1000}}) {
     for (bool write_grad : {false, true}) {
       check_against_scalar_math<float>(n, false, write_grad);
       check_against_scalar_math<Fp16Bits>(n, true, write_grad);
@@ -131,8 +129,8 @@ TEST_CASE("LAMB spans of a split bf16 param are the fp32-master spans bit for bi
     }
     const Bf16Span split{MasterMode::kSplit, low.data(), {0u, 0u}, 0};
     for (int t = 0; t < 4; ++t) {
-      const LambStep step = make_lamb_constants(config, static_cast<float>(t), 1e-2f, 1.0f,
-                                                3000.0f);
+      const LambStep step =
+          make_lamb_constants(config, static_cast<float>(t), 1e-2f, 1.0f, 3000.0f);
       double sq1[2] = {0.0, 0.0}, sq2[2] = {0.0, 0.0};
       lamb_moments_span(param1.data(), DType::kBFloat16, const_cast<Bf16Bits*>(grad.data()),
                         DType::kBFloat16, false, m1.data(), v1.data(), master.data(), n, step,
@@ -144,8 +142,8 @@ TEST_CASE("LAMB spans of a split bf16 param are the fp32-master spans bit for bi
       REQUIRE(same_bits(sq1[1], sq2[1]));
       const float ratio = lamb_ratio(static_cast<float>(std::sqrt(sq1[0])),
                                      static_cast<float>(std::sqrt(sq1[1])), step);
-      lamb_apply_span(param1.data(), DType::kBFloat16, m1.data(), v1.data(), master.data(), n,
-                      step, ratio);
+      lamb_apply_span(param1.data(), DType::kBFloat16, m1.data(), v1.data(), master.data(), n, step,
+                      ratio);
       lamb_apply_bf16_span(param2.data(), split, m2.data(), v2.data(), n, step, ratio);
     }
     for (std::int64_t i = 0; i < n; ++i) {

@@ -6,7 +6,6 @@
 // too: sixteen lanes add them in the eight-lane order (lamb_lanes.h), which sizes around the
 // 128-element folds with 8 elements past the last sixteen-lane vector exercise.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -52,8 +51,8 @@ struct State {
 
 bool same_state(const State& a, const State& b) {
   return same(a.param, b.param) && same(a.grad, b.grad) && same(a.exp_avg, b.exp_avg) &&
-         same(a.exp_avg_sq, b.exp_avg_sq) && same(a.master, b.master) &&
-         a.extra == b.extra && same(a.param_sq, b.param_sq) && same(a.update_sq, b.update_sq);
+         same(a.exp_avg_sq, b.exp_avg_sq) && same(a.master, b.master) && a.extra == b.extra &&
+         same(a.param_sq, b.param_sq) && same(a.update_sq, b.update_sq);
 }
 
 // One implementation's two passes.
@@ -133,7 +132,7 @@ std::vector<LambConfig> configs(double max_grad_norm) {
 
 // The variant sizes, and ones that end 8 elements past a sixteen-lane vector at and inside a
 // fold (136, 200), at a fold's end (1280) and past several folds (1288, 1301).
-const std::vector<std::int64_t> kLambSizes = {1,   7,   8,    9,    23,   136,  200,
+const std::vector<std::int64_t> kLambSizes = {1,   7,   8,   9,    23,   136,  200,
                                               511, 512, 513, 1031, 1280, 1288, 1301};
 
 }  // namespace
@@ -150,9 +149,9 @@ TEST_CASE("AVX2+F16C and AVX-512 LAMB give the portable kernel's bits, moments, 
         compare_variants<State>(
             "lamb",
             [&](bool vector, State& s, bool master, bool write, std::int64_t n, int t) {
-              lamb_step(vector ? kernels : kPortable, s, master, write, n,
-                        make_lamb_constants(config, float(t), 1e-2f, kGradScale,
-                                            40.0f * kGradScale));
+              lamb_step(
+                  vector ? kernels : kPortable, s, master, write, n,
+                  make_lamb_constants(config, float(t), 1e-2f, kGradScale, 40.0f * kGradScale));
             },
             kLambSizes);
       }
@@ -168,9 +167,8 @@ TEST_CASE("AVX2 and AVX-512 LAMB give the portable bits in the master-free bf16 
         for (const std::int64_t n : kLambSizes) {
           for (bool nonfinite : {false, true}) {
             for (bool write : {false, true}) {
-              INFO(kernels.name << " mode " << int(mode) << " weight_decay "
-                                << config.weight_decay << " n " << n << " nonfinite "
-                                << nonfinite << " write " << write);
+              INFO(kernels.name << " mode " << int(mode) << " weight_decay " << config.weight_decay
+                                << " n " << n << " nonfinite " << nonfinite << " write " << write);
               State a(DType::kBFloat16, DType::kBFloat16, n, nonfinite), b = a;
               for (int t = 0; t < 3; ++t) {
                 const LambStep constants =

@@ -1,8 +1,7 @@
 // Launch planning: every chunk of every tensor lands in exactly one block, the
 // per-launch caps hold, and a tensor cut by a full table continues correctly.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <vector>
 
@@ -90,7 +89,7 @@ std::vector<std::int64_t> model_like_sizes(std::int64_t total) {
   constexpr std::int64_t kLayers = 24;
   const auto root = static_cast<std::int64_t>(std::sqrt(0.75 * total / (12 * kLayers)));
   const std::int64_t d = std::max<std::int64_t>(16, root / 16 * 16);
-  const std::vector<std::int64_t> layer = {3 * d * d, 3 * d, d * d, d, d, d,
+  const std::vector<std::int64_t> layer = {3 * d * d, 3 * d, d * d,     d, d, d,
                                            4 * d * d, 4 * d, 4 * d * d, d, d, d};
   std::vector<std::int64_t> sizes;
   for (std::int64_t l = 0; l < kLayers; ++l) sizes.insert(sizes.end(), layer.begin(), layer.end());

@@ -1,9 +1,8 @@
 // The bounded least-recently-used map behind fp8_gemm's plan cache: which entry goes when it
 // is full, that a lookup counts as a use, and that a move-only value (a plan is held by a
 // std::unique_ptr) is destroyed exactly once, when it leaves.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <memory>
 #include <stdexcept>
 #include <string>

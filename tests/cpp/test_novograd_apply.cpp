@@ -7,7 +7,6 @@
 // software-converting lanes to the same bits.) The bf16 master-free modes' span
 // (novograd_bf16_span) is held to the fp32-master span bit for bit in "split".
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <iomanip>
@@ -35,9 +34,12 @@ const std::int64_t kApplySizes[] = {1, 7, 8, 37, 1000};
 template <typename Storage>
 double rounding_slack(double x) {
   switch (dtype_of<Storage>()) {
-    case DType::kFloat16: return std::fabs(x) * 0x1p-11 + 0x1p-25;
-    case DType::kBFloat16: return std::fabs(x) * 0x1p-8;
-    default: return 0.0;
+    case DType::kFloat16:
+      return std::fabs(x) * 0x1p-11 + 0x1p-25;
+    case DType::kBFloat16:
+      return std::fabs(x) * 0x1p-8;
+    default:
+      return 0.0;
   }
 }
 
@@ -114,7 +116,7 @@ struct ApplyOptions {
 };
 
 NovoGradStep apply_step(const ApplyOptions& o) {
-  const NovoGradConfig config{0.95, 0.98, 1e-8, o.weight_decay, true, true, o.reg_inside_moment,
+  const NovoGradConfig config{0.95,  0.98, 1e-8, o.weight_decay, true, true, o.reg_inside_moment,
                               false, false};
   // Step 5 (4 taken): the bias corrections are not 1 and the norm is blended, not seeded.
   return make_novograd_constants(config, 4.0f, 1e-2f, kGradScale);
@@ -339,8 +341,8 @@ TEST_CASE("NovoGrad bf16 spans: split equals the fp32-master span; spans do not 
     for (const bool reg_inside_moment : {false, true}) {
       for (const double weight_decay : {0.0, 0.01}) {
         for (const bool write_grad : {false, true}) {
-          const NovoGradConfig config{0.95, 0.98, 1e-8, weight_decay, true, true,
-                                      reg_inside_moment, false, false};
+          const NovoGradConfig config{
+              0.95, 0.98, 1e-8, weight_decay, true, true, reg_inside_moment, false, false};
           const NovoGradStep step =
               make_novograd_constants(config, static_cast<float>(t), 1e-2f, kGradScale);
           const float denom = novograd_denominator(0.5f + 0.1f * static_cast<float>(t), step);
@@ -350,16 +352,15 @@ TEST_CASE("NovoGrad bf16 spans: split equals the fp32-master span; spans do not 
           novograd_apply_span(param1.data(), DType::kBFloat16, grad1.data(), DType::kFloat32,
                               write_grad, m1.data(), master.data(), n, step, denom);
           novograd_bf16_span(param2.data(), {MasterMode::kSplit, low.data(), {0u, 0u}, 0},
-                             grad2.data(), DType::kFloat32, write_grad, m2.data(), n, step,
-                             denom);
+                             grad2.data(), DType::kFloat32, write_grad, m2.data(), n, step, denom);
           const RoundingKey key = rounding_key(3, static_cast<float>(t), 5);
-          novograd_bf16_span(whole.data(), {MasterMode::kStochastic, nullptr, key, 0},
-                             grad.data(), DType::kFloat32, false, m3.data(), n, step, denom);
-          novograd_bf16_span(parts.data(), {MasterMode::kStochastic, nullptr, key, 0},
-                             grad.data(), DType::kFloat32, false, m4.data(), half, step, denom);
+          novograd_bf16_span(whole.data(), {MasterMode::kStochastic, nullptr, key, 0}, grad.data(),
+                             DType::kFloat32, false, m3.data(), n, step, denom);
+          novograd_bf16_span(parts.data(), {MasterMode::kStochastic, nullptr, key, 0}, grad.data(),
+                             DType::kFloat32, false, m4.data(), half, step, denom);
           novograd_bf16_span(parts.data() + half, {MasterMode::kStochastic, nullptr, key, half},
-                             grad.data() + half, DType::kFloat32, false, m4.data() + half,
-                             n - half, step, denom);
+                             grad.data() + half, DType::kFloat32, false, m4.data() + half, n - half,
+                             step, denom);
           ++t;
         }
       }

@@ -4,9 +4,8 @@
 // reduction must be the float reference's bits; an inf or NaN grad must reach both reductions.
 // (These run the variant the public span picks; test_novograd_variants.cpp holds the F16C and
 // the software-converting lanes to the same bits.)
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>

@@ -3,7 +3,6 @@
 // weight decay. On a CPU with F16C the public spans take the F16C lanes for fp16/bf16, so this
 // is the one test that runs the software-converting lanes on data of those types there.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -38,8 +37,7 @@ struct State {
 
 bool same_state(const State& a, const State& b) {
   return same(a.param, b.param) && same(a.grad, b.grad) && same(a.exp_avg, b.exp_avg) &&
-         same(a.master, b.master) && same(a.norm_avg, b.norm_avg) &&
-         same(a.reduction, b.reduction);
+         same(a.master, b.master) && same(a.norm_avg, b.norm_avg) && same(a.reduction, b.reduction);
 }
 
 // One NovoGrad step of one implementation, as the CPU op runs it on one tensor: the reduction,
@@ -55,8 +53,8 @@ void novograd_step(bool use_avx2, State& s, bool master, bool write_grad, std::i
   if (std::isfinite(s.reduction)) {
     s.norm_avg = novograd_blend(s.norm_avg, s.reduction, constants);
   }
-  apply(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write_grad,
-        s.exp_avg.data(), master ? s.master.data() : nullptr, n, constants,
+  apply(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write_grad, s.exp_avg.data(),
+        master ? s.master.data() : nullptr, n, constants,
         novograd_denominator(s.norm_avg, constants));
 }
 
@@ -67,14 +65,14 @@ TEST_CASE("AVX2+F16C novograd gives the portable kernel's bits, reductions and u
   for (bool max_norm : {false, true}) {
     for (bool reg_inside_moment : {false, true}) {
       // apex's defaults but for the two flags; the first of the three steps seeds the norm.
-      const NovoGradConfig config{0.95, 0.98, 1e-8, 0.001, true, true, reg_inside_moment,
+      const NovoGradConfig config{0.95,     0.98, 1e-8, 0.001, true, true, reg_inside_moment,
                                   max_norm, false};
       INFO("max_norm " << max_norm << " reg_inside_moment " << reg_inside_moment);
-      compare_variants<State>("novograd", [&](bool use_avx2, State& s, bool master, bool write,
-                                              std::int64_t n, int t) {
-        novograd_step(use_avx2, s, master, write, n,
-                      make_novograd_constants(config, float(t), 1e-2f, kGradScale));
-      });
+      compare_variants<State>(
+          "novograd", [&](bool use_avx2, State& s, bool master, bool write, std::int64_t n, int t) {
+            novograd_step(use_avx2, s, master, write, n,
+                          make_novograd_constants(config, float(t), 1e-2f, kGradScale));
+          });
     }
   }
 }

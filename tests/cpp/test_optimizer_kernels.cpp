@@ -1,6 +1,5 @@
 // The CPU Adam and SGD span kernels against a float64 model of the same update.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <random>
 #include <vector>
@@ -76,8 +75,8 @@ TEST_CASE("adam_span with an fp32 master writes the param rounded from it") {
   for (std::size_t i = 0; i < n; ++i) param[i] = float_to_bf16(master[i]);
   const auto g = random_floats(n, 3);
   for (std::size_t i = 0; i < n; ++i) grad[i] = float_to_fp16(g[i]);
-  adam_span(param.data(), DType::kBFloat16, grad.data(), DType::kFloat16, false, m.data(),
-            v.data(), nullptr, master.data(), n, make_step_constants(config, 0.0f, 1e-3f, 1.0f));
+  adam_span(param.data(), DType::kBFloat16, grad.data(), DType::kFloat16, false, m.data(), v.data(),
+            nullptr, master.data(), n, make_step_constants(config, 0.0f, 1e-3f, 1.0f));
   for (std::size_t i = 0; i < n; ++i) REQUIRE(param[i] == float_to_bf16(master[i]));
 }
 
@@ -107,7 +106,7 @@ TEST_CASE("sgd_span: momentum seeding, dampening, nesterov and decay placement a
 }
 
 TEST_CASE("adam_span and sgd_span write the unscaled grad back in its own dtype when asked") {
-  const std::size_t n = 301;  // not a multiple of any vector width
+  const std::size_t n = 301;    // not a multiple of any vector width
   const float scale = 1000.0f;  // not a power of two: the grad is divided, not multiplied
   const auto values = random_floats(n, 7);
   const AdamConfig adam{0.9, 0.999, 1e-8, 0.0, true, true, false, false};

@@ -1,7 +1,6 @@
 // The AVX2+F16C Adam, SGD and Adagrad span kernels against the portable ones, bit for bit, over
 // every (param, grad) dtype pair and every option that changes the arrays touched or the math.
 #include <catch2/catch.hpp>
-
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -61,14 +60,14 @@ TEST_CASE("AVX2+F16C and AVX-512 adam give the portable kernel's bits") {
           const AdamConfig config{
               adam_w ? 0.9 : 0.3, 0.999, 1e-8, 0.01, adam_w, true, amsgrad, maximize};
           INFO(name << " adam_w " << adam_w << " amsgrad " << amsgrad << " maximize " << maximize);
-          compare_variants<State>("adam", [&](bool vector, State& s, bool master, bool write,
-                                               std::int64_t n, int t) {
-            const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
-            AdamKernel run = vector ? kernel : portable::adam;
-            run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.first.data(),
-                s.second.data(), amsgrad ? s.third.data() : nullptr,
-                master ? s.master.data() : nullptr, n, step);
-          });
+          compare_variants<State>(
+              "adam", [&](bool vector, State& s, bool master, bool write, std::int64_t n, int t) {
+                const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
+                AdamKernel run = vector ? kernel : portable::adam;
+                run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write,
+                    s.first.data(), s.second.data(), amsgrad ? s.third.data() : nullptr,
+                    master ? s.master.data() : nullptr, n, step);
+              });
         }
       }
     }
@@ -96,7 +95,7 @@ TEST_CASE("without a loss scale, lanes that skip the division give the scalar lo
       const AdamConfig config{0.9, 0.999, 1e-8, 0.01, true, true, amsgrad, false};
       INFO(name << " amsgrad " << amsgrad);
       compare_variants<State>("adam, grad_scale 1", [&](bool whole, State& s, bool master,
-                                                         bool write, std::int64_t n, int t) {
+                                                        bool write, std::int64_t n, int t) {
         const AdamStep step = make_step_constants(config, float(t), 1e-3f, 1.0f);
         const std::int64_t len = whole ? n : 1;
         for (std::int64_t i = 0; i < n; i += len) {
@@ -114,17 +113,18 @@ TEST_CASE("AVX2+F16C sgd gives the portable kernel's bits") {
   for (bool momentum : {false, true}) {
     for (bool nesterov : {false, true}) {
       for (bool wd_after_momentum : {false, true}) {
-        const SgdConfig config{momentum ? 0.9 : 0.0, nesterov ? 0.0 : 0.1, 0.01, nesterov,
-                               !nesterov, wd_after_momentum};
+        const SgdConfig config{
+            momentum ? 0.9 : 0.0, nesterov ? 0.0 : 0.1, 0.01, nesterov, !nesterov,
+            wd_after_momentum};
         INFO("momentum " << momentum << " nesterov " << nesterov << " wd_after_momentum "
                          << wd_after_momentum);
-        compare_variants<State>("sgd", [&](bool use_avx2, State& s, bool master, bool write,
-                                            std::int64_t n, int t) {
-          const SgdStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
-          auto* run = use_avx2 ? avx2::sgd : portable::sgd;
-          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write,
-              momentum ? s.first.data() : nullptr, master ? s.master.data() : nullptr, n, step);
-        });
+        compare_variants<State>(
+            "sgd", [&](bool use_avx2, State& s, bool master, bool write, std::int64_t n, int t) {
+              const SgdStep step = make_step_constants(config, float(t), 1e-3f, 1000.0f);
+              auto* run = use_avx2 ? avx2::sgd : portable::sgd;
+              run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write,
+                  momentum ? s.first.data() : nullptr, master ? s.master.data() : nullptr, n, step);
+            });
       }
     }
   }
@@ -141,11 +141,11 @@ TEST_CASE("AVX2+F16C adagrad gives the portable kernel's bits") {
         INFO("weight_decay " << weight_decay << " decoupled " << decoupled << " maximize "
                              << maximize);
         compare_variants<State>("adagrad", [&](bool use_avx2, State& s, bool master, bool write,
-                                                std::int64_t n, int t) {
+                                               std::int64_t n, int t) {
           const AdagradStep step = make_step_constants(config, float(t), 1e-2f, 1000.0f);
           auto* run = use_avx2 ? avx2::adagrad : portable::adagrad;
-          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write,
-              s.second.data(), master ? s.master.data() : nullptr, n, step);
+          run(s.param.data(), s.param.dtype, s.grad.data(), s.grad.dtype, write, s.second.data(),
+              master ? s.master.data() : nullptr, n, step);
         });
       }
     }

@@ -1,6 +1,5 @@
 // The loss-scale rule, step by step.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <limits>
 

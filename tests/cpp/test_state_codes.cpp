@@ -2,7 +2,6 @@
 // decode every code from its closed form, encode by searching for the nearest code (ties to
 // the even code), and bound a block's round trip against double arithmetic.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <random>

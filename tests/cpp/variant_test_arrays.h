@@ -4,7 +4,6 @@
 #pragma once
 
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -137,9 +136,9 @@ void compare_variants(const char* what, Step&& step,
           for (bool master : {false, true}) {
             for (bool write_grad : {false, true}) {
               State a(param_dtype, grad_dtype, n, nonfinite), b = a;
-              INFO(what << ": param " << int(param_dtype) << " grad " << int(grad_dtype)
-                        << " n " << n << " nonfinite " << nonfinite << " master " << master
-                        << " write_grad " << write_grad);
+              INFO(what << ": param " << int(param_dtype) << " grad " << int(grad_dtype) << " n "
+                        << n << " nonfinite " << nonfinite << " master " << master << " write_grad "
+                        << write_grad);
               for (int t = 0; t < 3; ++t) {
                 step(true, a, master, write_grad, n, t);
                 step(false, b, master, write_grad, n, t);

@@ -9,8 +9,8 @@
 #include <algorithm>
 
 #include "coded_moments.h"
-#include "lanes_avx512.h"
 #include "cpu_kernels.h"
+#include "lanes_avx512.h"
 #include "storage_dispatch.h"
 
 namespace ampfuse::kernels::cpu {

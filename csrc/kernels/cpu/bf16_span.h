@@ -21,9 +21,9 @@ AMPFUSE_BF16_INLINE float load_bf16_param(const std::uint16_t* __restrict param,
 // Reads element i's grad (unscaled, written back with kWriteGrad) and its param's value.
 template <MasterMode kMode, bool kWriteGrad, typename Grad>
 AMPFUSE_BF16_INLINE float load_bf16_param_and_grad(const std::uint16_t* __restrict param,
-                                      const std::uint16_t* __restrict extra,
-                                      Grad* __restrict grad, std::int64_t i, float grad_scale,
-                                      float& g) {
+                                                   const std::uint16_t* __restrict extra,
+                                                   Grad* __restrict grad, std::int64_t i,
+                                                   float grad_scale, float& g) {
   g = unscale_grad(Element<Grad>::load(grad[i]), grad_scale);
   if (kWriteGrad) grad[i] = Element<Grad>::store(g);
   return load_bf16_param<kMode>(param, extra, i);
@@ -35,10 +35,9 @@ AMPFUSE_BF16_INLINE void store_bf16_param(float p, std::uint16_t* __restrict par
                                           std::uint16_t* __restrict extra, std::int64_t i,
                                           const RoundingKey& key, std::uint32_t first_lo) {
   std::uint16_t new_param, new_extra;
-  const std::uint32_t random16 =
-      kMode == MasterMode::kStochastic
-          ? rounding_bits(key, first_lo + static_cast<std::uint32_t>(i))
-          : 0u;
+  const std::uint32_t random16 = kMode == MasterMode::kStochastic
+                                     ? rounding_bits(key, first_lo + static_cast<std::uint32_t>(i))
+                                     : 0u;
   Bf16Param<kMode>::store(p, new_param, new_extra, random16);
   param[i] = new_param;
   if constexpr (kMode != MasterMode::kStochastic) extra[i] = new_extra;
@@ -49,9 +48,8 @@ template <typename F>
 void with_bf16_span_types(const Bf16Span& bf16, void* grad, DType grad_dtype, bool write_grad,
                           F&& f) {
   with_bf16_mode(bf16.mode, [&](auto mode) {
-    with_storage(grad_dtype, grad, [&](auto* g) {
-      with_flag(write_grad, [&](auto write) { f(mode, g, write); });
-    });
+    with_storage(grad_dtype, grad,
+                 [&](auto* g) { with_flag(write_grad, [&](auto write) { f(mode, g, write); }); });
   });
 }
 

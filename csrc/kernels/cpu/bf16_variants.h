@@ -20,10 +20,12 @@ namespace ampfuse::kernels::cpu {
 // Moments as in adam_lanes.
 template <template <typename> class Lanes, typename Words, MasterMode kMode, bool kWriteGrad,
           bool kAmsgrad, typename Grad, typename Moments>
-inline __attribute__((always_inline)) void adam_bf16_lanes(
-    std::uint16_t* __restrict param, std::uint16_t* __restrict extra, Grad* __restrict grad,
-    Moments& moments, std::int64_t n, const RoundingKey key, std::uint32_t first_lo,
-    const AdamStep step) {
+inline __attribute__((always_inline)) void adam_bf16_lanes(std::uint16_t* __restrict param,
+                                                           std::uint16_t* __restrict extra,
+                                                           Grad* __restrict grad, Moments& moments,
+                                                           std::int64_t n, const RoundingKey key,
+                                                           std::uint32_t first_lo,
+                                                           const AdamStep step) {
   using Mode = Bf16ModeLanes<kMode, Words>;
   using L = typename Words::Lanes;  // eight lanes, or sixteen (adam_coded_avx512.cpp)
   constexpr int kWidth = L::kWidth;

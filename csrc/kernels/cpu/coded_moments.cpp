@@ -18,8 +18,7 @@ AMPFUSE_CPU_CLONES void decode_blocks(const std::uint8_t* codes, const float* sc
                                       std::int64_t n, float* moment) {
   for (std::int64_t start = 0; start < n; start += kStateBlock) {
     const int size = static_cast<int>(std::min<std::int64_t>(kStateBlock, n - start));
-    decode_block<kCode, kSecond>(codes + start, size, scales[start / kStateBlock],
-                                 moment + start);
+    decode_block<kCode, kSecond>(codes + start, size, scales[start / kStateBlock], moment + start);
   }
 }
 
@@ -43,7 +42,8 @@ inline float block_absmax(const float* coded, int n) {
 }
 
 // encode_block over each block of the span, with each coded value (a sqrt for the second
-// moment) formed once (coded_value is the identity for the first): the same coded_value, scale and encode_moment, in loops GCC vectorizes.
+// moment) formed once (coded_value is the identity for the first): the same coded_value, scale and
+// encode_moment, in loops GCC vectorizes.
 template <StateCode kCode, bool kSecond>
 AMPFUSE_CPU_CLONES void encode_blocks(const float* moment, std::int64_t n, std::uint8_t* codes,
                                       float* scales) {

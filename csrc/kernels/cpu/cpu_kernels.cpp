@@ -56,8 +56,8 @@ double Kernels::sum_of_squares(const Storage* data, std::int64_t n) {
 
 }  // namespace
 
-std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
-                    std::int64_t n, float factor) {
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
+                    float factor) {
   return scale_any<Kernels>(src, src_dtype, dst, dst_dtype, n, factor);
 }
 

@@ -110,9 +110,9 @@ void novograd_bf16_span(std::uint16_t* param, const Bf16Span& bf16, void* grad, 
 // mode holds (param and compensation, or param and low half) and writes only the moments; the
 // second writes the param (and its compensation or low half) through its mode.
 void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
-                            DType grad_dtype, bool write_grad, float* exp_avg,
-                            float* exp_avg_sq, std::int64_t n, const LambStep& step,
-                            double* param_sq, double* update_sq);
+                            DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
+                            std::int64_t n, const LambStep& step, double* param_sq,
+                            double* update_sq);
 void lamb_apply_bf16_span(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
                           const float* exp_avg_sq, std::int64_t n, const LambStep& step,
                           float ratio);
@@ -134,30 +134,30 @@ struct CodedMoments {
 // adam_span (bf16 == null) or adam_bf16_span (bf16 params without masters) over a span whose
 // moments are coded: per block, decode, the fp32-state step, encode. Equal bit for bit to
 // decoding the whole moment, running adam_span on it and coding it again.
-void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                     bool write_grad, const CodedMoments& moments, float* master,
-                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                     const CodedMoments& moments, float* master, const Bf16Span* bf16,
+                     std::int64_t n, const AdamStep& step);
 
 // The two implementations adam_coded_span picks from (adam_coded_kernels.cpp), the same bits:
 // decode, the fp32-state span kernel and encode per block; and, for processors with AVX2, FMA
 // and F16C (avx2_fma::supported(), coded_moments.h), one fused pass per block.
 namespace portable {
-void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                     bool write_grad, const CodedMoments& moments, float* master,
-                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                     const CodedMoments& moments, float* master, const Bf16Span* bf16,
+                     std::int64_t n, const AdamStep& step);
 }  // namespace portable
 #if defined(__x86_64__) && defined(__GNUC__)
 namespace avx2_fma {
-void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                     bool write_grad, const CodedMoments& moments, float* master,
-                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                     const CodedMoments& moments, float* master, const Bf16Span* bf16,
+                     std::int64_t n, const AdamStep& step);
 }  // namespace avx2_fma
 // Sixteen lanes, for processors with AVX-512 (cpu_has_avx512(), lanes_avx512.h;
 // adam_coded_avx512.cpp).
 namespace avx512 {
-void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                     bool write_grad, const CodedMoments& moments, float* master,
-                     const Bf16Span* bf16, std::int64_t n, const AdamStep& step);
+void adam_coded_span(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                     const CodedMoments& moments, float* master, const Bf16Span* bf16,
+                     std::int64_t n, const AdamStep& step);
 }  // namespace avx512
 #endif
 

@@ -12,8 +12,7 @@ struct Kernels {
   // dst = src * factor; also serves unscale in place (src == dst: each element is read
   // before it is written). Returns the kinds of non-finite src elements.
   template <typename Src, typename Dst>
-  AMPFUSE_AVX2 static std::uint32_t scale(const Src* src, Dst* dst, std::int64_t n,
-                                          float factor);
+  AMPFUSE_AVX2 static std::uint32_t scale(const Src* src, Dst* dst, std::int64_t n, float factor);
 
   template <typename Storage>
   AMPFUSE_AVX2 static double sum_of_squares(const Storage* data, std::int64_t n);
@@ -79,8 +78,8 @@ double Kernels::sum_of_squares(const Storage* data, std::int64_t n) {
 
 }  // namespace
 
-std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
-                    std::int64_t n, float factor) {
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
+                    float factor) {
   return scale_any<Kernels>(src, src_dtype, dst, dst_dtype, n, factor);
 }
 

@@ -28,7 +28,8 @@ AMPFUSE_CPU_CLONES std::uint32_t amax_of(const Storage* src, std::int64_t n) {
 template <Fp8Format kFormat, typename Storage>
 AMPFUSE_CPU_CLONES void cast_row(const Storage* src, std::uint8_t* dst, std::int64_t n,
                                  float scale) {
-  for (std::int64_t i = 0; i < n; ++i) dst[i] = scale_to_fp8<kFormat>(Element<Storage>::load(src[i]), scale);
+  for (std::int64_t i = 0; i < n; ++i)
+    dst[i] = scale_to_fp8<kFormat>(Element<Storage>::load(src[i]), scale);
 }
 
 template <Fp8Format kFormat, typename Storage>
@@ -75,19 +76,21 @@ void quantize_rows(const Storage* src, std::int64_t cols, std::int64_t row_begin
 
 template <Fp8Format kFormat, typename Storage>
 void quantize_columns_transposed(const Storage* src, std::int64_t rows, std::int64_t cols,
-                                 std::int64_t col_begin, std::int64_t col_end,
-                                 std::uint8_t* dst_t, float* scale_inv) {
+                                 std::int64_t col_begin, std::int64_t col_end, std::uint8_t* dst_t,
+                                 float* scale_inv) {
   for (std::int64_t c0 = col_begin; c0 < col_end; c0 += kBlock) {
     const std::int64_t c1 = std::min(col_end, c0 + kBlock);
     std::uint32_t largest[kBlock] = {};
     for (std::int64_t r = 0; r < rows; ++r) {
       for (std::int64_t c = c0; c < c1; ++c) {
-        largest[c - c0] = std::max(largest[c - c0], abs_bits(Element<Storage>::load(src[r * cols + c])));
+        largest[c - c0] =
+            std::max(largest[c - c0], abs_bits(Element<Storage>::load(src[r * cols + c])));
       }
     }
     float scale[kBlock];
     for (std::int64_t c = c0; c < c1; ++c) {
-      scale[c - c0] = current_fp8_scale(fp8_detail::float_of(largest[c - c0]), fp8_max(kFormat), 1.0f);
+      scale[c - c0] =
+          current_fp8_scale(fp8_detail::float_of(largest[c - c0]), fp8_max(kFormat), 1.0f);
       scale_inv[c] = fp8_detail::div_rn(1.0f, scale[c - c0]);
     }
     for (std::int64_t r0 = 0; r0 < rows; r0 += kBlock) {
@@ -124,21 +127,20 @@ std::uint32_t fp8_cast_transpose_rows(const void* src, DType src_dtype, std::int
                                       std::int64_t row_end, float scale, Fp8Format format,
                                       std::uint8_t* dst, std::uint8_t* dst_t) {
   return with_types(src, src_dtype, format, [&](auto* typed, auto fmt) {
-    return cast_transpose_rows<decltype(fmt)::value>(typed, rows, cols, row_begin, row_end,
-                                                     scale, dst, dst_t);
+    return cast_transpose_rows<decltype(fmt)::value>(typed, rows, cols, row_begin, row_end, scale,
+                                                     dst, dst_t);
   });
 }
 
 void fp8_column_sums(const void* src, DType src_dtype, std::int64_t rows, std::int64_t cols,
                      std::int64_t col_begin, std::int64_t col_end, float* sums) {
-  with_storage(src_dtype, const_cast<void*>(src), [&](auto* typed) {
-    column_sums(typed, rows, cols, col_begin, col_end, sums);
-  });
+  with_storage(src_dtype, const_cast<void*>(src),
+               [&](auto* typed) { column_sums(typed, rows, cols, col_begin, col_end, sums); });
 }
 
-void fp8_quantize_rows(const void* src, DType src_dtype, std::int64_t cols,
-                       std::int64_t row_begin, std::int64_t row_end, Fp8Format format,
-                       std::uint8_t* dst, float* scale_inv) {
+void fp8_quantize_rows(const void* src, DType src_dtype, std::int64_t cols, std::int64_t row_begin,
+                       std::int64_t row_end, Fp8Format format, std::uint8_t* dst,
+                       float* scale_inv) {
   with_types(src, src_dtype, format, [&](auto* typed, auto fmt) {
     quantize_rows<decltype(fmt)::value>(typed, cols, row_begin, row_end, dst, scale_inv);
   });
@@ -146,11 +148,11 @@ void fp8_quantize_rows(const void* src, DType src_dtype, std::int64_t cols,
 
 void fp8_quantize_columns_transposed(const void* src, DType src_dtype, std::int64_t rows,
                                      std::int64_t cols, std::int64_t col_begin,
-                                     std::int64_t col_end, Fp8Format format,
-                                     std::uint8_t* dst_t, float* scale_inv) {
+                                     std::int64_t col_end, Fp8Format format, std::uint8_t* dst_t,
+                                     float* scale_inv) {
   with_types(src, src_dtype, format, [&](auto* typed, auto fmt) {
-    quantize_columns_transposed<decltype(fmt)::value>(typed, rows, cols, col_begin, col_end,
-                                                      dst_t, scale_inv);
+    quantize_columns_transposed<decltype(fmt)::value>(typed, rows, cols, col_begin, col_end, dst_t,
+                                                      scale_inv);
   });
 }
 

@@ -29,16 +29,15 @@ void fp8_column_sums(const void* src, DType src_dtype, std::int64_t rows, std::i
 
 // Rowwise scaling of rows [row_begin, row_end): each row's scale is current_fp8_scale of its
 // own amax (no margin); dst[r, :] gets the row's codes and scale_inv[r] = 1 / that scale.
-void fp8_quantize_rows(const void* src, DType src_dtype, std::int64_t cols,
-                       std::int64_t row_begin, std::int64_t row_end, Fp8Format format,
-                       std::uint8_t* dst, float* scale_inv);
+void fp8_quantize_rows(const void* src, DType src_dtype, std::int64_t cols, std::int64_t row_begin,
+                       std::int64_t row_end, Fp8Format format, std::uint8_t* dst, float* scale_inv);
 
 // Columnwise scaling written transposed, for columns [col_begin, col_end): each column c of
 // src [rows, cols] gets the scale of its own amax, dst_t[c, r] = code of src[r, c] * scale, and
 // scale_inv[c] = 1 / scale.
 void fp8_quantize_columns_transposed(const void* src, DType src_dtype, std::int64_t rows,
                                      std::int64_t cols, std::int64_t col_begin,
-                                     std::int64_t col_end, Fp8Format format,
-                                     std::uint8_t* dst_t, float* scale_inv);
+                                     std::int64_t col_end, Fp8Format format, std::uint8_t* dst_t,
+                                     float* scale_inv);
 
 }  // namespace ampfuse::kernels::cpu

@@ -47,7 +47,8 @@ inline float fp16_to_float(std::uint16_t h) {
   // Subnormal halves: build 0.5 + m * 2^-24 exactly, then subtract 0.5.
   const float subnormal = bits_to_float((magnitude >> 17) | (126u << 23)) - 0.5f;
   const bool is_subnormal = magnitude < (1u << 27);
-  return bits_to_float(sign | select_bits(is_subnormal, float_to_bits(subnormal), float_to_bits(normal)));
+  return bits_to_float(sign |
+                       select_bits(is_subnormal, float_to_bits(subnormal), float_to_bits(normal)));
 }
 
 inline std::uint16_t float_to_fp16(float f) {

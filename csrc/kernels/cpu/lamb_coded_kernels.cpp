@@ -1,11 +1,10 @@
 // LAMB over 8-bit coded moments (lamb_coded.h): the portable passes, which decode each moment into
 // an fp32 span, run the portable fp32 LAMB spans on it and code it again, and the choice between
 // them and the fused vector passes (lamb_coded_avx2.cpp, lamb_coded_avx512.cpp).
-#include "lamb_coded.h"
-
 #include <vector>
 
 #include "coded_moments.h"
+#include "lamb_coded.h"
 #include "lamb_variants.h"
 #include "lanes_avx512.h"
 
@@ -33,9 +32,8 @@ void first_pass(const void* param, DType param_dtype, const Bf16Span* bf16, cons
                 void* grad, DType grad_dtype, bool write_grad, DecodedMoments& m, std::int64_t n,
                 const LambStep& step, double* param_sq, double* update_sq) {
   if (bf16 != nullptr) {
-    lamb_moments_bf16(static_cast<const std::uint16_t*>(param), *bf16, grad, grad_dtype,
-                      write_grad, m.exp_avg.data(), m.exp_avg_sq.data(), n, step, param_sq,
-                      update_sq);
+    lamb_moments_bf16(static_cast<const std::uint16_t*>(param), *bf16, grad, grad_dtype, write_grad,
+                      m.exp_avg.data(), m.exp_avg_sq.data(), n, step, param_sq, update_sq);
     return;
   }
   lamb_moments(param, param_dtype, grad, grad_dtype, write_grad, m.exp_avg.data(),

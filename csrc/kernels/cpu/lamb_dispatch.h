@@ -19,8 +19,7 @@ namespace ampfuse::kernels::cpu {
 template <typename Kernels>
 void lamb_moments_any(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                       bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
-                      std::int64_t n, const LambStep& step, double* param_sq,
-                      double* update_sq) {
+                      std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
   SquareSums sums;
   // The first pass only reads the param and the master.
   with_span_types(const_cast<void*>(param), param_dtype, grad, grad_dtype, master != nullptr,
@@ -34,9 +33,8 @@ void lamb_moments_any(const void* param, DType param_dtype, void* grad, DType gr
 }
 
 template <typename Kernels>
-void lamb_apply_any(void* param, DType param_dtype, const float* exp_avg,
-                    const float* exp_avg_sq, float* master, std::int64_t n,
-                    const LambStep& step, float ratio) {
+void lamb_apply_any(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
+                    float* master, std::int64_t n, const LambStep& step, float ratio) {
   with_storage(param_dtype, param, [&](auto* p) {
     with_flag(master != nullptr, [&](auto has_master) {
       Kernels::apply(param_source<has_master>(p, master), exp_avg, exp_avg_sq, n, step, ratio);

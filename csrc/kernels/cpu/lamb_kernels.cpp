@@ -26,9 +26,8 @@ struct Kernels {
   }
 
   template <typename Source>
-  AMPFUSE_CPU_CLONES static void apply(Source param, const float* exp_avg,
-                                       const float* exp_avg_sq, std::int64_t n,
-                                       const LambStep& step, float ratio) {
+  AMPFUSE_CPU_CLONES static void apply(Source param, const float* exp_avg, const float* exp_avg_sq,
+                                       std::int64_t n, const LambStep& step, float ratio) {
     lamb_apply_lanes<PortableLanes>(param, exp_avg, exp_avg_sq, n, step, ratio);
   }
 };
@@ -38,8 +37,8 @@ struct Kernels {
 void lamb_moments(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                   bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
                   std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
-  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
-                            exp_avg_sq, master, n, step, param_sq, update_sq);
+  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                            master, n, step, param_sq, update_sq);
 }
 
 void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
@@ -49,11 +48,9 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
 
 void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq) {
-  lamb_moments_bf16_any<Kernels, PortableWords>(param, bf16, grad, grad_dtype, write_grad,
-                                                exp_avg, exp_avg_sq, n, step, param_sq,
-                                                update_sq);
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
+  lamb_moments_bf16_any<Kernels, PortableWords>(param, bf16, grad, grad_dtype, write_grad, exp_avg,
+                                                exp_avg_sq, n, step, param_sq, update_sq);
 }
 
 void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
@@ -87,8 +84,8 @@ struct Kernels {
 void lamb_moments(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                   bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
                   std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
-  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
-                            exp_avg_sq, master, n, step, param_sq, update_sq);
+  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                            master, n, step, param_sq, update_sq);
 }
 
 void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
@@ -98,8 +95,7 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
 
 void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq) {
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
   lamb_moments_bf16_any<Kernels, Avx2Words>(param, bf16, grad, grad_dtype, write_grad, exp_avg,
                                             exp_avg_sq, n, step, param_sq, update_sq);
 }
@@ -114,8 +110,7 @@ void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* ex
 
 void lamb_moments_span(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                        bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq) {
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
 #ifdef AMPFUSE_HAVE_AVX2_PATH
   if (cpu_has_avx512()) {
     avx512::lamb_moments(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
@@ -152,9 +147,9 @@ void lamb_apply_span(void* param, DType param_dtype, const float* exp_avg, const
 // portable ones elsewhere. Every variant adds in the same order, so "split" matches
 // master_weights=True whichever variant that one ran.
 void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
-                            DType grad_dtype, bool write_grad, float* exp_avg,
-                            float* exp_avg_sq, std::int64_t n, const LambStep& step,
-                            double* param_sq, double* update_sq) {
+                            DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
+                            std::int64_t n, const LambStep& step, double* param_sq,
+                            double* update_sq) {
 #ifdef AMPFUSE_HAVE_AVX2_PATH
   if (cpu_has_avx512()) {
     avx512::lamb_moments_bf16(param, bf16, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq, n,
@@ -162,8 +157,8 @@ void lamb_moments_bf16_span(const std::uint16_t* param, const Bf16Span& bf16, vo
     return;
   }
   if (cpu_has_avx2_f16c()) {
-    avx2::lamb_moments_bf16(param, bf16, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq, n,
-                            step, param_sq, update_sq);
+    avx2::lamb_moments_bf16(param, bf16, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq, n, step,
+                            param_sq, update_sq);
     return;
   }
 #endif

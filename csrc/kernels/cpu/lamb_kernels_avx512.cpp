@@ -17,8 +17,8 @@ namespace {
 struct Kernels {
   template <bool kWriteGrad, typename Source, typename Grad>
   AMPFUSE_AVX512_TARGET static void moments(Source param, Grad* grad, float* exp_avg,
-                                            float* exp_avg_sq, std::int64_t n,
-                                            const LambStep& step, SquareSums& sums) {
+                                            float* exp_avg_sq, std::int64_t n, const LambStep& step,
+                                            SquareSums& sums) {
     FloatLambMoments moments{exp_avg, exp_avg_sq};
     lamb_moments_lanes<Lanes512, kWriteGrad>(param, grad, moments, n, step, sums);
   }
@@ -36,8 +36,8 @@ struct Kernels {
 void lamb_moments(const void* param, DType param_dtype, void* grad, DType grad_dtype,
                   bool write_grad, float* exp_avg, float* exp_avg_sq, const float* master,
                   std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
-  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg,
-                            exp_avg_sq, master, n, step, param_sq, update_sq);
+  lamb_moments_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
+                            master, n, step, param_sq, update_sq);
 }
 
 void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const float* exp_avg_sq,
@@ -47,8 +47,7 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
 
 void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq) {
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq) {
   lamb_moments_bf16_any<Kernels, Avx512Words>(param, bf16, grad, grad_dtype, write_grad, exp_avg,
                                               exp_avg_sq, n, step, param_sq, update_sq);
 }

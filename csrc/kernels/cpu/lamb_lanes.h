@@ -157,7 +157,7 @@ AMPFUSE_BF16_INLINE auto param_source(Param* param, float* master) {
 
 template <MasterMode kMode, typename Words>
 AMPFUSE_BF16_INLINE Bf16ModeParam<kMode, Words> bf16_source(std::uint16_t* param,
-                                                           const Bf16Span& bf16) {
+                                                            const Bf16Span& bf16) {
   return {param, bf16.extra, chunk_key(bf16.key, bf16.first_index),
           static_cast<std::uint32_t>(bf16.first_index)};
 }
@@ -213,8 +213,8 @@ AMPFUSE_BF16_INLINE L update_lanes(const Source& param, Grad* grad, Moments& mom
 
 // The same for element i, whose moments are m and v.
 template <bool kWriteGrad, typename Source, typename Grad>
-AMPFUSE_BF16_INLINE float update_element(const Source& param, Grad* grad, std::int64_t i,
-                                         float& m, float& v, const LambStep& step, float& p) {
+AMPFUSE_BF16_INLINE float update_element(const Source& param, Grad* grad, std::int64_t i, float& m,
+                                         float& v, const LambStep& step, float& p) {
   const float g = unscale_grad(Element<Grad>::load(grad[i]), step.grad_scale);
   if (kWriteGrad) grad[i] = Element<Grad>::store(g);
   p = param.at(i);
@@ -274,18 +274,15 @@ inline __attribute__((always_inline)) void lamb_moments_lanes(const Source& para
 template <template <typename> class Lanes, typename Source>
 inline __attribute__((always_inline)) void lamb_apply_lanes(const Source& param,
                                                             const float* exp_avg,
-                                                            const float* exp_avg_sq,
-                                                            std::int64_t n,
-                                                            const LambStep& step_in,
-                                                            float ratio) {
+                                                            const float* exp_avg_sq, std::int64_t n,
+                                                            const LambStep& step_in, float ratio) {
   const LambStep step = step_in;
   using L = decltype(Lanes<float>::load(static_cast<const float*>(nullptr)));
   constexpr int kWidth = L::kWidth;
   const std::int64_t whole = n - n % kWidth;
   for (std::int64_t i = 0; i < whole; i += kWidth) {
     L p = param.template lanes<Lanes>(i);
-    lamb_apply(p, Lanes<float>::load(exp_avg + i), Lanes<float>::load(exp_avg_sq + i), ratio,
-               step);
+    lamb_apply(p, Lanes<float>::load(exp_avg + i), Lanes<float>::load(exp_avg_sq + i), ratio, step);
     param.template store_lanes<Lanes>(i, p);
   }
   for (std::int64_t i = whole; i < n; ++i) {

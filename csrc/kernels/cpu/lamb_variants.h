@@ -24,8 +24,7 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
                 float* master, std::int64_t n, const LambStep& step, float ratio);
 void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq);
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq);
 void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
                      const float* exp_avg_sq, std::int64_t n, const LambStep& step, float ratio);
 }  // namespace portable
@@ -40,8 +39,7 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
                 float* master, std::int64_t n, const LambStep& step, float ratio);
 void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq);
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq);
 void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
                      const float* exp_avg_sq, std::int64_t n, const LambStep& step, float ratio);
 }  // namespace avx2
@@ -56,8 +54,7 @@ void lamb_apply(void* param, DType param_dtype, const float* exp_avg, const floa
                 float* master, std::int64_t n, const LambStep& step, float ratio);
 void lamb_moments_bf16(const std::uint16_t* param, const Bf16Span& bf16, void* grad,
                        DType grad_dtype, bool write_grad, float* exp_avg, float* exp_avg_sq,
-                       std::int64_t n, const LambStep& step, double* param_sq,
-                       double* update_sq);
+                       std::int64_t n, const LambStep& step, double* param_sq, double* update_sq);
 void lamb_apply_bf16(std::uint16_t* param, const Bf16Span& bf16, const float* exp_avg,
                      const float* exp_avg_sq, std::int64_t n, const LambStep& step, float ratio);
 }  // namespace avx512

@@ -88,8 +88,8 @@ struct LanesN {
   }
   // A per-lane choice, on the bits, as the scalar select_float does.
   friend AMPFUSE_LANES LanesN select_float(MaskN<W> cond, LanesN a, LanesN b) {
-    const IntV bits = (reinterpret_cast<IntV>(a.v) & cond.bits) |
-                      (reinterpret_cast<IntV>(b.v) & ~cond.bits);
+    const IntV bits =
+        (reinterpret_cast<IntV>(a.v) & cond.bits) | (reinterpret_cast<IntV>(b.v) & ~cond.bits);
     return reinterpret_cast<FloatV>(bits);
   }
 };

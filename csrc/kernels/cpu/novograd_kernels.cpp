@@ -29,8 +29,9 @@ inline double sum_of_unscaled_squares_loop(const Grad* __restrict grad, std::int
 }
 
 template <template <typename> class Lanes, typename Grad>
-inline __attribute__((always_inline)) double sum_of_unscaled_squares_lanes(
-    const Grad* grad, std::int64_t n, float grad_scale) {
+inline __attribute__((always_inline)) double sum_of_unscaled_squares_lanes(const Grad* grad,
+                                                                           std::int64_t n,
+                                                                           float grad_scale) {
   const std::int64_t whole = n - n % 8;
   double lanes[8] = {};
   for (std::int64_t start = 0; start < whole; start += kFoldElements) {
@@ -58,8 +59,8 @@ double max_unscaled_abs(const Grad* grad, std::int64_t n, float grad_scale) {
 
 template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
 inline void novograd_apply_loop(Param* __restrict param, Grad* __restrict grad,
-                                float* __restrict exp_avg, float* __restrict master,
-                                std::int64_t n, const NovoGradStep& step, float denom) {
+                                float* __restrict exp_avg, float* __restrict master, std::int64_t n,
+                                const NovoGradStep& step, float denom) {
   for (std::int64_t i = 0; i < n; ++i) {
     float g;
     float p = load_param_and_grad<kMaster, kWriteGrad>(param, grad, master, i, step.grad_scale, g);
@@ -71,9 +72,11 @@ inline void novograd_apply_loop(Param* __restrict param, Grad* __restrict grad,
 
 template <template <typename> class Lanes, bool kMaster, bool kWriteGrad, typename Param,
           typename Grad>
-inline __attribute__((always_inline)) void novograd_apply_lanes(
-    Param* param, Grad* grad, float* exp_avg, float* master, std::int64_t n,
-    const NovoGradStep& step_in, float denom) {
+inline __attribute__((always_inline)) void novograd_apply_lanes(Param* param, Grad* grad,
+                                                                float* exp_avg, float* master,
+                                                                std::int64_t n,
+                                                                const NovoGradStep& step_in,
+                                                                float denom) {
   const NovoGradStep step = step_in;  // a copy, for the reason adam_lanes gives
   const std::int64_t whole = n - n % 8;
   for (std::int64_t i = 0; i < whole; i += 8) {
@@ -131,8 +134,8 @@ struct Kernels {
   template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
   AMPFUSE_CPU_CLONES static void apply(Param* param, Grad* grad, float* exp_avg, float* master,
                                        std::int64_t n, const NovoGradStep& step, float denom) {
-    novograd_apply_lanes<PortableLanes, kMaster, kWriteGrad>(param, grad, exp_avg, master, n,
-                                                            step, denom);
+    novograd_apply_lanes<PortableLanes, kMaster, kWriteGrad>(param, grad, exp_avg, master, n, step,
+                                                             denom);
   }
 };
 
@@ -143,11 +146,11 @@ double novograd_norm(const void* grad, DType grad_dtype, std::int64_t n, float g
   return novograd_norm_any<Kernels>(grad, grad_dtype, n, grad_scale, max_norm);
 }
 
-void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                    bool write_grad, float* exp_avg, float* master, std::int64_t n,
-                    const NovoGradStep& step, float denom) {
-  novograd_apply_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master,
-                              n, step, denom);
+void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                    float* exp_avg, float* master, std::int64_t n, const NovoGradStep& step,
+                    float denom) {
+  novograd_apply_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master, n,
+                              step, denom);
 }
 
 }  // namespace portable
@@ -166,7 +169,7 @@ struct Kernels {
   AMPFUSE_AVX2 static void apply(Param* param, Grad* grad, float* exp_avg, float* master,
                                  std::int64_t n, const NovoGradStep& step, float denom) {
     novograd_apply_lanes<F16cLanes, kMaster, kWriteGrad>(param, grad, exp_avg, master, n, step,
-                                                        denom);
+                                                         denom);
   }
 };
 
@@ -177,11 +180,11 @@ double novograd_norm(const void* grad, DType grad_dtype, std::int64_t n, float g
   return novograd_norm_any<Kernels>(grad, grad_dtype, n, grad_scale, max_norm);
 }
 
-void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                    bool write_grad, float* exp_avg, float* master, std::int64_t n,
-                    const NovoGradStep& step, float denom) {
-  novograd_apply_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master,
-                              n, step, denom);
+void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                    float* exp_avg, float* master, std::int64_t n, const NovoGradStep& step,
+                    float denom) {
+  novograd_apply_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master, n,
+                              step, denom);
 }
 
 }  // namespace avx2
@@ -202,8 +205,8 @@ void novograd_apply_span(void* param, DType param_dtype, void* grad, DType grad_
                          const NovoGradStep& step, float denom) {
 #ifdef AMPFUSE_HAVE_AVX2_PATH
   if (use_avx2(param_dtype, grad_dtype)) {
-    avx2::novograd_apply(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master, n,
-                         step, denom);
+    avx2::novograd_apply(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, master, n, step,
+                         denom);
     return;
   }
 #endif

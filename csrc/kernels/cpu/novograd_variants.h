@@ -17,9 +17,9 @@ namespace ampfuse::kernels::cpu {
 namespace portable {
 double novograd_norm(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
                      bool max_norm);
-void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                    bool write_grad, float* exp_avg, float* master, std::int64_t n,
-                    const NovoGradStep& step, float denom);
+void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                    float* exp_avg, float* master, std::int64_t n, const NovoGradStep& step,
+                    float denom);
 }  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
@@ -27,9 +27,9 @@ void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype
 namespace avx2 {
 double novograd_norm(const void* grad, DType grad_dtype, std::int64_t n, float grad_scale,
                      bool max_norm);
-void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype,
-                    bool write_grad, float* exp_avg, float* master, std::int64_t n,
-                    const NovoGradStep& step, float denom);
+void novograd_apply(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
+                    float* exp_avg, float* master, std::int64_t n, const NovoGradStep& step,
+                    float denom);
 }  // namespace avx2
 #endif
 

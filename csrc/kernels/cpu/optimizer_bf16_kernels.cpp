@@ -214,9 +214,9 @@ namespace {
 struct Kernels {
   template <MasterMode kMode, bool kWriteGrad, bool kAmsgrad, typename Grad>
   AMPFUSE_AVX512_TARGET static void adam(std::uint16_t* param, std::uint16_t* extra, Grad* grad,
-                                         float* exp_avg, float* exp_avg_sq,
-                                         float* max_exp_avg_sq, std::int64_t n, RoundingKey key,
-                                         std::uint32_t first_lo, AdamStep step) {
+                                         float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+                                         std::int64_t n, RoundingKey key, std::uint32_t first_lo,
+                                         AdamStep step) {
     adam_bf16_lanes<Lanes512, Avx512Words, kMode, kWriteGrad, kAmsgrad>(
         param, extra, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, n, key, first_lo, step);
   }

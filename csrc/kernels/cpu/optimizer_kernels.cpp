@@ -18,14 +18,14 @@ struct Kernels {
                                       float* max_exp_avg_sq, float* master, std::int64_t n,
                                       const AdamStep& step) {
     adam_lanes<PortableLanes, kMaster, kWriteGrad, kAmsgrad>(param, grad, exp_avg, exp_avg_sq,
-                                                            max_exp_avg_sq, master, n, step);
+                                                             max_exp_avg_sq, master, n, step);
   }
 
   template <bool kMaster, bool kWriteGrad, bool kMomentum, typename Param, typename Grad>
   AMPFUSE_CPU_CLONES static void sgd(Param* param, Grad* grad, float* momentum_buffer,
                                      float* master, std::int64_t n, const SgdStep& step) {
     sgd_lanes<PortableLanes, kMaster, kWriteGrad, kMomentum>(param, grad, momentum_buffer, master,
-                                                            n, step);
+                                                             n, step);
   }
 
   template <bool kMaster, bool kWriteGrad, typename Param, typename Grad>
@@ -38,8 +38,8 @@ struct Kernels {
 }  // namespace
 
 void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
-          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
-          std::int64_t n, const AdamStep& step) {
+          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
+          const AdamStep& step) {
   adam_any<Kernels>(param, param_dtype, grad, grad_dtype, write_grad, exp_avg, exp_avg_sq,
                     max_exp_avg_sq, master, n, step);
 }

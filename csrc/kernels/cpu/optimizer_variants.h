@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../dtype.h"
 #include "../adagrad_math.h"
+#include "../dtype.h"
 #include "../optimizer_math.h"
 #include "half_convert.h"
 #include "lanes8.h"
@@ -240,8 +240,8 @@ void sgd_any(void* param, DType param_dtype, void* grad, DType grad_dtype, bool 
   with_span_types(param, param_dtype, grad, grad_dtype, master != nullptr, write_grad,
                   [&](auto* p, auto* g, auto has_master, auto write) {
                     with_flag(momentum_buffer != nullptr, [&](auto has_momentum) {
-                      Kernels::template sgd<has_master, write, has_momentum>(
-                          p, g, momentum_buffer, master, n, step);
+                      Kernels::template sgd<has_master, write, has_momentum>(p, g, momentum_buffer,
+                                                                             master, n, step);
                     });
                   });
 }
@@ -258,8 +258,8 @@ void adagrad_any(void* param, DType param_dtype, void* grad, DType grad_dtype, b
 // Same signatures as adam_span, sgd_span and adagrad_span (cpu_kernels.h).
 namespace portable {
 void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
-          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
-          std::int64_t n, const AdamStep& step);
+          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
+          const AdamStep& step);
 void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
          float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
 void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
@@ -285,8 +285,8 @@ struct F16cLanes {
 };
 
 void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
-          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
-          std::int64_t n, const AdamStep& step);
+          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
+          const AdamStep& step);
 void sgd(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
          float* momentum_buffer, float* master, std::int64_t n, const SgdStep& step);
 void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
@@ -295,8 +295,8 @@ void adagrad(void* param, DType param_dtype, void* grad, DType grad_dtype, bool 
 // Adam sixteen lanes at a time; call only where cpu_has_avx512() (optimizer_kernels_avx512.cpp).
 namespace avx512 {
 void adam(void* param, DType param_dtype, void* grad, DType grad_dtype, bool write_grad,
-          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master,
-          std::int64_t n, const AdamStep& step);
+          float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, float* master, std::int64_t n,
+          const AdamStep& step);
 }  // namespace avx512
 #endif
 

@@ -22,16 +22,16 @@ constexpr std::int64_t kSquareFold = 256;
 // Both implementations take src == dst for unscaling in place, and return the kinds of
 // non-finite src elements (kHeldInf | kHeldNan of nonfinite_kind.h).
 namespace portable {
-std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
-                    std::int64_t n, float factor);
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
+                    float factor);
 double sum_of_squares(const void* data, DType dtype, std::int64_t n);
 }  // namespace portable
 
 #ifdef AMPFUSE_HAVE_AVX2_PATH
 // Call only where cpu_has_avx2_f16c() is true.
 namespace avx2 {
-std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype,
-                    std::int64_t n, float factor);
+std::uint32_t scale(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n,
+                    float factor);
 double sum_of_squares(const void* data, DType dtype, std::int64_t n);
 }  // namespace avx2
 #endif
