@@ -1,7 +1,8 @@
 # The README's two commands:
 #   make demo   builds ampfuse in place (editable) and runs a short mixed-precision training demo
-#   make test   runs every test: the C++ kernel tests, pytest against the wheel as users install
-#               it (built by `make wheel`, installed with a PATH that has no compiler), the docs
+#   make test   runs every test: the style check (make lint), the C++ kernel tests, pytest
+#               against the wheel as users install it (built by `make wheel`, installed with a
+#               PATH that has no compiler), the docs
 # Both create the Python environment on first use and reuse it afterwards, so
 # torch (about 3 GB) is downloaded once per machine.
 #   make wheel  the wheel alone, into dist/ (git-ignored)
@@ -15,12 +16,12 @@ export PATH := $(VENV)/bin:$(PATH):/usr/local/cuda/bin
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: demo test build wheel install-wheel env cpp-test py-test docs bench clean
+.PHONY: demo test build wheel install-wheel env cpp-test py-test docs bench clean lint format
 
 demo: build
 	$(VPY) -m ampfuse demo
 
-test: cpp-test py-test docs
+test: lint cpp-test py-test docs
 
 env: $(VPY)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
@@ -73,6 +74,24 @@ py-test: install-wheel
 # or anchor fails. The API pages read the docstrings statically, so no build of ampfuse is needed.
 docs: env
 	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --site-dir site
+
+# Style (shared/STYLE.md's habits): clang-format (.clang-format: Google, 100 columns) for the C++
+# and CUDA sources, ruff (pyproject.toml's [tool.ruff]) for the Python; both pinned in
+# requirements-dev.txt so that every machine formats alike. `make format` rewrites, `make lint`
+# (run first by `make test`) only checks.
+CXX_SOURCES = $(shell find csrc tests/cpp benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.cu' \
+  -o -name '*.cuh' -o -name '*.inc')
+PY_SOURCES = python tests benchmarks setup.py
+
+lint: env
+	@echo "lint: clang-format on $(words $(CXX_SOURCES)) C++/CUDA files, ruff on $(PY_SOURCES)"
+	@$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES) || { \
+	  echo "error: C++ sources not formatted; 'make format' rewrites them"; exit 1; }
+	@$(VENV)/bin/ruff check --quiet $(PY_SOURCES)
+
+format: env
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
+	$(VENV)/bin/ruff check --quiet --fix $(PY_SOURCES)
 
 bench: build
 	$(VPY) benchmarks/run.py
