@@ -29,7 +29,6 @@ is the scaled gradient.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Collection
@@ -55,7 +54,7 @@ from ampfuse.numerics._stats import (
     format_rows,
     measure,
 )
-from ampfuse.amp.aten_lists import FP32_FUNCTIONS, aten_names, check_entry
+from ampfuse.numerics._flags import check_limits, find_flags
 
 if TYPE_CHECKING:
     from typing import Self
@@ -340,50 +339,8 @@ class Watch:
         the module's input was not (the module made it so: a ReLU after an overflowing layer is
         not flagged); underflow means more than `underflow` of the values are nonzero and below
         dtype's smallest normal."""
-        dtype, loss_scale, underflow = _check_limits(dtype, loss_scale, underflow)
-        info = torch.finfo(dtype)
-        counts = self._read()
-        by_module: dict[tuple[str, str], list[Counts]] = {}
-        for (module, _phase, op, _), c in counts.items():
-            if op in ("input", "output", "grad"):
-                by_module.setdefault((module, op), []).append(c)
-
-        def problems(module: str, what: str, scale: float) -> list[tuple[str, float]]:
-            found = []
-            cs = by_module.get((module, what), [])
-            absmax = max((c.absmax * scale for c in cs), default=0.0)
-            if absmax > info.max:
-                found.append(("overflow", absmax))
-            shares = (c.below(info.smallest_normal / scale) for c in cs)
-            share = max((v for v in shares if not math.isnan(v)), default=0.0)
-            if share > underflow:
-                found.append(("underflow", share))
-            return found
-
-        result = []
-        for module, what in by_module:
-            if what == "input":
-                continue
-            scale = loss_scale if what == "grad" else 1.0
-            found = problems(module, what, scale)
-            if what == "output":
-                came_in = {p for p, _ in problems(module, "input", 1.0)}
-                found = [(p, v) for p, v in found if p not in came_in]
-            for problem, value in found:
-                result.append(Flag(module, what, problem, value, self._names(module)))
-        return result
-
-    def _names(self, module: str) -> tuple[str, ...]:
-        names = []
-        for name in sorted(self._called.get(module, ())):
-            if name in FP32_FUNCTIONS or not _computes(name):
-                continue
-            try:
-                check_entry(name, "numerics")
-            except ValueError:
-                continue
-            names.append(name)
-        return tuple(names)
+        dtype, loss_scale, underflow = check_limits(dtype, loss_scale, underflow)
+        return find_flags(self._read(), self._called, dtype, loss_scale, underflow)
 
     def suggest_black_list(self, dtype: torch.dtype = torch.float16,
                            loss_scale: float | torch.Tensor = 1.0,
@@ -393,39 +350,6 @@ class Watch:
         model-wide: a name runs in fp32 wherever the model calls it."""
         names = {n for flag in self.flags(dtype, loss_scale, underflow) for n in flag.names}
         return sorted(names)
-
-
-def _check_limits(dtype: torch.dtype, loss_scale: float | torch.Tensor,
-                  underflow: float) -> tuple[torch.dtype, float, float]:
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"numerics: dtype must be torch.float16 or torch.bfloat16, the dtypes "
-                         f"amp runs in, got {dtype!r}.")
-    if isinstance(loss_scale, torch.Tensor) and loss_scale.numel() == 1:
-        loss_scale = loss_scale.item()
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
-        raise TypeError(f"numerics: loss_scale must be a number, got {loss_scale!r}.")
-    if not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"numerics: loss_scale must be positive and finite, got {loss_scale}.")
-    if isinstance(underflow, bool) or not isinstance(underflow, (int, float)) \
-            or not 0 <= underflow < 1:
-        raise ValueError(f"numerics: underflow is the share of values allowed below the "
-                         f"smallest normal, in [0, 1), got {underflow!r}.")
-    return dtype, float(loss_scale), float(underflow)
-
-
-@functools.cache
-def _computes(name: str) -> bool:
-    """Whether a list entry's aten ops compute new tensors (not views, shapes or copies of
-    metadata), so that running it in fp32 changes something."""
-    for aten in aten_names(name):
-        packet = getattr(torch.ops.aten, aten, None)
-        if packet is None:
-            continue
-        for overload in packet.overloads():
-            returns = getattr(packet, overload)._schema.returns
-            if returns and str(returns[0].type) == "Tensor" and returns[0].alias_info is None:
-                return True
-    return False
 
 
 def watch(model: torch.nn.Module) -> Watch:
