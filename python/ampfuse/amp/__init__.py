@@ -45,6 +45,15 @@ from ampfuse.amp.initialize_checks import (
 from ampfuse.amp.opt_levels import resolve
 from ampfuse.amp.optimizer_access import hookable, optimizer_params
 from ampfuse.amp.sharded import refuse_casting_sharded_models
+from ampfuse.amp.registered import (
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from ampfuse.amp.registered import pending_lists as _pending_lists
 
 if TYPE_CHECKING:
     from ampfuse.fp8 import Recipe
@@ -57,9 +66,6 @@ __all__ = [
     "disable_casts", "register_norm_type",
 ]
 
-# Registrations made with register_*_function before initialize, as in apex. Each initialize
-# copies them into its own handle, so later registrations never change an initialized model.
-_pending_lists: dict[str, set[str]] = {"low": set(), "fp32": set(), "promote": set()}
 # The latest enabled initialize, weakly held: what amp.state_dict() and load_state_dict()
 # without an optimizer, and apex's amp._amp_state, refer to (apex: the latest initialize wins).
 _latest: weakref.ref[AmpHandle] | None = None
@@ -375,38 +381,3 @@ def last_overflow(optimizer: OptimizerLike | None = None) -> OverflowReport | No
     else the last step. Reads device flags (a sync): call it on demand. Without an optimizer:
     the latest amp.initialize, which must have been given one optimizer."""
     return _handle_for(optimizer, "last_overflow").last_overflow(optimizer)
-
-
-def _register(kind: str, module: object, name: str) -> None:
-    if not hasattr(module, name):
-        raise AttributeError(f"amp.register_{kind}_function: {module!r} has no attribute {name!r}.")
-    target = getattr(module, name)
-    overridable = torch.overrides.get_overridable_functions()
-    if not any(target in funcs for funcs in overridable.values()):
-        raise ValueError(
-            f"amp.register_{kind}_function: {getattr(module, '__name__', module)}.{name} is not "
-            "a torch function, and ampfuse casts without replacing functions. Decorate your own "
-            f"function with @amp.{kind}_function instead."
-        )
-    per_op.aten_lists.check_entry(name, f"amp.register_{kind}_function")
-    _pending_lists[{"half": "low", "float": "fp32", "promote": "promote"}[kind]].add(name)
-
-
-def register_half_function(module: object, name: str) -> None:
-    """Under O1, runs torch function module.name in the low dtype for models initialized after."""
-    _register("half", module, name)
-
-
-def register_float_function(module: object, name: str) -> None:
-    """Under O1, runs torch function module.name in fp32 for models initialized after."""
-    _register("float", module, name)
-
-
-def register_promote_function(module: object, name: str) -> None:
-    """Under O1, casts module.name's inputs to the widest of their dtypes."""
-    _register("promote", module, name)
-
-
-half_function = casting.cast_decorator("half")
-float_function = casting.cast_decorator("float")
-promote_function = casting.cast_decorator("promote")
