@@ -1,5 +1,6 @@
-// fp8_gemm.cu's host code (descriptors, layouts, scale and bias attributes, the plan cache, the
-// handling of cuBLASLt's refusals) over the cuBLASLt stand-in of emulated_cublaslt.h, against
+// The host code of fp8_gemm.cu and fp8_gemm_plan.cu (descriptors, layouts, scale and bias
+// attributes, the plan cache, the handling of cuBLASLt's refusals) over the cuBLASLt stand-in
+// of emulated_cublaslt.h, against
 // fp8_cuda.h's contract written out row-major here: out[i, j] = (a[i, :] . b[j, :]) * scales
 // (+ bias[j]). The stand-in computes from cuBLASLt's column-major definition, so a wrong
 // transpose, operand order, scale pointer or bias side gives other numbers. Scales are powers
