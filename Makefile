@@ -42,7 +42,7 @@ wheel: env
 	@$(VPY) -c "import glob, json, os, zipfile; w = glob.glob('dist/ampfuse-*.whl')[0]; \
 	  info = json.loads(zipfile.ZipFile(w).read('ampfuse/ops/build_info.json')); \
 	  print(f'{w}: {os.path.getsize(w) / 2**20:.0f} MB, for torch {info[\"torch\"]}, CUDA code for', \
-	        info['cuda_architectures'] or 'none (CPU only)')"
+	        info['cuda_architectures'] or 'none (CPU only)', '- sources', info['source_digest'])"
 
 # Installs the wheel as a user would: plain `pip install`, with a PATH that holds the venv's
 # Python and no compiler at all (the check fails loudly if one is there).
@@ -81,7 +81,7 @@ docs: env
 # (run first by `make test`) only checks.
 CXX_SOURCES = $(shell find csrc tests/cpp benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.cu' \
   -o -name '*.cuh' -o -name '*.inc')
-PY_SOURCES = python tests benchmarks setup.py
+PY_SOURCES = python tests benchmarks cmake setup.py
 
 lint: env
 	@echo "lint: clang-format on $(words $(CXX_SOURCES)) C++/CUDA files, ruff on $(PY_SOURCES)"

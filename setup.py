@@ -17,6 +17,7 @@ Build knobs, both standard in the torch extension world:
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,12 @@ def local_version():
     major, minor = torch.__version__.split(".")[:2]
     cuda = torch.version.cuda
     return f"pt{major}{minor}" + (f"cu{cuda.replace('.', '')}" if cuda else "cpu")
+
+
+def source_digest():
+    """The sources' digest (cmake/source_digest.py), recorded in build_info.json: a carried wheel
+    then says which sources it was built from (benchmarks/gpu_check.sh checks it)."""
+    return runpy.run_path(str(ROOT / "cmake" / "source_digest.py"))["source_digest"](ROOT)
 
 
 def cuda_architectures(arch_list):
@@ -94,6 +101,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DAMPFUSE_BUILD_STEP_SCAN={'ON' if editable else 'OFF'}",
             f"-DAMPFUSE_VERSION={self.distribution.get_version()}",
+            f"-DAMPFUSE_SOURCE_DIGEST={source_digest()}",
         ]
         arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if arch_list:

@@ -13,7 +13,8 @@
 #   fp8_torchao, fp8_loss and state. Carried (both git-ignored, made here first):
 #   dist/ampfuse-*.whl   `make wheel`: the tests and benchmarks then run against that install
 #                        (a venv with --system-site-packages over the machine's torch, plain pip,
-#                        no build); without it ampfuse is built in place for sm_90 (pip -e .).
+#                        no build); without it, or when it was built from other sources than
+#                        this checkout's (its source_digest), ampfuse is built in place for sm_90.
 #   .gpu/                `make gpu-deps`: Debian's catch2 (ctest stage) and the wheels of
 #                        expecttest, pytest-xdist and execnet (.gpu/*.whl); and .gpu/wheels/
 #                        torchao-*.whl (torchao 0.17.0, built for torch 2.11, a cp310-abi3 wheel:
@@ -114,6 +115,20 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 log="$out/tests.log"
 : >"$log"
 wheel=$(ls dist/ampfuse-*.whl 2>/dev/null | head -n 1)
+# A carried wheel must hold these sources: one built before a later change would measure old code
+# (build_info.json's source_digest, written by setup.py, against cmake/source_digest.py here).
+if [[ -n "$wheel" ]]; then
+  built_from=$(python3 -c 'import json, sys, zipfile
+print(json.loads(zipfile.ZipFile(sys.argv[1]).read("ampfuse/ops/build_info.json")).get(
+    "source_digest", "none"))' "$wheel")
+  checkout=$(python3 cmake/source_digest.py)
+  if [[ "$built_from" != "$checkout" ]]; then
+    echo "gpu_check: $wheel was built from other sources (digest $built_from, this checkout" \
+      "$checkout): building in place instead; run 'make wheel' again before carrying dist/" |
+      tee -a "$log"
+    wheel=""
+  fi
+fi
 # A dry run of the plumbing on a machine without a GPU: GPU_CHECK_DEVICE=cpu with
 # GPU_CHECK_PYTHON naming a Python that already imports ampfuse (no install, no build).
 device=${GPU_CHECK_DEVICE:-cuda}
