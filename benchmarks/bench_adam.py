@@ -56,6 +56,7 @@ import torch
 
 import ampfuse
 from ampfuse.optimizers import FusedAdamW
+from _report import report
 from _timing import (
     DTYPES,
     add_common_args,
@@ -67,7 +68,6 @@ from _timing import (
     generator,
     model_like_shapes,
     random_tensors,
-    report,
     rotation_count,
     summarize,
     synchronize,

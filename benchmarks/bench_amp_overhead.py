@@ -48,7 +48,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _timing import environment, synchronize
+from _report import environment
+from _timing import synchronize
 from ampfuse import amp
 from ampfuse.optimizers import FusedSGD
 from train_workloads import Block

@@ -23,7 +23,8 @@ import time
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
 import torch.nn.functional as F
-from _timing import parse_args, report, synchronize, time_calls
+from _report import report
+from _timing import parse_args, synchronize, time_calls
 from ampfuse.ops.fp8 import FP8_MAX, fp8_cast_amax, fp8_gemm, fp8_transpose
 
 TOKENS = 8 * 1024

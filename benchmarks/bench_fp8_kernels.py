@@ -21,7 +21,8 @@ import statistics
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
-from _timing import copy_bandwidth, parse_args, report, rotation_count, time_calls
+from _report import report
+from _timing import copy_bandwidth, parse_args, rotation_count, time_calls
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

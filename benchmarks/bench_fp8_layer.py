@@ -24,7 +24,8 @@ import statistics
 import fp8_setups
 import llama_workload
 import torch
-from _timing import default_device, report, time_calls
+from _report import report
+from _timing import default_device, time_calls
 from fp8_setups import NotAvailable
 
 SETUPS = ("bf16", "bf16 compiled", "ampfuse fp8 current", "ampfuse fp8 rowwise",

@@ -30,7 +30,8 @@ import time
 
 import fp8_setups
 import torch
-from _timing import default_device, report, time_calls
+from _report import report
+from _timing import default_device, time_calls
 from fp8_setups import NotAvailable
 
 RECIPES = {"current": "ampfuse fp8 current", "rowwise": "ampfuse fp8 rowwise",

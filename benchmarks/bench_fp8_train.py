@@ -32,7 +32,8 @@ import fp8_setups
 import llama_workload
 import torch
 import torch.nn.functional as F
-from _timing import default_device, report, summarize, synchronize
+from _report import report
+from _timing import default_device, summarize, synchronize
 from ampfuse import amp
 from fp8_setups import BASELINE, NotAvailable
 from train_workloads import GPT_DEFAULTS, Workload

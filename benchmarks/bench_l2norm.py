@@ -8,7 +8,8 @@ torch.nn.utils.clip_grad_norm_ computes. Byte floor: every tensor read once.
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
-from _timing import DTYPES, compare, element_count, main_for, model_like_shapes, random_tensors
+from _report import main_for
+from _timing import DTYPES, compare, element_count, model_like_shapes, random_tensors
 
 
 def run(args):

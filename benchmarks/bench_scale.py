@@ -9,7 +9,8 @@ once. ampfuse also checks every source for inf/nan; torch's pair does not.
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
-from _timing import DTYPES, compare, element_count, main_for, model_like_shapes, random_tensors
+from _report import main_for
+from _timing import DTYPES, compare, element_count, model_like_shapes, random_tensors
 
 
 def run(args):

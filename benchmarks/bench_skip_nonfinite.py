@@ -19,7 +19,8 @@ import argparse
 import statistics
 
 import torch
-from _timing import element_count, generator, model_like_shapes, report
+from _report import report
+from _timing import element_count, generator, model_like_shapes
 from bench_adam import LR, half_model
 from interleaved import add_interleaved_args, interleave
 

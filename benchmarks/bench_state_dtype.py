@@ -30,12 +30,12 @@ import argparse
 import statistics
 
 import torch
+from _report import report
 from _timing import (
     copy_bandwidth,
     element_count,
     generator,
     model_like_shapes,
-    report,
     synchronize,
     time_calls,
 )

@@ -65,7 +65,8 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from ampfuse import amp
 from ampfuse.optimizers import FusedAdam, FusedAdamW
-from _timing import default_device, report, summarize, synchronize
+from _report import report
+from _timing import default_device, summarize, synchronize
 from train_workloads import CNN_DEFAULTS, DATA_BATCHES, GPT_DEFAULTS, Workload
 
 LR = 3e-4

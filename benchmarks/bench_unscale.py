@@ -15,7 +15,8 @@ clean: this is the cost on a step that does not overflow.
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
-from _timing import DTYPES, compare, element_count, main_for, model_like_shapes, random_tensors
+from _report import main_for
+from _timing import DTYPES, compare, element_count, model_like_shapes, random_tensors
 
 
 def run(args):

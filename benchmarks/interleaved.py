@@ -17,10 +17,10 @@ import time
 
 import ampfuse  # noqa: F401  (registers torch.ops.ampfuse)
 import torch
+from _report import environment
 from _timing import (
     DTYPES,
     element_count,
-    environment,
     generator,
     model_like_shapes,
     random_tensors,

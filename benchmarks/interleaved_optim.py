@@ -15,7 +15,8 @@ import argparse
 import statistics
 
 import torch
-from _timing import DTYPES, element_count, environment, generator, model_like_shapes
+from _report import environment
+from _timing import DTYPES, element_count, generator, model_like_shapes
 from bench_adam import ampfuse_adam, torch_fp32
 from bench_sgd import LR as SGD_LR
 from bench_sgd import MOMENTUM, ampfuse_sgd

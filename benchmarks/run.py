@@ -37,7 +37,8 @@ import bench_scale
 import bench_sgd
 import bench_train
 import bench_unscale
-from _timing import add_common_args, environment, finish_args, format_table, write_json
+from _report import environment, format_table, write_json
+from _timing import add_common_args, finish_args
 
 
 def _ops_run(args):
