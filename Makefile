@@ -90,8 +90,10 @@ lint: env
 	@$(VENV)/bin/ruff check --quiet $(PY_SOURCES)
 
 format: env
-	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
-	$(VENV)/bin/ruff check --quiet --fix $(PY_SOURCES)
+	@echo "format: clang-format -i on $(words $(CXX_SOURCES)) C++/CUDA files," \
+	  "ruff --fix on $(PY_SOURCES)"
+	@$(VENV)/bin/clang-format -i $(CXX_SOURCES)
+	@$(VENV)/bin/ruff check --quiet --fix $(PY_SOURCES)
 
 bench: build
 	$(VPY) benchmarks/run.py
