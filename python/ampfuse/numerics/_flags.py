@@ -11,12 +11,11 @@ import math
 import torch
 
 from ampfuse.amp.aten_lists import FP32_FUNCTIONS, aten_names, check_entry
-from ampfuse.numerics._stats import Counts, Flag
+from ampfuse.numerics._stats import Counts, Flag, StatKey
 
 
-def find_flags(counts: dict[tuple[str, str, str, torch.dtype], Counts],
-               called: dict[str, set[str]], dtype: torch.dtype, loss_scale: float,
-               underflow: float) -> list[Flag]:
+def find_flags(counts: dict[StatKey, Counts], called: dict[str, set[str]], dtype: torch.dtype,
+               loss_scale: float, underflow: float) -> list[Flag]:
     """Watch.flags() on checked arguments (check_limits): `counts` per (module, phase, op,
     dtype), `called` the function names per module."""
     info = torch.finfo(dtype)
@@ -65,7 +64,7 @@ def _names(called: dict[str, set[str]], module: str) -> tuple[str, ...]:
 
 
 def check_limits(dtype: torch.dtype, loss_scale: float | torch.Tensor,
-                  underflow: float) -> tuple[torch.dtype, float, float]:
+                 underflow: float) -> tuple[torch.dtype, float, float]:
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"numerics: dtype must be torch.float16 or torch.bfloat16, the dtypes "
                          f"amp runs in, got {dtype!r}.")

@@ -120,6 +120,10 @@ class Stat:
         self.numel += numel
 
 
+# What a Stat is kept per: (module, phase, op, dtype).
+StatKey = tuple[str, str, str, torch.dtype]
+
+
 class Counts(NamedTuple):
     """A Stat read back to the host."""
     calls: int

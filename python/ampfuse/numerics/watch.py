@@ -51,6 +51,7 @@ from ampfuse.numerics._stats import (
     Report,
     Row,
     Stat,
+    StatKey,
     format_rows,
     measure,
 )
@@ -63,9 +64,6 @@ __all__ = ["watch", "Watch", "Row", "Report", "Flag", "format_rows"]
 
 OUTSIDE = "(outside)"  # ops run outside every module's forward: a loss, an optimizer step
 ROOT = "(model)"  # the watched model itself (named "" by named_modules)
-
-# What a Stat is kept per: (module, phase, op, dtype).
-_Key = tuple[str, str, str, torch.dtype]
 
 
 def _first_float(values: Any) -> torch.Tensor | None:
@@ -153,7 +151,7 @@ class Watch:
             raise TypeError(f"numerics.watch: expected a torch.nn.Module, got {type(model)}. "
                             "Pass the model whose forward you run inside the `with`.")
         self.model = model
-        self._stats: dict[_Key, Stat] = {}  # in first-seen order
+        self._stats: dict[StatKey, Stat] = {}  # in first-seen order
         # module -> names of the torch functions its forward called
         self._called: dict[str, set[str]] = {}
         # (hook handles, entered modes) while inside the `with`
@@ -302,13 +300,13 @@ class Watch:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _read(self) -> dict[_Key, Counts]:
+    def _read(self) -> dict[StatKey, Counts]:
         """key -> Counts, with one transfer per device."""
-        by_device: dict[torch.device, list[_Key]] = {}
+        by_device: dict[torch.device, list[StatKey]] = {}
         for key, stat in self._stats.items():
             if stat.absmax is not None:
                 by_device.setdefault(stat.absmax.device, []).append(key)
-        values: dict[_Key, tuple[float, list[int]]] = {}
+        values: dict[StatKey, tuple[float, list[int]]] = {}
         for keys in by_device.values():
             stats = [self._stats[k] for k in keys]  # measured ones: absmax and hist are set
             absmax = torch.stack([s.absmax for s in stats]).cpu().tolist()  # type: ignore[misc]
