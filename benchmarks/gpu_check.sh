@@ -118,9 +118,7 @@ wheel=$(ls dist/ampfuse-*.whl 2>/dev/null | head -n 1)
 # A carried wheel must hold these sources: one built before a later change would measure old code
 # (build_info.json's source_digest, written by setup.py, against cmake/source_digest.py here).
 if [[ -n "$wheel" ]]; then
-  built_from=$(python3 -c 'import json, sys, zipfile
-print(json.loads(zipfile.ZipFile(sys.argv[1]).read("ampfuse/ops/build_info.json")).get(
-    "source_digest", "none"))' "$wheel")
+  built_from=$(python3 cmake/source_digest.py --wheel "$wheel")
   checkout=$(python3 cmake/source_digest.py)
   if [[ "$built_from" != "$checkout" ]]; then
     echo "gpu_check: $wheel was built from other sources (digest $built_from, this checkout" \

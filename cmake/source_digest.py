@@ -13,12 +13,16 @@ scanner, build_info.json) nor caches.
 
     python cmake/source_digest.py [ROOT]     prints the digest of the checkout at ROOT (default:
                                              this file's checkout)
+    python cmake/source_digest.py --wheel W  prints the digest wheel W was built from ("none"
+                                             for a wheel older than the digest)
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,5 +54,15 @@ def source_digest(root: Path = ROOT) -> str:
     return digest.hexdigest()[:16]
 
 
+def wheel_digest(wheel: Path) -> str:
+    """The digest a built wheel records in its build_info.json, or "none" if it records none."""
+    with zipfile.ZipFile(wheel) as archive:
+        info = json.loads(archive.read("ampfuse/ops/build_info.json"))
+    return info.get("source_digest", "none")
+
+
 if __name__ == "__main__":
-    print(source_digest(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT))
+    if sys.argv[1:2] == ["--wheel"]:
+        print(wheel_digest(Path(sys.argv[2])))
+    else:
+        print(source_digest(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT))

@@ -5,6 +5,7 @@ whose digest is not the checkout's)."""
 import json
 import runpy
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,15 @@ def test_a_renamed_file_or_bytes_moved_between_files_change_it(tmp_path):
     (root / "csrc/kernels/adam.cu").write_text("// kernel\n// o")
     (root / "csrc/ops.h").write_text("ps\n")
     assert DIGEST["source_digest"](root) != before
+
+
+def test_reads_the_digest_a_wheel_records_and_none_from_an_older_wheel(tmp_path):
+    for name, info in (("new.whl", {"version": "x", "source_digest": "0123456789abcdef"}),
+                       ("old.whl", {"version": "x"})):
+        with zipfile.ZipFile(tmp_path / name, "w") as wheel:
+            wheel.writestr("ampfuse/ops/build_info.json", json.dumps(info))
+    assert DIGEST["wheel_digest"](tmp_path / "new.whl") == "0123456789abcdef"
+    assert DIGEST["wheel_digest"](tmp_path / "old.whl") == "none"
 
 
 def test_the_installed_build_records_the_digest_of_this_checkout():
