@@ -11,6 +11,7 @@ import sys
 import torch
 from _timing import parse_args
 
+
 def environment(argv=None):
     info = {
         "date": datetime.date.today().isoformat(),
